@@ -1,0 +1,128 @@
+//! Errors of the core, each saying who failed.
+
+use std::time::Duration;
+
+use crate::wire::ErrorCode;
+
+/// A region layout that cannot be accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// A layout needs at least one layer, plane and block.
+    #[error("layout has a zero dimension (layers, planes and blocks must all be >= 1)")]
+    ZeroDimension,
+    /// `block_bytes` is zero or larger than 1 GiB.
+    #[error("block size {0} is out of range (1 byte ..= 1 GiB)")]
+    BlockSize(u64),
+    /// The strides overflow or describe more than 1 TiB.
+    #[error("layout describes an absurdly large region (over 1 TiB or overflowing)")]
+    TooLarge,
+    /// The layout reaches past the end of the shared-memory file.
+    #[error("layout needs {extent} bytes but the region holds {region_len}")]
+    ExceedsRegion { extent: u64, region_len: u64 },
+    /// Two distinct blocks would share bytes.
+    #[error("layout strides make distinct blocks overlap")]
+    OverlappingBlocks,
+}
+
+/// A block selection that does not fit its region.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// `layer_count` is zero.
+    #[error("no layers selected")]
+    NoLayers,
+    /// The layer range leaves the region.
+    #[error("layers {start}..{start}+{count} out of range (region has {num_layers})")]
+    LayerOutOfRange { start: u32, count: u32, num_layers: u32 },
+    /// No block ids listed.
+    #[error("no blocks selected")]
+    NoBlocks,
+    /// More block ids than one transfer may carry.
+    #[error("{0} blocks in one request exceeds the limit")]
+    TooManyBlocks(usize),
+    /// A block id past the region's last block.
+    #[error("block {block} out of range (region has {num_blocks})")]
+    BlockOutOfRange { block: u32, num_blocks: u32 },
+    /// A destination lists the same block twice.
+    #[error("destination block {0} is listed more than once")]
+    DuplicateBlock(u32),
+    /// Source and destination disagree on size.
+    #[error("source carries {source_bytes} bytes in blocks of {source_block} but destination takes {dest_bytes} in blocks of {dest_block}")]
+    SizeMismatch {
+        source_bytes: u64,
+        source_block: u64,
+        dest_bytes: u64,
+        dest_block: u64,
+    },
+    /// A slice names bytes outside the transfer's logical stream.
+    #[error("range {offset}+{len} lies outside the {total}-byte transfer")]
+    OutsideStream { offset: u64, len: u64, total: u64 },
+}
+
+impl PlanError {
+    /// The wire code a receiver reports for this rejection.
+    pub fn wire_code(&self) -> ErrorCode {
+        match self {
+            PlanError::DuplicateBlock(_) => ErrorCode::OverlappingBlocks,
+            PlanError::SizeMismatch { .. } => ErrorCode::SizeMismatch,
+            PlanError::OutsideStream { .. } => ErrorCode::Protocol,
+            _ => ErrorCode::OutOfRange,
+        }
+    }
+}
+
+/// Which party ended a transfer that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureSide {
+    /// This sidecar (bad local state, region gone, internal fault).
+    Local,
+    /// The peer sidecar rejected or aborted it.
+    Peer,
+    /// Every connection (rail) that could carry it was lost.
+    Rail,
+    /// It made no progress before its deadline.
+    Timeout,
+    /// A worker cancelled it.
+    Cancelled,
+}
+
+/// Why a transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    /// The peer refused or aborted the transfer.
+    #[error("peer aborted the transfer ({code:?}): {message}")]
+    Peer { code: ErrorCode, message: String },
+    /// This sidecar could not go on.
+    #[error("local failure ({code:?}): {message}")]
+    Local { code: ErrorCode, message: String },
+    /// The connections carrying the transfer are gone.
+    #[error("lost every connection to the peer: {0}")]
+    ConnectionLost(String),
+    /// No progress within the deadline.
+    #[error("no progress for {0:?}")]
+    Timeout(Duration),
+    /// A worker cancelled it.
+    #[error("cancelled by the worker")]
+    Cancelled,
+}
+
+impl TransferError {
+    pub fn side(&self) -> FailureSide {
+        match self {
+            TransferError::Peer { .. } => FailureSide::Peer,
+            TransferError::Local { .. } => FailureSide::Local,
+            TransferError::ConnectionLost(_) => FailureSide::Rail,
+            TransferError::Timeout(_) => FailureSide::Timeout,
+            TransferError::Cancelled => FailureSide::Cancelled,
+        }
+    }
+
+    /// Stable, machine-readable reason (also the metric label).
+    pub fn code(&self) -> &'static str {
+        match self {
+            TransferError::Peer { code, .. } | TransferError::Local { code, .. } => code.reason(),
+            TransferError::ConnectionLost(_) => "connection_lost",
+            TransferError::Timeout(_) => "timeout",
+            TransferError::Cancelled => "cancelled",
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! kvrail-core: the sans-IO heart of kvrail.
+//!
+//! Regions and block handles ([`layout`], [`plan`]), slicing and connection
+//! scheduling, the transfer state machine ([`transfer`]) and the peer session
+//! ([`session`]), plus the wire framing ([`wire`]). No sockets, no clock, no
+//! threads: drivers feed events and `now` in and drain what to send out.
+
+pub mod error;
+pub mod handshake;
+pub mod layout;
+pub mod plan;
+pub mod rangeset;
+pub mod session;
+pub mod transfer;
+pub mod wire;
+
+pub use error::{FailureSide, LayoutError, PlanError, TransferError};
+pub use layout::RegionLayout;
+pub use plan::{Access, BlockSelection, Plan, Segment};
+pub use session::{
+    ConnId, Event, LocalTransfer, RegionAccess, RegionDirectory, Session, SessionConfig, SliceDisposition,
+    TransferKind, Transmit,
+};
+pub use transfer::TransferState;
+
+#[cfg(test)]
+mod pair_tests;

@@ -1,0 +1,466 @@
+//! Two sessions joined in memory, driven deterministically (seeded interleaving,
+//! simulated clock): the behaviour of the protocol without any socket.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::error::{FailureSide, TransferError};
+use crate::layout::RegionLayout;
+use crate::plan::BlockSelection;
+use crate::session::*;
+use crate::wire::{Body, ErrorCode, SliceHeader};
+
+struct Region {
+    layout: RegionLayout,
+    bytes: Vec<u8>,
+    exposed: bool,
+}
+
+#[derive(Default)]
+struct Regions(HashMap<u64, Region>);
+
+impl RegionDirectory for Regions {
+    fn lookup(&self, region_id: u64) -> Option<RegionAccess> {
+        self.0.get(&region_id).map(|r| RegionAccess {
+            layout: r.layout,
+            exposed: r.exposed,
+        })
+    }
+}
+
+enum Item {
+    Control(Body),
+    Slice(SliceHeader, Vec<u8>),
+}
+
+struct Side {
+    session: Session,
+    regions: Regions,
+    events: Vec<Event>,
+}
+
+/// Two endpoints and, per connection and direction, a FIFO "wire".
+struct Pair {
+    sides: [Side; 2],
+    wires: Vec<[VecDeque<Item>; 2]>, // wires[conn][dir]: dir 0 = A->B, 1 = B->A
+    rng: StdRng,
+    now: Instant,
+    slices_per_conn: Vec<usize>,
+    next_id: u64,
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8 + 1).collect()
+}
+
+impl Pair {
+    fn new(conns: usize, config: SessionConfig, seed: u64) -> Self {
+        let mk = || Side {
+            session: Session::new(config.clone()),
+            regions: Regions::default(),
+            events: Vec::new(),
+        };
+        let mut p = Pair {
+            sides: [mk(), mk()],
+            wires: (0..conns).map(|_| [VecDeque::new(), VecDeque::new()]).collect(),
+            rng: StdRng::seed_from_u64(seed),
+            now: Instant::now(),
+            slices_per_conn: vec![0; conns],
+            next_id: 1,
+        };
+        for c in 0..conns {
+            for s in &mut p.sides {
+                s.session.add_connection((c % 2) as u32).unwrap();
+            }
+        }
+        p
+    }
+
+    fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool, exposed: bool) {
+        let len = layout.extent() as usize;
+        let bytes = if fill { pattern(id, len) } else { vec![0; len] };
+        self.sides[side].regions.0.insert(id, Region { layout, bytes, exposed });
+    }
+
+    fn local(&mut self, side: usize, local: BlockSelection, remote: BlockSelection) -> LocalTransfer {
+        let layout = self.sides[side].regions.0[&local.region_id].layout;
+        let id = self.next_id;
+        self.next_id += 1;
+        LocalTransfer {
+            transfer_id: id,
+            request_id: format!("req-{id}"),
+            local,
+            local_layout: layout,
+            remote,
+        }
+    }
+
+    fn push(&mut self, local: BlockSelection, remote: BlockSelection) -> u64 {
+        let req = self.local(0, local, remote);
+        let id = req.transfer_id;
+        self.sides[0].session.start_push(req, self.now).unwrap();
+        id
+    }
+
+    fn pull(&mut self, local: BlockSelection, remote: BlockSelection) -> u64 {
+        let req = self.local(0, local, remote);
+        let id = req.transfer_id;
+        self.sides[0].session.start_pull(req, self.now).unwrap();
+        id
+    }
+
+    /// Moves everything each side wants to send onto the wires.
+    fn flush(&mut self) {
+        for dir in 0..2 {
+            while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
+                match t {
+                    Transmit::Control { conn, msg } => {
+                        self.wires[conn][dir].push_back(Item::Control(msg.body.unwrap()));
+                    }
+                    Transmit::Slice { conn, header, len, region_id, pieces } => {
+                        let src = &self.sides[dir].regions.0[&region_id].bytes;
+                        let mut data = Vec::with_capacity(len as usize);
+                        for (off, l) in pieces {
+                            data.extend_from_slice(&src[off as usize..(off + l) as usize]);
+                        }
+                        assert_eq!(data.len(), len as usize);
+                        self.slices_per_conn[conn] += 1;
+                        self.wires[conn][dir].push_back(Item::Slice(header, data));
+                    }
+                }
+            }
+            while let Some(e) = self.sides[dir].session.poll_event() {
+                self.sides[dir].events.push(e);
+            }
+        }
+    }
+
+    /// Delivers one queued item on a random wire; false when all wires are empty.
+    fn step(&mut self) -> bool {
+        self.flush();
+        let busy: Vec<(usize, usize)> = (0..self.wires.len())
+            .flat_map(|c| (0..2).map(move |d| (c, d)))
+            .filter(|&(c, d)| !self.wires[c][d].is_empty())
+            .collect();
+        if busy.is_empty() {
+            return false;
+        }
+        let (conn, dir) = busy[self.rng.random_range(0..busy.len())];
+        let item = self.wires[conn][dir].pop_front().unwrap();
+        self.now += Duration::from_micros(1);
+        let to = 1 - dir;
+        let side = &mut self.sides[to];
+        match item {
+            Item::Control(body) => side.session.handle_control(conn, body, self.now, &side.regions),
+            Item::Slice(header, data) => match side.session.accept_slice(conn, header, data.len() as u32, self.now) {
+                SliceDisposition::Place { region_id, pieces } => {
+                    let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
+                    let mut cursor = 0usize;
+                    for (off, l) in pieces {
+                        dst[off as usize..(off + l) as usize].copy_from_slice(&data[cursor..cursor + l as usize]);
+                        cursor += l as usize;
+                    }
+                    assert_eq!(cursor, data.len());
+                    side.session.slice_placed(conn, header, data.len() as u32, self.now);
+                }
+                SliceDisposition::Discard => {}
+            },
+        }
+        self.flush();
+        true
+    }
+
+    fn drive(&mut self) {
+        let mut steps = 0;
+        while self.step() {
+            steps += 1;
+            assert!(steps < 1_000_000, "pair did not go idle");
+        }
+    }
+
+    fn kill(&mut self, conn: usize) {
+        for s in &mut self.sides {
+            s.session.connection_lost(conn, "test cut the connection", self.now);
+        }
+        self.wires[conn][0].clear();
+        self.wires[conn][1].clear();
+    }
+
+    fn block(&self, side: usize, region: u64, layer: u32, plane: u32, block: u32) -> &[u8] {
+        let r = &self.sides[side].regions.0[&region];
+        let off = r.layout.block_offset(layer, plane, block) as usize;
+        &r.bytes[off..off + r.layout.block_bytes as usize]
+    }
+
+    fn done_kinds(&self, side: usize) -> Vec<TransferKind> {
+        self.sides[side]
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Done { kind, .. } => Some(*kind),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn failures(&self, side: usize) -> Vec<TransferError> {
+        self.sides[side]
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Failed { error, .. } => Some(error.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn sel(region: u64, layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
+    BlockSelection {
+        region_id: region,
+        layer_start: layers.0,
+        layer_count: layers.1,
+        block_ids: blocks.to_vec(),
+    }
+}
+
+fn small_slices() -> SessionConfig {
+    SessionConfig {
+        slice_bytes: 1000,
+        window_bytes: 4000,
+        progress_timeout: Duration::from_secs(5),
+    }
+}
+
+/// Checks that dst blocks hold the src blocks and every other dst byte is still zero.
+fn assert_moved(p: &Pair, src: (usize, u64, &[u32]), dst: (usize, u64, &[u32]), layers: (u32, u32)) {
+    let dst_layout = p.sides[dst.0].regions.0[&dst.1].layout;
+    for layer in layers.0..layers.0 + layers.1 {
+        for plane in 0..dst_layout.planes_per_layer {
+            for (s, d) in src.2.iter().zip(dst.2) {
+                assert_eq!(p.block(src.0, src.1, layer, plane, *s), p.block(dst.0, dst.1, layer, plane, *d), "layer {layer} plane {plane} block {s}->{d}");
+            }
+        }
+    }
+    // Bytes outside the named destination blocks stayed untouched.
+    let mut expected_nonzero = 0usize;
+    for layer in layers.0..layers.0 + layers.1 {
+        for _ in 0..dst_layout.planes_per_layer {
+            expected_nonzero += dst.2.len() * dst_layout.block_bytes as usize;
+        }
+        let _ = layer;
+    }
+    let nonzero = p.sides[dst.0].regions.0[&dst.1].bytes.iter().filter(|b| **b != 0).count();
+    assert_eq!(nonzero, expected_nonzero, "bytes landed outside the destination blocks");
+}
+
+#[test]
+fn push_moves_shuffled_blocks_and_nothing_else() {
+    for seed in 0..20 {
+        let mut p = Pair::new(3, small_slices(), seed);
+        p.add_region(0, 1, RegionLayout::dense(4, 2, 16, 300), true, false);
+        p.add_region(1, 9, RegionLayout::dense(4, 2, 16, 300), false, false);
+        let src = [0, 1, 2, 3, 7, 8];
+        let dst = [15, 3, 4, 5, 0, 9];
+        p.push(sel(1, (1, 2), &src), sel(9, (1, 2), &dst));
+        p.drive();
+        assert_eq!(p.done_kinds(0), vec![TransferKind::Push]);
+        assert_eq!(p.done_kinds(1), vec![TransferKind::PushReceive]);
+        assert_moved(&p, (0, 1, &src), (1, 9, &dst), (1, 2));
+        assert_eq!(p.sides[0].session.active_transfers() + p.sides[1].session.active_transfers(), 0);
+    }
+}
+
+#[test]
+fn pull_reads_exposed_blocks() {
+    let mut p = Pair::new(2, small_slices(), 7);
+    p.add_region(0, 2, RegionLayout::dense(2, 2, 8, 512), false, false);
+    p.add_region(1, 5, RegionLayout::dense(2, 2, 8, 512), true, true);
+    p.pull(sel(2, (0, 2), &[6, 4, 2]), sel(5, (0, 2), &[1, 2, 3]));
+    p.drive();
+    assert_eq!(p.done_kinds(0), vec![TransferKind::Pull]);
+    assert_eq!(p.done_kinds(1), vec![TransferKind::PullServe]);
+    assert_moved(&p, (1, 5, &[1, 2, 3]), (0, 2, &[6, 4, 2]), (0, 2));
+}
+
+#[test]
+fn slices_stripe_over_every_connection() {
+    let mut p = Pair::new(4, small_slices(), 3);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
+    let blocks: Vec<u32> = (0..64).collect();
+    p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+    p.drive();
+    assert_eq!(p.done_kinds(1), vec![TransferKind::PushReceive]);
+    assert_eq!(p.slices_per_conn.iter().sum::<usize>(), 64);
+    for (conn, n) in p.slices_per_conn.iter().enumerate() {
+        assert!(*n >= 8, "connection {conn} carried only {n} of 64 slices");
+    }
+}
+
+#[test]
+fn receiver_rejections_reach_the_sender_with_their_reason() {
+    let cases: Vec<(BlockSelection, BlockSelection, ErrorCode)> = vec![
+        (sel(1, (0, 1), &[0]), sel(77, (0, 1), &[0]), ErrorCode::UnknownRegion),
+        (sel(1, (0, 1), &[0]), sel(2, (0, 1), &[99]), ErrorCode::OutOfRange),
+        (sel(1, (0, 1), &[0, 1]), sel(2, (0, 1), &[3, 3]), ErrorCode::OverlappingBlocks),
+        (sel(1, (0, 1), &[0, 1]), sel(2, (0, 1), &[3]), ErrorCode::SizeMismatch),
+        (sel(1, (0, 1), &[0]), sel(2, (1, 4), &[0]), ErrorCode::OutOfRange),
+    ];
+    for (src, dst, code) in cases {
+        let mut p = Pair::new(2, small_slices(), 1);
+        p.add_region(0, 1, RegionLayout::dense(2, 2, 8, 256), true, false);
+        p.add_region(1, 2, RegionLayout::dense(2, 2, 8, 256), false, false);
+        p.push(src, dst);
+        p.drive();
+        let f = p.failures(0);
+        assert_eq!(f.len(), 1, "{code:?}");
+        assert!(matches!(&f[0], TransferError::Peer { code: c, .. } if *c == code), "{code:?}: {f:?}");
+        assert_eq!(f[0].side(), FailureSide::Peer);
+        assert!(p.sides[1].regions.0[&2].bytes.iter().all(|b| *b == 0), "{code:?} wrote into the region");
+        assert_eq!(p.sides[1].session.active_transfers(), 0);
+    }
+}
+
+#[test]
+fn pull_from_an_unexposed_region_is_refused() {
+    let mut p = Pair::new(1, small_slices(), 1);
+    p.add_region(0, 2, RegionLayout::dense(1, 1, 4, 64), false, false);
+    p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 64), true, false);
+    p.pull(sel(2, (0, 1), &[0]), sel(5, (0, 1), &[0]));
+    p.drive();
+    assert!(matches!(&p.failures(0)[..], [TransferError::Peer { code: ErrorCode::NotExposed, .. }]));
+}
+
+#[test]
+fn a_lost_connection_is_survived_by_resending_on_the_others() {
+    for cut_at in [3, 10, 25, 60] {
+        let mut p = Pair::new(3, small_slices(), cut_at);
+        p.add_region(0, 1, RegionLayout::dense(2, 2, 32, 700), true, false);
+        p.add_region(1, 2, RegionLayout::dense(2, 2, 32, 700), false, false);
+        let blocks: Vec<u32> = (0..32).rev().collect();
+        let dst: Vec<u32> = (0..32).collect();
+        p.push(sel(1, (0, 2), &blocks), sel(2, (0, 2), &dst));
+        for _ in 0..cut_at {
+            p.step();
+        }
+        p.kill(1);
+        p.drive();
+        assert_eq!(p.done_kinds(0), vec![TransferKind::Push], "cut at {cut_at}");
+        assert_moved(&p, (0, 1, &blocks), (1, 2, &dst), (0, 2));
+    }
+}
+
+#[test]
+fn losing_every_connection_fails_both_sides() {
+    let mut p = Pair::new(2, small_slices(), 5);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
+    let blocks: Vec<u32> = (0..64).collect();
+    p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+    for _ in 0..10 {
+        p.step();
+    }
+    p.kill(0);
+    p.kill(1);
+    p.flush();
+    assert!(matches!(&p.failures(0)[..], [TransferError::ConnectionLost(_)]));
+    assert!(matches!(&p.failures(1)[..], [TransferError::ConnectionLost(_)]));
+    assert_eq!(p.failures(0)[0].side(), FailureSide::Rail);
+}
+
+#[test]
+fn a_silent_peer_times_out() {
+    let mut p = Pair::new(1, small_slices(), 5);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 64), true, false);
+    p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
+    p.flush(); // sent, never delivered
+    let deadline = p.sides[0].session.poll_timeout().unwrap();
+    p.sides[0].session.handle_timeout(deadline - Duration::from_millis(1));
+    p.flush();
+    assert!(p.failures(0).is_empty());
+    p.sides[0].session.handle_timeout(deadline);
+    p.flush();
+    assert!(matches!(&p.failures(0)[..], [TransferError::Timeout(_)]));
+    assert_eq!(p.sides[0].session.poll_timeout(), None);
+}
+
+#[test]
+fn cancel_tells_the_peer_and_stops() {
+    let mut p = Pair::new(2, small_slices(), 9);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
+    let blocks: Vec<u32> = (0..64).collect();
+    let id = p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+    for _ in 0..8 {
+        p.step();
+    }
+    let now = p.now;
+    assert!(p.sides[0].session.cancel(id, now));
+    p.drive();
+    assert!(matches!(&p.failures(0)[..], [TransferError::Cancelled]));
+    assert!(matches!(&p.failures(1)[..], [TransferError::Cancelled]));
+    assert_eq!(p.sides[1].session.active_transfers(), 0);
+}
+
+#[test]
+fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
+    let mut p = Pair::new(1, small_slices(), 2);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    // Deliver only the announcement.
+    p.flush();
+    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else { panic!("expected the open") };
+    p.wires[0][0].clear();
+    let now = p.now;
+    let b = &mut p.sides[1];
+    b.session.handle_control(0, open, now, &b.regions);
+    let bad = SliceHeader { transfer_id: id, offset: 50 };
+    assert_eq!(b.session.accept_slice(0, bad, 100, now), SliceDisposition::Discard);
+    assert_eq!(b.session.accept_slice(0, SliceHeader { transfer_id: 999, offset: 0 }, 10, now), SliceDisposition::Discard);
+    p.flush();
+    assert!(matches!(&p.failures(1)[..], [TransferError::Local { code: ErrorCode::Protocol, .. }]));
+    p.drive();
+    assert!(matches!(&p.failures(0)[..], [TransferError::Peer { code: ErrorCode::Protocol, .. }]));
+    assert!(p.sides[1].regions.0[&2].bytes.iter().all(|b| *b == 0));
+}
+
+#[test]
+fn failure_waits_for_slices_still_being_placed() {
+    let mut p = Pair::new(1, small_slices(), 2);
+    p.add_region(0, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 100), true, true);
+    let id = p.pull(sel(2, (0, 1), &[0, 1]), sel(5, (0, 1), &[0, 1]));
+    let now = p.now;
+    let a = &mut p.sides[0].session;
+    let h = SliceHeader { transfer_id: id, offset: 0 };
+    assert!(matches!(a.accept_slice(0, h, 100, now), SliceDisposition::Place { .. }));
+    // The worker cancels while the payload is still being read into its blocks.
+    assert!(a.cancel(id, now));
+    assert!(a.poll_event().is_none(), "must not report failure while memory is being written");
+    a.slice_placed(0, h, 100, now);
+    assert!(matches!(a.poll_event(), Some(Event::Failed { error: TransferError::Cancelled, .. })));
+}
+
+#[test]
+fn many_concurrent_transfers_both_ways_all_complete() {
+    let mut p = Pair::new(4, small_slices(), 11);
+    p.add_region(0, 1, RegionLayout::dense(2, 2, 64, 333), true, true);
+    p.add_region(1, 2, RegionLayout::dense(2, 2, 64, 333), true, true);
+    p.add_region(0, 3, RegionLayout::dense(2, 2, 64, 333), false, false);
+    p.add_region(1, 4, RegionLayout::dense(2, 2, 64, 333), false, false);
+    for i in 0..8u32 {
+        let b: Vec<u32> = (i * 8..i * 8 + 8).collect();
+        p.push(sel(1, (0, 2), &b), sel(4, (0, 2), &b));
+        p.pull(sel(3, (0, 2), &b), sel(2, (0, 2), &b));
+    }
+    p.drive();
+    assert_eq!(p.done_kinds(0).len(), 16);
+    assert_eq!(p.done_kinds(1).len(), 16);
+    assert_eq!(p.sides[1].regions.0[&4].bytes, p.sides[0].regions.0[&1].bytes);
+    assert_eq!(p.sides[0].regions.0[&3].bytes, p.sides[1].regions.0[&2].bytes);
+}

@@ -1,0 +1,233 @@
+//! Transfer plans: turn "these blocks of this region" into coalesced byte segments.
+//!
+//! Both ends of a transfer agree on one *logical byte stream*: for each layer in the
+//! range, each plane, each listed block in order, `block_bytes` bytes. Each side maps
+//! that stream onto its own region with its own layout, so a peer never names raw
+//! offsets in our memory: it can only name logical offsets below the agreed total.
+
+use crate::error::PlanError;
+use crate::layout::RegionLayout;
+
+/// Most blocks one request may list (per side), to bound plan memory.
+pub const MAX_BLOCKS_PER_TRANSFER: usize = 1 << 20;
+
+/// A worker's description of blocks in one region.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BlockSelection {
+    pub region_id: u64,
+    pub layer_start: u32,
+    pub layer_count: u32,
+    pub block_ids: Vec<u32>,
+}
+
+/// Whether the same block may be listed twice: harmless when reading, never when writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
+
+/// One contiguous run: logical bytes `[logical, logical+len)` live at region bytes
+/// `[offset, offset+len)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub logical: u64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The validated mapping of a transfer's logical stream onto one region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    segments: Vec<Segment>,
+    total: u64,
+    block_bytes: u64,
+}
+
+impl Plan {
+    /// Validates `selection` against `layout` and builds the coalesced segment list.
+    pub fn build(layout: &RegionLayout, selection: &BlockSelection, access: Access) -> Result<Plan, PlanError> {
+        if selection.layer_count == 0 {
+            return Err(PlanError::NoLayers);
+        }
+        let layer_end = selection
+            .layer_start
+            .checked_add(selection.layer_count)
+            .filter(|end| *end <= layout.num_layers)
+            .ok_or(PlanError::LayerOutOfRange {
+                start: selection.layer_start,
+                count: selection.layer_count,
+                num_layers: layout.num_layers,
+            })?;
+        if selection.block_ids.is_empty() {
+            return Err(PlanError::NoBlocks);
+        }
+        if selection.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
+            return Err(PlanError::TooManyBlocks(selection.block_ids.len()));
+        }
+        if let Some(&bad) = selection.block_ids.iter().find(|b| **b >= layout.num_blocks) {
+            return Err(PlanError::BlockOutOfRange {
+                block: bad,
+                num_blocks: layout.num_blocks,
+            });
+        }
+        if access == Access::Write {
+            let mut sorted = selection.block_ids.clone();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(PlanError::DuplicateBlock(w[0]));
+            }
+        }
+        let mut segments: Vec<Segment> = Vec::new();
+        let mut logical = 0u64;
+        for layer in selection.layer_start..layer_end {
+            for plane in 0..layout.planes_per_layer {
+                for &block in &selection.block_ids {
+                    let offset = layout.block_offset(layer, plane, block);
+                    match segments.last_mut() {
+                        Some(last) if last.offset + last.len == offset => last.len += layout.block_bytes,
+                        _ => segments.push(Segment {
+                            logical,
+                            offset,
+                            len: layout.block_bytes,
+                        }),
+                    }
+                    logical += layout.block_bytes;
+                }
+            }
+        }
+        Ok(Plan {
+            segments,
+            total: logical,
+            block_bytes: layout.block_bytes,
+        })
+    }
+
+    /// Length of the logical stream.
+    pub fn total_bytes(&self) -> u64 {
+        self.total
+    }
+
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    /// Coalesced runs, in logical order.
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// The region byte ranges `(offset, len)` that back logical bytes `[logical, logical+len)`.
+    /// Errors when the range leaves the stream: a peer can never reach past the plan.
+    pub fn pieces(&self, logical: u64, len: u64) -> Result<Pieces<'_>, PlanError> {
+        let end = logical.checked_add(len).filter(|e| *e <= self.total).ok_or(PlanError::OutsideStream {
+            offset: logical,
+            len,
+            total: self.total,
+        })?;
+        let index = self.segments.partition_point(|s| s.logical + s.len <= logical);
+        Ok(Pieces {
+            segments: &self.segments[index..],
+            cursor: logical,
+            end,
+        })
+    }
+}
+
+/// Iterator over the region ranges behind one logical range.
+#[derive(Debug)]
+pub struct Pieces<'a> {
+    segments: &'a [Segment],
+    cursor: u64,
+    end: u64,
+}
+
+impl Iterator for Pieces<'_> {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        if self.cursor >= self.end {
+            return None;
+        }
+        let (seg, rest) = self.segments.split_first()?;
+        let skip = self.cursor - seg.logical;
+        let take = (seg.len - skip).min(self.end - self.cursor);
+        self.cursor += take;
+        if skip + take == seg.len {
+            self.segments = rest;
+        }
+        Some((seg.offset + skip, take))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sel(layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
+        BlockSelection {
+            region_id: 1,
+            layer_start: layers.0,
+            layer_count: layers.1,
+            block_ids: blocks.to_vec(),
+        }
+    }
+
+    #[test]
+    fn adjacent_blocks_coalesce_per_plane() {
+        let l = RegionLayout::dense(2, 2, 8, 100);
+        let p = Plan::build(&l, &sel((0, 2), &[2, 3, 4]), Access::Write).unwrap();
+        // 2 layers x 2 planes, each a run of 3 blocks.
+        assert_eq!(p.segments().len(), 4);
+        assert_eq!(p.total_bytes(), 2 * 2 * 3 * 100);
+        assert_eq!(p.segments()[1], Segment { logical: 300, offset: 800 + 200, len: 300 });
+    }
+
+    #[test]
+    fn whole_dense_region_is_one_segment() {
+        let l = RegionLayout::dense(3, 2, 4, 64);
+        let p = Plan::build(&l, &sel((0, 3), &[0, 1, 2, 3]), Access::Read).unwrap();
+        assert_eq!(p.segments(), &[Segment { logical: 0, offset: 0, len: l.extent() }]);
+    }
+
+    #[test]
+    fn shuffled_blocks_do_not_coalesce() {
+        let l = RegionLayout::dense(1, 1, 8, 10);
+        let p = Plan::build(&l, &sel((0, 1), &[5, 1, 2, 7]), Access::Write).unwrap();
+        let offs: Vec<_> = p.segments().iter().map(|s| (s.offset, s.len)).collect();
+        assert_eq!(offs, vec![(50, 10), (10, 20), (70, 10)]);
+    }
+
+    #[test]
+    fn pieces_split_across_segments() {
+        let l = RegionLayout::dense(1, 1, 8, 10);
+        let p = Plan::build(&l, &sel((0, 1), &[5, 1, 2, 7]), Access::Write).unwrap();
+        let got: Vec<_> = p.pieces(5, 30).unwrap().collect();
+        assert_eq!(got, vec![(55, 5), (10, 20), (70, 5)]);
+        assert!(p.pieces(35, 6).is_err());
+        assert!(p.pieces(u64::MAX, 2).is_err());
+        assert_eq!(p.pieces(40, 0).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn validation_errors_are_specific() {
+        let l = RegionLayout::dense(4, 2, 8, 16);
+        assert_eq!(Plan::build(&l, &sel((0, 0), &[1]), Access::Read), Err(PlanError::NoLayers));
+        assert!(matches!(
+            Plan::build(&l, &sel((3, 2), &[1]), Access::Read),
+            Err(PlanError::LayerOutOfRange { .. })
+        ));
+        assert!(matches!(
+            Plan::build(&l, &sel((u32::MAX, 2), &[1]), Access::Read),
+            Err(PlanError::LayerOutOfRange { .. })
+        ));
+        assert_eq!(Plan::build(&l, &sel((0, 1), &[]), Access::Read), Err(PlanError::NoBlocks));
+        assert_eq!(
+            Plan::build(&l, &sel((0, 1), &[8]), Access::Read),
+            Err(PlanError::BlockOutOfRange { block: 8, num_blocks: 8 })
+        );
+        assert_eq!(Plan::build(&l, &sel((0, 1), &[3, 1, 3]), Access::Write), Err(PlanError::DuplicateBlock(3)));
+        // Reading a block twice is fine.
+        assert!(Plan::build(&l, &sel((0, 1), &[3, 1, 3]), Access::Read).is_ok());
+    }
+}

@@ -1,0 +1,732 @@
+//! One peer session: the connections (over one or more rails) between two sidecars,
+//! and every transfer travelling over them, in both directions.
+//!
+//! Sans-IO: the driver feeds it control messages, slice headers and `now`, and drains
+//! [`Transmit`]s (what to write on which connection) and [`Event`]s (what to tell
+//! workers). It never touches sockets, memory or clocks.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::error::{PlanError, TransferError};
+use crate::layout::RegionLayout;
+use crate::plan::{Access, BlockSelection, Plan};
+use crate::rangeset::RangeSet;
+use crate::transfer::{TransferEvent, TransferState};
+use crate::wire::{pb, Body, ErrorCode, PeerMessage, SliceHeader};
+
+/// Index of a connection inside its session.
+pub type ConnId = usize;
+/// Most connections one session may hold (they are tracked in a bit mask).
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Tunables of a session.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Largest slice put on a connection at once.
+    pub slice_bytes: u64,
+    /// Unacknowledged bytes allowed per connection before the scheduler looks elsewhere.
+    pub window_bytes: u64,
+    /// A transfer that moves no byte for this long fails with a timeout.
+    pub progress_timeout: Duration,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            slice_bytes: 1 << 20,
+            window_bytes: 8 << 20,
+            progress_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What this side needs to know about its own regions to accept a peer's request.
+pub trait RegionDirectory {
+    /// The layout of a registered region and whether peers may read it.
+    fn lookup(&self, region_id: u64) -> Option<RegionAccess>;
+}
+
+/// A region as the session sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionAccess {
+    pub layout: RegionLayout,
+    pub exposed: bool,
+}
+
+/// What a transfer is from this side's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransferKind {
+    /// We write our blocks into the peer (started here).
+    Push,
+    /// The peer writes into our blocks (started there).
+    PushReceive,
+    /// We read the peer's blocks (started here).
+    Pull,
+    /// The peer reads our blocks (started there).
+    PullServe,
+}
+
+impl TransferKind {
+    fn sends_data(self) -> bool {
+        matches!(self, TransferKind::Push | TransferKind::PullServe)
+    }
+}
+
+/// Something the driver must write.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transmit {
+    /// A control message.
+    Control { conn: ConnId, msg: PeerMessage },
+    /// A data slice: gather `pieces` (offset, len) of local region `region_id`.
+    Slice {
+        conn: ConnId,
+        header: SliceHeader,
+        len: u32,
+        region_id: u64,
+        pieces: Vec<(u64, u64)>,
+    },
+}
+
+/// Something workers must hear about.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Every byte is placed on the receiving side.
+    Done {
+        transfer_id: u64,
+        request_id: String,
+        kind: TransferKind,
+        region_id: u64,
+        block_ids: Vec<u32>,
+        bytes: u64,
+    },
+    /// The transfer ended early.
+    Failed {
+        transfer_id: u64,
+        request_id: String,
+        kind: TransferKind,
+        region_id: u64,
+        error: TransferError,
+    },
+}
+
+/// What to do with an incoming slice's payload.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SliceDisposition {
+    /// Read the payload into these (offset, len) ranges of local region `region_id`.
+    Place { region_id: u64, pieces: Vec<(u64, u64)> },
+    /// Read and drop the payload: its transfer is unknown or already over.
+    Discard,
+}
+
+#[derive(Debug)]
+struct Conn {
+    rail: u32,
+    alive: bool,
+    outstanding: u64,
+}
+
+#[derive(Debug)]
+struct Transfer {
+    request_id: String,
+    kind: TransferKind,
+    state: TransferState,
+    selection: BlockSelection,
+    plan: Plan,
+    last_progress: Instant,
+    // Sender side.
+    next_offset: u64,
+    resend: VecDeque<(u64, u64)>,
+    in_flight: Vec<(ConnId, u64, u64)>,
+    announced: u64,
+    open_msg: Option<PeerMessage>,
+    // Both: bytes confirmed placed.
+    placed: RangeSet,
+    // Receiver side: slices being read into memory right now.
+    placing: u32,
+    pending_failure: Option<TransferError>,
+}
+
+impl Transfer {
+    fn new(request_id: String, kind: TransferKind, selection: BlockSelection, plan: Plan, now: Instant) -> Self {
+        Self {
+            request_id,
+            kind,
+            state: TransferState::Queued,
+            selection,
+            plan,
+            last_progress: now,
+            next_offset: 0,
+            resend: VecDeque::new(),
+            in_flight: Vec::new(),
+            announced: 0,
+            open_msg: None,
+            placed: RangeSet::default(),
+            placing: 0,
+            pending_failure: None,
+        }
+    }
+
+    fn advance(&mut self, event: TransferEvent) {
+        // The session only feeds legal events; an illegal one would be a bug, and the
+        // state then stays put rather than taking the daemon down.
+        if let Ok(next) = self.state.on(event) {
+            self.state = next;
+        }
+    }
+
+    fn has_unsent(&self) -> bool {
+        !self.resend.is_empty() || self.next_offset < self.plan.total_bytes()
+    }
+}
+
+/// A local request to move blocks, already checked against the local region.
+#[derive(Debug, Clone)]
+pub struct LocalTransfer {
+    pub transfer_id: u64,
+    pub request_id: String,
+    /// Our blocks.
+    pub local: BlockSelection,
+    pub local_layout: RegionLayout,
+    /// The peer's blocks.
+    pub remote: BlockSelection,
+}
+
+/// One peer session.
+#[derive(Debug)]
+pub struct Session {
+    config: SessionConfig,
+    conns: Vec<Conn>,
+    transfers: BTreeMap<u64, Transfer>,
+    control: VecDeque<(Option<ConnId>, PeerMessage)>,
+    events: VecDeque<Event>,
+    rejected: HashSet<u64>,
+    rejected_order: VecDeque<u64>,
+}
+
+/// Rejected transfer ids remembered so that repeated announcements stay quiet.
+const REJECTED_MEMORY: usize = 4096;
+
+impl Session {
+    pub fn new(config: SessionConfig) -> Self {
+        Self {
+            config,
+            conns: Vec::new(),
+            transfers: BTreeMap::new(),
+            control: VecDeque::new(),
+            events: VecDeque::new(),
+            rejected: HashSet::new(),
+            rejected_order: VecDeque::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    /// Adds a connection on `rail`; `None` once the session holds [`MAX_CONNECTIONS`].
+    pub fn add_connection(&mut self, rail: u32) -> Option<ConnId> {
+        if self.conns.len() >= MAX_CONNECTIONS {
+            return None;
+        }
+        self.conns.push(Conn {
+            rail,
+            alive: true,
+            outstanding: 0,
+        });
+        Some(self.conns.len() - 1)
+    }
+
+    pub fn alive_connections(&self) -> usize {
+        self.conns.iter().filter(|c| c.alive).count()
+    }
+
+    pub fn connection_rail(&self, conn: ConnId) -> Option<u32> {
+        self.conns.get(conn).map(|c| c.rail)
+    }
+
+    /// Transfers not yet finished.
+    pub fn active_transfers(&self) -> usize {
+        self.transfers.len()
+    }
+
+    /// Whether any unfinished transfer reads or writes local region `region_id`.
+    pub fn uses_region(&self, region_id: u64) -> bool {
+        self.transfers.values().any(|t| t.selection.region_id == region_id)
+    }
+
+    /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
+    pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
+        let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
+        let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
+            transfer_id: req.transfer_id,
+            request_id: req.request_id.clone(),
+            destination: Some(block_set(&req.remote)),
+            block_bytes: plan.block_bytes(),
+            total_bytes: plan.total_bytes(),
+        }));
+        let total = plan.total_bytes();
+        let mut t = Transfer::new(req.request_id, TransferKind::Push, req.local, plan, now);
+        t.open_msg = Some(open);
+        self.transfers.insert(req.transfer_id, t);
+        Ok(total)
+    }
+
+    /// Starts a pull: the peer's `remote` blocks come into our `local` blocks.
+    pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
+        let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
+        let total = plan.total_bytes();
+        self.control.push_back((
+            None,
+            crate::wire::message(Body::PullOpen(pb::PullOpen {
+                transfer_id: req.transfer_id,
+                request_id: req.request_id.clone(),
+                source: Some(block_set(&req.remote)),
+                block_bytes: plan.block_bytes(),
+                total_bytes: total,
+            })),
+        ));
+        self.transfers.insert(
+            req.transfer_id,
+            Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now),
+        );
+        Ok(total)
+    }
+
+    /// Cancels a transfer this side knows; the peer is told.
+    pub fn cancel(&mut self, transfer_id: u64, now: Instant) -> bool {
+        if !self.transfers.contains_key(&transfer_id) {
+            return false;
+        }
+        self.abort(transfer_id, ErrorCode::Cancelled, "cancelled by the worker", TransferError::Cancelled, now);
+        true
+    }
+
+    /// Feeds one control message that arrived on `conn`.
+    pub fn handle_control(&mut self, conn: ConnId, body: Body, now: Instant, regions: &dyn RegionDirectory) {
+        match body {
+            Body::PushOpen(open) => self.on_push_open(conn, open, now, regions),
+            Body::PullOpen(open) => self.on_pull_open(conn, open, now, regions),
+            Body::SliceAck(ack) => self.on_slice_ack(ack, now),
+            Body::Complete(c) => self.on_complete(c.transfer_id, now),
+            Body::Abort(a) => {
+                let code = ErrorCode::try_from(a.code).unwrap_or(ErrorCode::Unspecified);
+                if self.transfers.contains_key(&a.transfer_id) {
+                    let error = if code == ErrorCode::Cancelled {
+                        TransferError::Cancelled
+                    } else {
+                        TransferError::Peer {
+                            code,
+                            message: a.message,
+                        }
+                    };
+                    self.finish_failed(a.transfer_id, error);
+                }
+            }
+            Body::Ping(p) => self.control.push_back((Some(conn), crate::wire::message(Body::Pong(pb::Pong { nonce: p.nonce })))),
+            // Handshake messages belong to the driver; after it, they are ignored.
+            Body::Hello(_) | Body::HelloAck(_) | Body::Pong(_) => {}
+        }
+    }
+
+    fn remember_rejected(&mut self, id: u64) {
+        if self.rejected.insert(id) {
+            self.rejected_order.push_back(id);
+            if self.rejected_order.len() > REJECTED_MEMORY {
+                if let Some(old) = self.rejected_order.pop_front() {
+                    self.rejected.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn reject(&mut self, conn: ConnId, transfer_id: u64, code: ErrorCode, message: String) {
+        self.remember_rejected(transfer_id);
+        self.control.push_back((
+            Some(conn),
+            crate::wire::message(Body::Abort(pb::Abort {
+                transfer_id,
+                code: code as i32,
+                message,
+            })),
+        ));
+    }
+
+    fn on_push_open(&mut self, conn: ConnId, open: pb::PushOpen, now: Instant, regions: &dyn RegionDirectory) {
+        let id = open.transfer_id;
+        // The sender repeats the announcement on each connection it uses.
+        if self.transfers.contains_key(&id) || self.rejected.contains(&id) {
+            return;
+        }
+        let selection = selection_of(open.destination.as_ref());
+        match accept_plan(&selection, open.block_bytes, open.total_bytes, Access::Write, regions) {
+            Ok(plan) => {
+                self.transfers.insert(id, Transfer::new(open.request_id, TransferKind::PushReceive, selection, plan, now));
+            }
+            Err((code, message)) => self.reject(conn, id, code, message),
+        }
+    }
+
+    fn on_pull_open(&mut self, conn: ConnId, open: pb::PullOpen, now: Instant, regions: &dyn RegionDirectory) {
+        let id = open.transfer_id;
+        if self.transfers.contains_key(&id) {
+            self.reject(conn, id, ErrorCode::DuplicateTransfer, format!("transfer {id} already exists"));
+            return;
+        }
+        let selection = selection_of(open.source.as_ref());
+        match accept_plan(&selection, open.block_bytes, open.total_bytes, Access::Read, regions) {
+            Ok(plan) => {
+                self.transfers.insert(id, Transfer::new(open.request_id, TransferKind::PullServe, selection, plan, now));
+            }
+            Err((code, message)) => self.reject(conn, id, code, message),
+        }
+    }
+
+    fn on_slice_ack(&mut self, ack: pb::SliceAck, now: Instant) {
+        let Some(t) = self.transfers.get_mut(&ack.transfer_id) else { return };
+        if let Some(pos) = t.in_flight.iter().position(|&(_, o, l)| o == ack.offset && l == ack.length) {
+            let (conn, off, len) = t.in_flight.swap_remove(pos);
+            if let Some(c) = self.conns.get_mut(conn) {
+                c.outstanding = c.outstanding.saturating_sub(len);
+            }
+            t.placed.insert(off, off + len);
+            t.last_progress = now;
+        }
+    }
+
+    fn on_complete(&mut self, transfer_id: u64, _now: Instant) {
+        let Some(t) = self.transfers.get(&transfer_id) else { return };
+        if !t.kind.sends_data() {
+            return;
+        }
+        let Some(mut t) = self.transfers.remove(&transfer_id) else { return };
+        self.release_in_flight(&mut t);
+        t.advance(TransferEvent::AllPlaced);
+        self.events.push_back(Event::Done {
+            transfer_id,
+            request_id: t.request_id,
+            kind: t.kind,
+            region_id: t.selection.region_id,
+            block_ids: t.selection.block_ids,
+            bytes: t.plan.total_bytes(),
+        });
+    }
+
+    fn release_in_flight(&mut self, t: &mut Transfer) {
+        for (conn, _, len) in t.in_flight.drain(..) {
+            if let Some(c) = self.conns.get_mut(conn) {
+                c.outstanding = c.outstanding.saturating_sub(len);
+            }
+        }
+    }
+
+    /// A slice header arrived: where should its payload go?
+    pub fn accept_slice(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) -> SliceDisposition {
+        let Some(t) = self.transfers.get_mut(&header.transfer_id) else {
+            return SliceDisposition::Discard;
+        };
+        if t.kind.sends_data() || t.pending_failure.is_some() {
+            return SliceDisposition::Discard;
+        }
+        match t.plan.pieces(header.offset, u64::from(len)) {
+            Ok(pieces) => {
+                let pieces = pieces.collect();
+                t.placing += 1;
+                t.last_progress = now;
+                SliceDisposition::Place {
+                    region_id: t.selection.region_id,
+                    pieces,
+                }
+            }
+            Err(e) => {
+                let id = header.transfer_id;
+                self.abort(
+                    id,
+                    ErrorCode::Protocol,
+                    &format!("slice outside the transfer: {e}"),
+                    TransferError::Local {
+                        code: ErrorCode::Protocol,
+                        message: format!("peer sent a slice outside the transfer: {e}"),
+                    },
+                    now,
+                );
+                let _ = conn;
+                SliceDisposition::Discard
+            }
+        }
+    }
+
+    /// The payload of a slice accepted with [`SliceDisposition::Place`] is now in memory.
+    pub fn slice_placed(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) {
+        let id = header.transfer_id;
+        let Some(t) = self.transfers.get_mut(&id) else { return };
+        t.placing = t.placing.saturating_sub(1);
+        if let Some(error) = t.pending_failure.clone() {
+            if t.placing == 0 {
+                self.finish_failed(id, error);
+            }
+            return;
+        }
+        let start = header.offset;
+        t.placed.insert(start, start + u64::from(len));
+        t.last_progress = now;
+        t.advance(TransferEvent::SliceMoved);
+        if t.placed.is_complete(t.plan.total_bytes()) {
+            let Some(mut t) = self.transfers.remove(&id) else { return };
+            t.advance(TransferEvent::AllPlaced);
+            self.control.push_back((Some(conn), crate::wire::message(Body::Complete(pb::Complete { transfer_id: id }))));
+            self.events.push_back(Event::Done {
+                transfer_id: id,
+                request_id: t.request_id,
+                kind: t.kind,
+                region_id: t.selection.region_id,
+                block_ids: t.selection.block_ids,
+                bytes: t.plan.total_bytes(),
+            });
+        } else {
+            self.control.push_back((
+                Some(conn),
+                crate::wire::message(Body::SliceAck(pb::SliceAck {
+                    transfer_id: id,
+                    offset: start,
+                    length: u64::from(len),
+                })),
+            ));
+        }
+    }
+
+    /// A slice accepted for placement could not be read in full (its connection broke).
+    pub fn slice_abandoned(&mut self, header: SliceHeader) {
+        let id = header.transfer_id;
+        let Some(t) = self.transfers.get_mut(&id) else { return };
+        t.placing = t.placing.saturating_sub(1);
+        if let Some(error) = t.pending_failure.clone() {
+            if t.placing == 0 {
+                self.finish_failed(id, error);
+            }
+        }
+    }
+
+    /// A connection broke. Its unacknowledged slices go back to be re-sent on the
+    /// survivors; with no survivor, every transfer fails.
+    pub fn connection_lost(&mut self, conn: ConnId, reason: &str, _now: Instant) {
+        let Some(c) = self.conns.get_mut(conn) else { return };
+        if !c.alive {
+            return;
+        }
+        c.alive = false;
+        c.outstanding = 0;
+        let bit = 1u64 << conn;
+        for t in self.transfers.values_mut() {
+            t.announced &= !bit;
+            let mut i = 0;
+            while i < t.in_flight.len() {
+                if t.in_flight[i].0 == conn {
+                    let (_, off, len) = t.in_flight.swap_remove(i);
+                    t.resend.push_back((off, len));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        if self.alive_connections() == 0 {
+            let ids: Vec<u64> = self.transfers.keys().copied().collect();
+            for id in ids {
+                self.fail_locally(id, TransferError::ConnectionLost(reason.to_string()));
+            }
+            self.control.clear();
+        }
+    }
+
+    /// Earliest moment [`Session::handle_timeout`] has work.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.transfers
+            .values()
+            .filter(|t| t.pending_failure.is_none())
+            .map(|t| t.last_progress + self.config.progress_timeout)
+            .min()
+    }
+
+    /// Fails transfers that made no progress within the deadline.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let timeout = self.config.progress_timeout;
+        let expired: Vec<u64> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.pending_failure.is_none() && now >= t.last_progress + timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.abort(
+                id,
+                ErrorCode::Internal,
+                &format!("no progress for {timeout:?}"),
+                TransferError::Timeout(timeout),
+                now,
+            );
+        }
+    }
+
+    fn abort(&mut self, id: u64, code: ErrorCode, message: &str, error: TransferError, _now: Instant) {
+        if self.alive_connections() > 0 {
+            self.control.push_back((
+                None,
+                crate::wire::message(Body::Abort(pb::Abort {
+                    transfer_id: id,
+                    code: code as i32,
+                    message: message.to_string(),
+                })),
+            ));
+        }
+        self.fail_locally(id, error);
+    }
+
+    /// Fails now, or once the slices being placed into our memory have landed.
+    fn fail_locally(&mut self, id: u64, error: TransferError) {
+        let Some(t) = self.transfers.get_mut(&id) else { return };
+        if t.placing > 0 {
+            t.pending_failure = Some(error);
+            return;
+        }
+        self.finish_failed(id, error);
+    }
+
+    fn finish_failed(&mut self, id: u64, error: TransferError) {
+        let Some(t) = self.transfers.get_mut(&id) else { return };
+        if t.placing > 0 {
+            t.pending_failure.get_or_insert(error);
+            return;
+        }
+        let Some(mut t) = self.transfers.remove(&id) else { return };
+        self.release_in_flight(&mut t);
+        t.advance(TransferEvent::Abort);
+        self.events.push_back(Event::Failed {
+            transfer_id: id,
+            request_id: t.request_id,
+            kind: t.kind,
+            region_id: t.selection.region_id,
+            error,
+        });
+    }
+
+    /// Next thing to write: control messages first, then slices of the oldest
+    /// transfer with unsent bytes, each on the connection with the fewest
+    /// unacknowledged bytes that still has window.
+    pub fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
+        while let Some((target, msg)) = self.control.pop_front() {
+            if let Some(conn) = target.filter(|c| self.conns.get(*c).is_some_and(|c| c.alive)).or_else(|| self.any_alive()) {
+                return Some(Transmit::Control { conn, msg });
+            }
+        }
+        let slice_bytes = self.config.slice_bytes;
+        let window = self.config.window_bytes;
+        for (&id, t) in self.transfers.iter_mut() {
+            if !t.kind.sends_data() || t.pending_failure.is_some() || !t.has_unsent() {
+                continue;
+            }
+            let (off, len) = match t.resend.front() {
+                Some(&r) => r,
+                None => (t.next_offset, slice_bytes.min(t.plan.total_bytes() - t.next_offset)),
+            };
+            let conn = pick_connection(&self.conns, len, window)?;
+            // A push announces itself on each connection before that connection's first slice.
+            let bit = 1u64 << conn;
+            if t.announced & bit == 0 {
+                if let Some(open) = &t.open_msg {
+                    t.announced |= bit;
+                    return Some(Transmit::Control { conn, msg: open.clone() });
+                }
+            }
+            if t.resend.front().is_some() {
+                t.resend.pop_front();
+            } else {
+                t.next_offset += len;
+            }
+            let pieces = t.plan.pieces(off, len).map(|p| p.collect()).unwrap_or_default();
+            t.in_flight.push((conn, off, len));
+            t.advance(TransferEvent::SliceMoved);
+            self.conns[conn].outstanding += len;
+            return Some(Transmit::Slice {
+                conn,
+                header: SliceHeader { transfer_id: id, offset: off },
+                len: len as u32,
+                region_id: t.selection.region_id,
+                pieces,
+            });
+        }
+        None
+    }
+
+    fn any_alive(&self) -> Option<ConnId> {
+        self.conns.iter().position(|c| c.alive)
+    }
+
+    /// Next thing to tell workers.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Bytes placed so far (confirmed by acks on the sending side).
+    pub fn progress(&self, transfer_id: u64) -> Option<(TransferState, u64, u64)> {
+        self.transfers
+            .get(&transfer_id)
+            .map(|t| (t.state, t.placed.covered(), t.plan.total_bytes()))
+    }
+}
+
+/// Least-loaded live connection whose window still takes `len` more bytes
+/// (an idle connection always takes one slice, however large).
+fn pick_connection(conns: &[Conn], len: u64, window: u64) -> Option<ConnId> {
+    conns
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.alive && (c.outstanding == 0 || c.outstanding + len <= window))
+        .min_by_key(|(i, c)| (c.outstanding, *i))
+        .map(|(i, _)| i)
+}
+
+fn block_set(sel: &BlockSelection) -> pb::BlockSet {
+    pb::BlockSet {
+        region_id: sel.region_id,
+        layer_start: sel.layer_start,
+        layer_count: sel.layer_count,
+        block_ids: sel.block_ids.clone(),
+    }
+}
+
+fn selection_of(set: Option<&pb::BlockSet>) -> BlockSelection {
+    set.map(|s| BlockSelection {
+        region_id: s.region_id,
+        layer_start: s.layer_start,
+        layer_count: s.layer_count,
+        block_ids: s.block_ids.clone(),
+    })
+    .unwrap_or_default()
+}
+
+/// Validates a peer's request against our region: the plan, or the code and reason to refuse.
+fn accept_plan(
+    selection: &BlockSelection,
+    block_bytes: u64,
+    total_bytes: u64,
+    access: Access,
+    regions: &dyn RegionDirectory,
+) -> Result<Plan, (ErrorCode, String)> {
+    let region = regions
+        .lookup(selection.region_id)
+        .ok_or_else(|| (ErrorCode::UnknownRegion, format!("region {} is not registered", selection.region_id)))?;
+    if access == Access::Read && !region.exposed {
+        return Err((ErrorCode::NotExposed, format!("region {} is not exposed to peers", selection.region_id)));
+    }
+    let plan = Plan::build(&region.layout, selection, access).map_err(|e| (e.wire_code(), e.to_string()))?;
+    if plan.total_bytes() != total_bytes || plan.block_bytes() != block_bytes {
+        let e = PlanError::SizeMismatch {
+            source_bytes: total_bytes,
+            source_block: block_bytes,
+            dest_bytes: plan.total_bytes(),
+            dest_block: plan.block_bytes(),
+        };
+        return Err((e.wire_code(), e.to_string()));
+    }
+    Ok(plan)
+}

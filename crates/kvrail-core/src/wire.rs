@@ -1,0 +1,196 @@
+//! Peer wire framing (see docs/wire-format.md).
+//!
+//! Every frame begins with an 8-byte header: magic `KR`, version, kind, body length.
+//! Control frames carry one protobuf [`PeerMessage`]; data frames carry a 16-byte
+//! slice header (transfer id, logical offset) and then the raw payload, so payload
+//! bytes can be gathered from and scattered into mapped regions without copies.
+
+use prost::Message;
+
+/// Generated peer messages (`proto/kvrail/v1/peer.proto`).
+#[allow(missing_docs, clippy::all)]
+pub mod pb {
+    include!(concat!(env!("OUT_DIR"), "/kvrail.v1.peer.rs"));
+}
+
+pub use pb::peer_message::Body;
+pub use pb::{ErrorCode, PeerMessage};
+
+pub const MAGIC: [u8; 2] = *b"KR";
+pub const PROTOCOL_VERSION: u8 = 1;
+pub const FRAME_HEADER_LEN: usize = 8;
+pub const SLICE_HEADER_LEN: usize = 16;
+/// Largest control message body accepted (a block list of a million ids fits).
+pub const MAX_CONTROL_BYTES: u32 = 16 << 20;
+/// Largest slice payload accepted.
+pub const MAX_SLICE_BYTES: u32 = 64 << 20;
+
+const KIND_CONTROL: u8 = 1;
+const KIND_DATA: u8 = 2;
+
+/// A frame that cannot be parsed: the connection is unusable after it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad frame magic {0:02x?} (not a kvrail peer, or the stream is out of sync)")]
+    BadMagic([u8; 2]),
+    #[error("peer speaks wire version {0}, this sidecar speaks {PROTOCOL_VERSION}")]
+    Version(u8),
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("frame body of {len} bytes exceeds the {max}-byte limit")]
+    TooLong { len: u32, max: u32 },
+    #[error("data frame shorter than its slice header")]
+    ShortData,
+    #[error("control message does not decode: {0}")]
+    Decode(String),
+    #[error("control message has no body")]
+    EmptyMessage,
+}
+
+/// What follows a frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameHeader {
+    /// A protobuf control message of `len` bytes.
+    Control { len: u32 },
+    /// A slice header (16 bytes) and `payload_len` payload bytes.
+    Data { payload_len: u32 },
+}
+
+/// Parses the fixed 8-byte frame header.
+pub fn decode_frame_header(buf: &[u8; FRAME_HEADER_LEN]) -> Result<FrameHeader, WireError> {
+    let magic = [buf[0], buf[1]];
+    if magic != MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    if buf[2] != PROTOCOL_VERSION {
+        return Err(WireError::Version(buf[2]));
+    }
+    let len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
+    match buf[3] {
+        KIND_CONTROL if len > MAX_CONTROL_BYTES => Err(WireError::TooLong {
+            len,
+            max: MAX_CONTROL_BYTES,
+        }),
+        KIND_CONTROL => Ok(FrameHeader::Control { len }),
+        KIND_DATA => {
+            let payload_len = len.checked_sub(SLICE_HEADER_LEN as u32).ok_or(WireError::ShortData)?;
+            if payload_len > MAX_SLICE_BYTES {
+                return Err(WireError::TooLong {
+                    len: payload_len,
+                    max: MAX_SLICE_BYTES,
+                });
+            }
+            Ok(FrameHeader::Data { payload_len })
+        }
+        other => Err(WireError::UnknownKind(other)),
+    }
+}
+
+/// Identifies the bytes a data frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceHeader {
+    pub transfer_id: u64,
+    pub offset: u64,
+}
+
+pub fn decode_slice_header(buf: &[u8; SLICE_HEADER_LEN]) -> SliceHeader {
+    let mut t = [0u8; 8];
+    let mut o = [0u8; 8];
+    t.copy_from_slice(&buf[..8]);
+    o.copy_from_slice(&buf[8..]);
+    SliceHeader {
+        transfer_id: u64::from_le_bytes(t),
+        offset: u64::from_le_bytes(o),
+    }
+}
+
+/// Frame header plus slice header for a data frame of `payload_len` bytes.
+pub fn encode_data_header(slice: SliceHeader, payload_len: u32) -> [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN] {
+    let mut out = [0u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN];
+    out[..2].copy_from_slice(&MAGIC);
+    out[2] = PROTOCOL_VERSION;
+    out[3] = KIND_DATA;
+    out[4..8].copy_from_slice(&(payload_len + SLICE_HEADER_LEN as u32).to_le_bytes());
+    out[8..16].copy_from_slice(&slice.transfer_id.to_le_bytes());
+    out[16..24].copy_from_slice(&slice.offset.to_le_bytes());
+    out
+}
+
+/// A whole control frame, header included.
+pub fn encode_control(msg: &PeerMessage) -> Vec<u8> {
+    let len = msg.encoded_len();
+    let mut out = Vec::with_capacity(FRAME_HEADER_LEN + len);
+    out.extend_from_slice(&MAGIC);
+    out.push(PROTOCOL_VERSION);
+    out.push(KIND_CONTROL);
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    msg.encode(&mut out).expect("Vec grows as needed");
+    out
+}
+
+/// Decodes a control body into its message.
+pub fn decode_control(body: &[u8]) -> Result<Body, WireError> {
+    let msg = PeerMessage::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
+    msg.body.ok_or(WireError::EmptyMessage)
+}
+
+/// Wraps a body into a message.
+pub fn message(body: Body) -> PeerMessage {
+    PeerMessage { body: Some(body) }
+}
+
+impl ErrorCode {
+    /// Stable snake_case reason used in metrics, logs and the worker API.
+    pub fn reason(self) -> &'static str {
+        match self {
+            ErrorCode::Unspecified => "unspecified",
+            ErrorCode::UnknownRegion => "unknown_region",
+            ErrorCode::OutOfRange => "out_of_range",
+            ErrorCode::OverlappingBlocks => "overlapping_blocks",
+            ErrorCode::SizeMismatch => "size_mismatch",
+            ErrorCode::NotExposed => "not_exposed",
+            ErrorCode::Cancelled => "cancelled",
+            ErrorCode::Protocol => "protocol",
+            ErrorCode::DuplicateTransfer => "duplicate_transfer",
+            ErrorCode::RegionGone => "region_gone",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_roundtrip() {
+        let msg = message(Body::Complete(pb::Complete { transfer_id: 42 }));
+        let frame = encode_control(&msg);
+        let hdr: [u8; 8] = frame[..8].try_into().unwrap();
+        let FrameHeader::Control { len } = decode_frame_header(&hdr).unwrap() else {
+            panic!("not control")
+        };
+        assert_eq!(len as usize, frame.len() - 8);
+        assert_eq!(decode_control(&frame[8..]).unwrap(), Body::Complete(pb::Complete { transfer_id: 42 }));
+    }
+
+    #[test]
+    fn data_header_roundtrip() {
+        let h = encode_data_header(SliceHeader { transfer_id: 7, offset: 1 << 33 }, 4096);
+        let fh: [u8; 8] = h[..8].try_into().unwrap();
+        assert_eq!(decode_frame_header(&fh).unwrap(), FrameHeader::Data { payload_len: 4096 });
+        let sh: [u8; 16] = h[8..].try_into().unwrap();
+        assert_eq!(decode_slice_header(&sh), SliceHeader { transfer_id: 7, offset: 1 << 33 });
+    }
+
+    #[test]
+    fn garbled_frames_are_rejected() {
+        assert_eq!(decode_frame_header(b"XX\x01\x01\0\0\0\0"), Err(WireError::BadMagic(*b"XX")));
+        assert_eq!(decode_frame_header(b"KR\x09\x01\0\0\0\0"), Err(WireError::Version(9)));
+        assert_eq!(decode_frame_header(b"KR\x01\x07\0\0\0\0"), Err(WireError::UnknownKind(7)));
+        assert_eq!(decode_frame_header(b"KR\x01\x02\x04\0\0\0"), Err(WireError::ShortData));
+        assert!(matches!(decode_frame_header(b"KR\x01\x01\xff\xff\xff\xff"), Err(WireError::TooLong { .. })));
+        assert!(decode_control(&[0xff, 0xff, 0xff]).is_err());
+        assert_eq!(decode_control(&[]), Err(WireError::EmptyMessage));
+    }
+}
