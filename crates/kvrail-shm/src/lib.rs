@@ -1,0 +1,204 @@
+//! Shared-memory KV regions.
+//!
+//! A worker creates a file on a tmpfs (normally `/dev/shm/kvrail-...`), sizes it,
+//! maps it and lays its paged KV cache out inside. It registers the *path* with the
+//! sidecar, which maps the same file `MAP_SHARED`: both processes then see the same
+//! pages, and the sidecar moves payload straight between those pages and its sockets.
+//!
+//! Why a named file rather than a memfd passed with `SCM_RIGHTS`: the local API is
+//! gRPC, which cannot carry file descriptors, and a path keeps the worker side a
+//! one-liner in any language (Python's `mmap` included). The socket is mode 0600,
+//! so only the sidecar's own user can register paths.
+//!
+//! Concurrency contract: the mapping is shared with another process, so Rust's
+//! aliasing rules cannot be enforced across it. kvrail's protocol keeps writers
+//! apart instead: a transfer writes only the destination blocks it was granted,
+//! never the same block twice (the core rejects overlapping destinations), and
+//! the worker does not touch those blocks until it is notified.
+
+use std::fs::{File, OpenOptions};
+use std::io::{IoSlice, IoSliceMut};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use memmap2::MmapRaw;
+
+/// Why a region cannot be mapped or accessed.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    #[error("cannot open {path}: {source}")]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error("{0} is not a regular file")]
+    NotAFile(PathBuf),
+    #[error("{0} is empty")]
+    Empty(PathBuf),
+    #[error("cannot size {path} to {len} bytes: {source}")]
+    Resize { path: PathBuf, len: u64, source: std::io::Error },
+    #[error("cannot map {path}: {source}")]
+    Map { path: PathBuf, source: std::io::Error },
+    #[error("range {offset}+{len} is outside the {region_len}-byte region")]
+    OutOfBounds { offset: u64, len: u64, region_len: u64 },
+}
+
+/// A file mapped shared and read-write.
+#[derive(Debug)]
+pub struct SharedRegion {
+    map: MmapRaw,
+    path: PathBuf,
+    _file: File,
+}
+
+impl SharedRegion {
+    /// Maps an existing file (the sidecar's side).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, ShmError> {
+        let path = path.as_ref().to_path_buf();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|source| ShmError::Open { path: path.clone(), source })?;
+        let meta = file.metadata().map_err(|source| ShmError::Open { path: path.clone(), source })?;
+        let ft = meta.file_type();
+        if !ft.is_file() || ft.is_fifo() || ft.is_char_device() || ft.is_block_device() {
+            return Err(ShmError::NotAFile(path));
+        }
+        if meta.len() == 0 {
+            return Err(ShmError::Empty(path));
+        }
+        let map = MmapRaw::map_raw(&file).map_err(|source| ShmError::Map { path: path.clone(), source })?;
+        Ok(Self { map, path, _file: file })
+    }
+
+    /// Creates (or truncates) a file of `len` zero bytes and maps it (the worker's side).
+    pub fn create(path: impl AsRef<Path>, len: u64) -> Result<Self, ShmError> {
+        let path = path.as_ref().to_path_buf();
+        {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .map_err(|source| ShmError::Open { path: path.clone(), source })?;
+            file.set_len(len)
+                .map_err(|source| ShmError::Resize { path: path.clone(), len, source })?;
+        }
+        Self::open(path)
+    }
+
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), ShmError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(ShmError::OutOfBounds {
+                offset,
+                len,
+                region_len: self.len(),
+            }),
+        }
+    }
+
+    /// Read views of `(offset, len)` ranges, for gathering writes to a socket.
+    pub fn io_slices(&self, pieces: &[(u64, u64)]) -> Result<Vec<IoSlice<'_>>, ShmError> {
+        pieces
+            .iter()
+            .map(|&(offset, len)| {
+                self.check(offset, len)?;
+                // SAFETY: the range was bounds-checked against the mapping, which lives
+                // as long as `self`; the bytes are plain data that any pattern may hold.
+                let s = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len as usize) };
+                Ok(IoSlice::new(s))
+            })
+            .collect()
+    }
+
+    /// Write views of `(offset, len)` ranges, for scattering a socket read into blocks.
+    /// The caller guarantees the ranges are disjoint and granted to it (module docs).
+    pub fn io_slices_mut(&self, pieces: &[(u64, u64)]) -> Result<Vec<IoSliceMut<'_>>, ShmError> {
+        pieces
+            .iter()
+            .map(|&(offset, len)| {
+                self.check(offset, len)?;
+                // SAFETY: bounds-checked against the mapping, which outlives the slice.
+                // The mapping is MAP_SHARED read-write; exclusive use of these bytes is
+                // the transfer protocol's guarantee (disjoint, granted destination blocks).
+                let s = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset as usize), len as usize) };
+                Ok(IoSliceMut::new(s))
+            })
+            .collect()
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), ShmError> {
+        self.check(offset, data.len() as u64)?;
+        // SAFETY: bounds-checked; `data` is a distinct allocation, so the copy cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.as_mut_ptr().add(offset as usize), data.len()) };
+        Ok(())
+    }
+
+    /// Copies region bytes at `offset` into `out`.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), ShmError> {
+        self.check(offset, out.len() as u64)?;
+        // SAFETY: bounds-checked; `out` is a distinct allocation, so the copy cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Fills `[offset, offset+len)` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), ShmError> {
+        self.check(offset, len)?;
+        // SAFETY: bounds-checked against the live mapping.
+        unsafe { std::ptr::write_bytes(self.map.as_mut_ptr().add(offset as usize), byte, len as usize) };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_mappings_share_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r");
+        let worker = SharedRegion::create(&path, 8192).unwrap();
+        let sidecar = SharedRegion::open(&path).unwrap();
+        worker.write_at(100, b"hello").unwrap();
+        let mut out = [0u8; 5];
+        sidecar.read_at(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+        let mut views = sidecar.io_slices_mut(&[(4096, 3), (0, 2)]).unwrap();
+        views[0].copy_from_slice(b"abc");
+        views[1].copy_from_slice(b"xy");
+        let mut out = [0u8; 3];
+        worker.read_at(4096, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        let read = worker.io_slices(&[(0, 2)]).unwrap();
+        assert_eq!(&*read[0], b"xy");
+    }
+
+    #[test]
+    fn out_of_bounds_and_bad_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r");
+        let r = SharedRegion::create(&path, 4096).unwrap();
+        assert!(matches!(r.io_slices(&[(4000, 97)]), Err(ShmError::OutOfBounds { .. })));
+        assert!(matches!(r.io_slices_mut(&[(u64::MAX, 2)]), Err(ShmError::OutOfBounds { .. })));
+        assert!(r.write_at(4095, b"ab").is_err());
+        assert!(matches!(SharedRegion::open(dir.path()), Err(ShmError::Open { .. } | ShmError::NotAFile(_))));
+        assert!(matches!(SharedRegion::open(dir.path().join("missing")), Err(ShmError::Open { .. })));
+        std::fs::write(dir.path().join("empty"), b"").unwrap();
+        assert!(matches!(SharedRegion::open(dir.path().join("empty")), Err(ShmError::Empty(_))));
+    }
+}

@@ -1,0 +1,107 @@
+//! Transports move kvrail frames between two sidecars.
+//!
+//! Every driver exposes the same [`Transport`] trait: listen, connect, and a
+//! connection split into a [`FrameReader`] and a [`FrameWriter`]. Payload is
+//! written from, and read into, caller-provided I/O slices, so the daemon can
+//! point them straight at mapped KV regions. The session logic above is the
+//! same for every transport.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+
+use async_trait::async_trait;
+use kvrail_core::wire::{self, FrameHeader, WireError, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
+
+pub mod tcp;
+
+/// A transport failure, saying whether the bytes or the peer were at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The socket failed or the peer closed it.
+    #[error("connection failed: {0}")]
+    Io(#[from] io::Error),
+    /// The peer sent bytes that are not a kvrail frame.
+    #[error("malformed frame from peer: {0}")]
+    Wire(#[from] WireError),
+}
+
+/// A transport driver.
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// Name used in handshakes, logs and metric labels.
+    fn name(&self) -> &'static str;
+    /// Starts accepting connections on `addr`.
+    async fn listen(&self, addr: SocketAddr) -> io::Result<Box<dyn Listener>>;
+    /// Opens one connection to `remote`, from `local` when given (to pin a rail).
+    async fn connect(&self, local: Option<SocketAddr>, remote: SocketAddr) -> io::Result<Connection>;
+}
+
+/// Accepting side of a transport.
+#[async_trait]
+pub trait Listener: Send {
+    async fn accept(&mut self) -> io::Result<(Connection, SocketAddr)>;
+    fn local_addr(&self) -> io::Result<SocketAddr>;
+}
+
+/// One connection, split so that reading and writing run concurrently.
+pub struct Connection {
+    pub reader: Box<dyn FrameReader>,
+    pub writer: Box<dyn FrameWriter>,
+}
+
+/// Writing half.
+#[async_trait]
+pub trait FrameWriter: Send {
+    /// Writes an encoded control frame (header included).
+    async fn write_control(&mut self, frame: &[u8]) -> io::Result<()>;
+    /// Writes a data frame: the 24-byte header, then the payload gathered from `payload`.
+    async fn write_slice(&mut self, header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN], payload: &[IoSlice<'_>]) -> io::Result<()>;
+}
+
+/// Reading half.
+#[async_trait]
+pub trait FrameReader: Send {
+    /// Reads exactly `buf.len()` bytes.
+    async fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()>;
+    /// Reads exactly the total length of `dst`, scattering into it.
+    async fn read_payload(&mut self, dst: &mut [IoSliceMut<'_>]) -> io::Result<()>;
+    /// Reads and drops `len` bytes.
+    async fn discard(&mut self, len: u64) -> io::Result<()> {
+        let mut scratch = vec![0u8; len.min(1 << 20) as usize];
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(scratch.len() as u64) as usize;
+            self.read_exact(&mut scratch[..n]).await?;
+            left -= n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// One parsed frame, minus any payload (which the caller reads where it belongs).
+#[derive(Debug)]
+pub enum Frame {
+    Control(wire::Body),
+    Data { header: wire::SliceHeader, payload_len: u32 },
+}
+
+/// Reads the next frame header (and control body or slice header).
+pub async fn read_frame(reader: &mut dyn FrameReader) -> Result<Frame, TransportError> {
+    let mut hdr = [0u8; FRAME_HEADER_LEN];
+    reader.read_exact(&mut hdr).await?;
+    match wire::decode_frame_header(&hdr)? {
+        FrameHeader::Control { len } => {
+            let mut body = vec![0u8; len as usize];
+            reader.read_exact(&mut body).await?;
+            Ok(Frame::Control(wire::decode_control(&body)?))
+        }
+        FrameHeader::Data { payload_len } => {
+            let mut sh = [0u8; SLICE_HEADER_LEN];
+            reader.read_exact(&mut sh).await?;
+            Ok(Frame::Data {
+                header: wire::decode_slice_header(&sh),
+                payload_len,
+            })
+        }
+    }
+}
