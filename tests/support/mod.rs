@@ -1,0 +1,172 @@
+//! Helpers for end-to-end tests: build and start real `kvrail` processes on
+//! loopback, wait until they answer, and clean them up.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kvrail_client::Client;
+
+/// Builds the daemon and example binaries once per test process (a no-op when fresh).
+pub fn binary(name: &str) -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf();
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.current_dir(&root).args(["build", "--quiet", "--bins", "-p", "kvrail-sidecar", "-p", "kvrail-examples"]);
+        if !cfg!(debug_assertions) {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "building the kvrail binaries failed");
+        // target/<profile>/deps/<test> -> target/<profile>
+        let exe = std::env::current_exe().expect("current exe");
+        exe.parent().and_then(Path::parent).expect("target dir").to_path_buf()
+    });
+    dir.join(name)
+}
+
+/// A port nobody listens on right now (the kernel picks it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("bind an ephemeral port")
+}
+
+/// One `kvrail serve` process.
+pub struct Sidecar {
+    pub node: String,
+    pub socket: PathBuf,
+    pub listen: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    child: Option<Child>,
+    args: Vec<String>,
+}
+
+impl Sidecar {
+    fn spawn(&mut self) {
+        let log = std::fs::File::create(self.socket.with_extension("log")).expect("log file");
+        let child = Command::new(binary("kvrail"))
+            .arg("serve")
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start kvrail");
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).expect("running")
+    }
+
+    /// Sends a signal (`STOP`, `CONT`, `KILL`) to the process.
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill");
+        assert!(ok.success());
+    }
+
+    /// Kills the process and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Connects a client, retrying until the daemon answers (or 30 s pass).
+    pub async fn client(&self) -> Client {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = Client::connect(&self.socket).await {
+                if c.list_peers().await.is_ok() {
+                    return c;
+                }
+            }
+            assert!(Instant::now() < deadline, "sidecar {} did not come up; see {}", self.node, self.socket.with_extension("log").display());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.socket.with_extension("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = Command::new("kill").arg("-CONT").arg(self.pid().to_string()).status();
+        }
+        self.kill();
+    }
+}
+
+/// Two sidecars, `prefill` and `decode`, each configured with the other as its peer.
+pub struct Pair {
+    pub prefill: Sidecar,
+    pub decode: Sidecar,
+    pub dir: tempfile::TempDir,
+}
+
+impl Pair {
+    pub fn start(extra: &[&str]) -> Pair {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pp, dp, mp) = (free_port(), free_port(), free_port());
+        let mk = |node: &str, port: u16, peer: &str, peer_port: u16, metrics: Option<u16>| {
+            let socket = dir.path().join(format!("{node}.sock"));
+            let listen: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+            let mut args = vec![
+                "--node".to_string(),
+                node.to_string(),
+                "--socket".into(),
+                socket.display().to_string(),
+                "--listen".into(),
+                listen.to_string(),
+                "--peer".into(),
+                format!("{peer}=127.0.0.1:{peer_port}"),
+            ];
+            if let Some(m) = metrics {
+                args.push("--metrics-addr".into());
+                args.push(format!("127.0.0.1:{m}"));
+            }
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut s = Sidecar {
+                node: node.into(),
+                socket,
+                listen,
+                metrics: metrics.map(|m| format!("127.0.0.1:{m}").parse().expect("addr")),
+                child: None,
+                args,
+            };
+            s.spawn();
+            s
+        };
+        let prefill = mk("prefill", pp, "decode", dp, Some(mp));
+        let decode = mk("decode", dp, "prefill", pp, None);
+        Pair { prefill, decode, dir }
+    }
+
+    pub fn shm_path(&self, name: &str) -> PathBuf {
+        // /dev/shm when present (tmpfs, as in production), else the temp dir.
+        let base = Path::new("/dev/shm");
+        let dir = if base.is_dir() { base.to_path_buf() } else { self.dir.path().to_path_buf() };
+        dir.join(format!("kvrail-test-{}-{}-{name}", std::process::id(), self.prefill.listen.port()))
+    }
+}
+
+/// Fetches the Prometheus text from a metrics listener.
+pub fn scrape(addr: SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out
+}

@@ -1,0 +1,224 @@
+//! Rust client for a local kvrail sidecar.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvrail_client::ClientError> {
+//! use kvrail_client::{Client, KvRegion, dense_layout};
+//! let mut client = Client::connect("/tmp/kvrail-prefill.sock").await?;
+//! let layout = dense_layout(32, 2, 1024, 16 * 8 * 128 * 2);
+//! let kv = KvRegion::create("/dev/shm/kvrail-prefill-kv", layout)?;
+//! let region = client.register_region("prefill-0", &kv, true).await?;
+//! # let _ = region; Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+pub use kvrail_proto as proto;
+use kvrail_proto::sidecar_client::SidecarClient;
+use kvrail_proto::*;
+pub use kvrail_shm::{ShmError, SharedRegion};
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::Streaming;
+
+/// What went wrong talking to the sidecar.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The sidecar's socket could not be reached.
+    #[error("cannot reach the sidecar at {path}: {source}")]
+    Connect { path: PathBuf, source: tonic::transport::Error },
+    /// The sidecar refused the call; the status says why.
+    #[error("sidecar refused the call: {0}")]
+    Rejected(#[from] tonic::Status),
+    /// The local shared-memory file could not be prepared.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+}
+
+impl ClientError {
+    /// The gRPC code, when the sidecar answered.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            ClientError::Rejected(s) => Some(s.code()),
+            _ => None,
+        }
+    }
+}
+
+/// A dense vLLM-style layout: each layer is `[planes, num_blocks, block_bytes]`, layers back to back.
+pub fn dense_layout(num_layers: u32, planes_per_layer: u32, num_blocks: u32, block_bytes: u64) -> RegionLayout {
+    let plane_stride = u64::from(num_blocks) * block_bytes;
+    RegionLayout {
+        num_layers,
+        planes_per_layer,
+        num_blocks,
+        block_bytes,
+        base_offset: 0,
+        layer_stride: plane_stride * u64::from(planes_per_layer),
+        plane_stride,
+        block_stride: block_bytes,
+    }
+}
+
+/// Bytes a layout spans.
+pub fn layout_extent(l: &RegionLayout) -> u64 {
+    l.base_offset
+        + u64::from(l.num_layers.saturating_sub(1)) * l.layer_stride
+        + u64::from(l.planes_per_layer.saturating_sub(1)) * l.plane_stride
+        + u64::from(l.num_blocks.saturating_sub(1)) * l.block_stride
+        + l.block_bytes
+}
+
+/// A worker's paged KV cache in shared memory, with the layout that describes it.
+#[derive(Debug)]
+pub struct KvRegion {
+    pub memory: SharedRegion,
+    pub layout: RegionLayout,
+}
+
+impl KvRegion {
+    /// Creates the shared file (usually under `/dev/shm`) sized for `layout`.
+    pub fn create(path: impl AsRef<Path>, layout: RegionLayout) -> Result<Self, ShmError> {
+        let memory = SharedRegion::create(path, layout_extent(&layout))?;
+        Ok(Self { memory, layout })
+    }
+
+    /// Byte offset of one block.
+    pub fn block_offset(&self, layer: u32, plane: u32, block: u32) -> u64 {
+        let l = &self.layout;
+        l.base_offset + u64::from(layer) * l.layer_stride + u64::from(plane) * l.plane_stride + u64::from(block) * l.block_stride
+    }
+
+    pub fn write_block(&self, layer: u32, plane: u32, block: u32, data: &[u8]) -> Result<(), ShmError> {
+        self.memory.write_at(self.block_offset(layer, plane, block), data)
+    }
+
+    pub fn read_block(&self, layer: u32, plane: u32, block: u32) -> Result<Vec<u8>, ShmError> {
+        let mut out = vec![0u8; self.layout.block_bytes as usize];
+        self.memory.read_at(self.block_offset(layer, plane, block), &mut out)?;
+        Ok(out)
+    }
+
+    /// Removes the backing file (the mapping stays valid until dropped).
+    pub fn unlink(&self) {
+        let _ = std::fs::remove_file(self.memory.path());
+    }
+}
+
+/// Blocks of a region: every plane of `layers` for each id in `block_ids`.
+pub fn blocks(region_id: u64, layers: std::ops::Range<u32>, block_ids: Vec<u32>) -> BlockRange {
+    BlockRange {
+        region_id,
+        layer_start: layers.start,
+        layer_count: layers.end.saturating_sub(layers.start),
+        block_ids,
+    }
+}
+
+/// A connection to the local sidecar.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: SidecarClient<Channel>,
+}
+
+impl Client {
+    /// Connects over the sidecar's Unix socket.
+    pub async fn connect(socket: impl AsRef<Path>) -> Result<Self, ClientError> {
+        let path = socket.as_ref().to_path_buf();
+        let p = path.clone();
+        // The URI is required by the API but unused: every connection goes to the socket.
+        let channel = Endpoint::from_static("http://kvrail.local")
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let p = p.clone();
+                async move { UnixStream::connect(p).await.map(TokioIo::new) }
+            }))
+            .await
+            .map_err(|source| ClientError::Connect { path, source })?;
+        Ok(Self {
+            inner: SidecarClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20),
+        })
+    }
+
+    /// Registers a region; returns its id on this sidecar.
+    pub async fn register_region(&mut self, worker_id: &str, kv: &KvRegion, expose_to_peers: bool) -> Result<u64, ClientError> {
+        self.register_path(worker_id, kv.memory.path(), kv.layout, expose_to_peers).await
+    }
+
+    /// Registers a shared file by path with an explicit layout.
+    pub async fn register_path(&mut self, worker_id: &str, path: &Path, layout: RegionLayout, expose_to_peers: bool) -> Result<u64, ClientError> {
+        let r = self
+            .inner
+            .register_region(RegisterRegionRequest {
+                worker_id: worker_id.into(),
+                shm_path: path.to_string_lossy().into_owned(),
+                layout: Some(layout),
+                expose_to_peers,
+            })
+            .await?;
+        Ok(r.into_inner().region_id)
+    }
+
+    pub async fn unregister_region(&mut self, region_id: u64) -> Result<(), ClientError> {
+        self.inner.unregister_region(UnregisterRegionRequest { region_id }).await?;
+        Ok(())
+    }
+
+    /// Writes local `source` blocks into `destination` blocks of a region on `peer`.
+    pub async fn push(&mut self, worker_id: &str, request_id: &str, peer: &str, source: BlockRange, destination: BlockRange) -> Result<TransferAccepted, ClientError> {
+        let r = self
+            .inner
+            .push(PushRequest {
+                request_id: request_id.into(),
+                worker_id: worker_id.into(),
+                peer: peer.into(),
+                source: Some(source),
+                destination: Some(destination),
+            })
+            .await?;
+        Ok(r.into_inner())
+    }
+
+    /// Reads `source` blocks of an exposed region on `peer` into local `destination` blocks.
+    pub async fn pull(&mut self, worker_id: &str, request_id: &str, peer: &str, source: BlockRange, destination: BlockRange) -> Result<TransferAccepted, ClientError> {
+        let r = self
+            .inner
+            .pull(PullRequest {
+                request_id: request_id.into(),
+                worker_id: worker_id.into(),
+                peer: peer.into(),
+                source: Some(source),
+                destination: Some(destination),
+            })
+            .await?;
+        Ok(r.into_inner())
+    }
+
+    /// Waits for a transfer to finish; `None` waits without limit.
+    pub async fn wait(&mut self, transfer_id: u64, timeout: Option<Duration>) -> Result<TransferStatus, ClientError> {
+        let timeout_ms = timeout.map(|t| t.as_millis().clamp(1, u128::from(u32::MAX)) as u32).unwrap_or(0);
+        Ok(self.inner.wait(WaitRequest { transfer_id, timeout_ms }).await?.into_inner())
+    }
+
+    pub async fn get_transfer(&mut self, transfer_id: u64) -> Result<TransferStatus, ClientError> {
+        Ok(self.inner.get_transfer(GetTransferRequest { transfer_id }).await?.into_inner())
+    }
+
+    pub async fn cancel(&mut self, transfer_id: u64) -> Result<TransferStatus, ClientError> {
+        Ok(self.inner.cancel(CancelRequest { transfer_id }).await?.into_inner())
+    }
+
+    /// Every notification for `worker_id`, including any queued before subscribing.
+    pub async fn subscribe(&mut self, worker_id: &str) -> Result<Streaming<Notification>, ClientError> {
+        Ok(self.inner.subscribe(SubscribeRequest { worker_id: worker_id.into() }).await?.into_inner())
+    }
+
+    pub async fn list_peers(&mut self) -> Result<ListPeersResponse, ClientError> {
+        Ok(self.inner.list_peers(ListPeersRequest {}).await?.into_inner())
+    }
+}
+
+/// Whether a status is final.
+pub fn is_final(s: &TransferStatus) -> bool {
+    s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32
+}

@@ -302,6 +302,20 @@ impl Session {
         true
     }
 
+    /// Fails a transfer for a local reason (the peer is told).
+    pub fn fail(&mut self, transfer_id: u64, code: ErrorCode, message: &str, now: Instant) {
+        self.abort(
+            transfer_id,
+            code,
+            message,
+            TransferError::Local {
+                code,
+                message: message.to_string(),
+            },
+            now,
+        );
+    }
+
     /// Feeds one control message that arrived on `conn`.
     pub fn handle_control(&mut self, conn: ConnId, body: Body, now: Instant, regions: &dyn RegionDirectory) {
         match body {

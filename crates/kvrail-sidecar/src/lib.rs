@@ -1,0 +1,116 @@
+//! The kvrail sidecar daemon.
+//!
+//! Data flow: worker -> gRPC API ([`api`]) -> core session (plan, slices) ->
+//! transport driver -> wire -> peer's driver -> core (placement, completion) ->
+//! peer's API -> peer worker. This crate only wires those parts together.
+
+pub mod api;
+pub mod config;
+pub mod daemon;
+pub mod metrics;
+pub mod notify;
+pub mod peer;
+pub mod regions;
+pub mod transfers;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+pub use config::{Config, PeerConfig};
+pub use daemon::Daemon;
+
+/// Flags of `kvrail serve`; each overrides the config file.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// TOML configuration file (see README "Configuration").
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// This node's name.
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Unix socket of the local worker API (created with mode 0600).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Listen address of a rail; repeat once per rail.
+    #[arg(long)]
+    pub listen: Vec<SocketAddr>,
+    /// A peer: NAME=ADDR[,ADDR...] (one address per rail); repeatable.
+    #[arg(long = "peer")]
+    pub peers: Vec<String>,
+    /// TCP connections per rail to each peer.
+    #[arg(long)]
+    pub connections_per_rail: Option<usize>,
+    /// Slice size in bytes.
+    #[arg(long)]
+    pub slice_bytes: Option<u64>,
+    /// Unacknowledged bytes allowed per connection.
+    #[arg(long)]
+    pub window_bytes: Option<u64>,
+    /// Fail a transfer after this long without progress.
+    #[arg(long)]
+    pub progress_timeout_ms: Option<u64>,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl ServeArgs {
+    /// The effective configuration: file first, then flags.
+    pub fn to_config(&self) -> Result<Config, config::ConfigError> {
+        let mut c = match &self.config {
+            Some(path) => Config::from_file(path)?,
+            None => Config::default(),
+        };
+        if let Some(v) = &self.node {
+            c.node = v.clone();
+        }
+        if let Some(v) = &self.socket {
+            c.socket = v.clone();
+        }
+        if !self.listen.is_empty() {
+            c.listen = self.listen.clone();
+        }
+        for p in &self.peers {
+            let peer = Config::parse_peer(p)?;
+            c.peers.retain(|q| q.name != peer.name);
+            c.peers.push(peer);
+        }
+        if let Some(v) = self.connections_per_rail {
+            c.connections_per_rail = v;
+        }
+        if let Some(v) = self.slice_bytes {
+            c.slice_bytes = v;
+        }
+        if let Some(v) = self.window_bytes {
+            c.window_bytes = v;
+        }
+        if let Some(v) = self.progress_timeout_ms {
+            c.progress_timeout_ms = v;
+        }
+        if self.metrics_addr.is_some() {
+            c.metrics_addr = self.metrics_addr;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// Runs the daemon until SIGINT or SIGTERM.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.to_config()?;
+    let daemon = Daemon::start(config).await?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+    daemon.shutdown();
+    Ok(())
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

@@ -1,0 +1,156 @@
+//! Daemon configuration: a TOML file and/or command-line flags (flags win).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// A peer node: its name and one address per rail.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    pub name: String,
+    pub rails: Vec<SocketAddr>,
+}
+
+/// Everything the daemon needs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This node's name, as peers know it.
+    pub node: String,
+    /// Unix socket of the local worker API.
+    pub socket: PathBuf,
+    /// One listen address per local rail.
+    pub listen: Vec<SocketAddr>,
+    pub peers: Vec<PeerConfig>,
+    /// TCP connections opened per rail to each peer.
+    pub connections_per_rail: usize,
+    pub slice_bytes: u64,
+    pub window_bytes: u64,
+    pub progress_timeout_ms: u64,
+    pub connect_timeout_ms: u64,
+    /// Prometheus `/metrics` listener, if any.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            node: "node".into(),
+            socket: PathBuf::from("/tmp/kvrail.sock"),
+            listen: vec![],
+            peers: vec![],
+            connections_per_rail: 4,
+            slice_bytes: 1 << 20,
+            window_bytes: 8 << 20,
+            progress_timeout_ms: 10_000,
+            connect_timeout_ms: 3_000,
+            metrics_addr: None,
+        }
+    }
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Parse { path: PathBuf, source: toml::de::Error },
+    #[error("invalid peer {0:?}: expected NAME=ADDR[,ADDR...]")]
+    PeerSyntax(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// Parses `NAME=ADDR[,ADDR...]`.
+    pub fn parse_peer(spec: &str) -> Result<PeerConfig, ConfigError> {
+        let (name, addrs) = spec.split_once('=').ok_or_else(|| ConfigError::PeerSyntax(spec.into()))?;
+        let rails = addrs
+            .split(',')
+            .map(|a| a.trim().parse::<SocketAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| ConfigError::PeerSyntax(spec.into()))?;
+        if name.is_empty() || rails.is_empty() {
+            return Err(ConfigError::PeerSyntax(spec.into()));
+        }
+        Ok(PeerConfig { name: name.into(), rails })
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(m.into()));
+        if self.node.is_empty() {
+            return bad("node name must not be empty");
+        }
+        if self.listen.is_empty() {
+            return bad("at least one listen address (rail) is required");
+        }
+        if self.connections_per_rail == 0 || self.connections_per_rail * self.listen.len().max(1) > 64 {
+            return bad("connections_per_rail must be 1..=64 (in total over all rails)");
+        }
+        if !(4096..=(64 << 20)).contains(&self.slice_bytes) {
+            return bad("slice_bytes must be between 4 KiB and 64 MiB");
+        }
+        if self.window_bytes < self.slice_bytes {
+            return bad("window_bytes must be at least slice_bytes");
+        }
+        for p in &self.peers {
+            if p.name == self.node {
+                return bad("a peer cannot have this node's name");
+            }
+            if p.rails.is_empty() || p.rails.len() * self.connections_per_rail > 64 {
+                return bad("each peer needs 1 or more rails, at most 64 connections in all");
+            }
+        }
+        Ok(())
+    }
+
+    pub fn progress_timeout(&self) -> Duration {
+        Duration::from_millis(self.progress_timeout_ms)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_toml_and_peer_flags() {
+        let c: Config = toml::from_str(
+            r#"
+            node = "decode-0"
+            listen = ["127.0.0.1:7400", "127.0.0.1:7401"]
+            [[peers]]
+            name = "prefill-0"
+            rails = ["127.0.0.1:7500", "127.0.0.1:7501"]
+            "#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.peers[0].rails.len(), 2);
+        assert_eq!(c.connections_per_rail, 4);
+        let p = Config::parse_peer("b=127.0.0.1:1,127.0.0.1:2").unwrap();
+        assert_eq!(p.rails.len(), 2);
+        assert!(Config::parse_peer("b").is_err());
+        assert!(Config::parse_peer("b=nope").is_err());
+        assert!(toml::from_str::<Config>("nod = 'x'").is_err());
+    }
+}

@@ -1,0 +1,428 @@
+//! Wires the parts together: regions, peers, transports, the API and metrics.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use kvrail_core::handshake::{check_hello, HandshakeError};
+use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
+use kvrail_core::{Event, SessionConfig, TransferKind};
+use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
+use kvrail_transport::tcp::TcpTransport;
+use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport};
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::config::{Config, PeerConfig};
+use crate::metrics as m;
+use crate::notify::NotificationHub;
+use crate::peer::PeerLink;
+use crate::regions::Registry;
+use crate::transfers::TransferTable;
+
+/// How long a new connection may take to say hello.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a peer could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("no rail of peer {peer} answered: {reasons}")]
+    Unreachable { peer: String, reasons: String },
+    #[error("peer {peer} refused the handshake: {reason}")]
+    Refused { peer: String, reason: String },
+}
+
+/// An outbound peer: its configuration and the link we dialed, if any.
+pub struct PeerSlot {
+    pub config: PeerConfig,
+    pub link: AsyncMutex<Option<Arc<PeerLink>>>,
+}
+
+/// State every task shares.
+pub struct Shared {
+    pub config: Config,
+    pub registry: Registry,
+    pub hub: NotificationHub,
+    pub transfers: TransferTable,
+    pub peers: HashMap<String, PeerSlot>,
+    pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
+    pub transport: Arc<dyn Transport>,
+    next_transfer: AtomicU64,
+}
+
+impl Shared {
+    pub fn session_config(&self) -> SessionConfig {
+        SessionConfig {
+            slice_bytes: self.config.slice_bytes,
+            window_bytes: self.config.window_bytes,
+            progress_timeout: self.config.progress_timeout(),
+        }
+    }
+
+    pub fn next_transfer_id(&self) -> u64 {
+        self.next_transfer.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether any session still moves bytes of this region.
+    pub fn region_in_use(&self, region_id: u64) -> bool {
+        let inbound = self.inbound.iter().any(|l| l.with_session(|s, _| s.uses_region(region_id)));
+        let outbound = self.peers.values().any(|p| match p.link.try_lock() {
+            Ok(guard) => guard.as_ref().is_some_and(|l| l.with_session(|s, _| s.uses_region(region_id))),
+            // Being dialed right now: be conservative.
+            Err(_) => true,
+        });
+        inbound || outbound
+    }
+
+    /// The live outbound link to `peer`, dialing it if needed.
+    pub async fn outbound_link(self: &Arc<Self>, peer: &str) -> Result<Option<Arc<PeerLink>>, DialError> {
+        let Some(slot) = self.peers.get(peer) else { return Ok(None) };
+        let mut guard = slot.link.lock().await;
+        if let Some(link) = guard.as_ref().filter(|l| l.is_alive()) {
+            return Ok(Some(link.clone()));
+        }
+        let link = self.dial(&slot.config).await?;
+        *guard = Some(link.clone());
+        Ok(Some(link))
+    }
+
+    async fn dial(self: &Arc<Self>, peer: &PeerConfig) -> Result<Arc<PeerLink>, DialError> {
+        let link = PeerLink::new(&peer.name, self.transport.name(), self);
+        let session_id: u64 = rand::random();
+        let mut reasons = Vec::new();
+        for (rail, &addr) in peer.rails.iter().enumerate() {
+            let local = self
+                .config
+                .listen
+                .get(rail)
+                .filter(|a| !a.ip().is_unspecified() && !a.ip().is_loopback())
+                .map(|a| SocketAddr::new(a.ip(), 0));
+            for index in 0..self.config.connections_per_rail {
+                let hello = pb::Hello {
+                    protocol_version: u32::from(PROTOCOL_VERSION),
+                    node_name: self.config.node.clone(),
+                    session_id,
+                    rail_index: rail as u32,
+                    connection_index: index as u32,
+                    transports: vec![self.transport.name().to_string()],
+                    rail_count: peer.rails.len() as u32,
+                    expected_peer: peer.name.clone(),
+                };
+                match self.dial_one(local, addr, hello).await {
+                    Ok(conn) => {
+                        link.attach(conn, rail as u32);
+                    }
+                    Err(DialError::Refused { reason, .. }) => {
+                        link.close("handshake refused");
+                        return Err(DialError::Refused { peer: peer.name.clone(), reason });
+                    }
+                    Err(e) => {
+                        reasons.push(format!("rail {rail} ({addr}): {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        if link.alive_connections() == 0 {
+            return Err(DialError::Unreachable {
+                peer: peer.name.clone(),
+                reasons: reasons.join("; "),
+            });
+        }
+        for r in &reasons {
+            warn!(peer = %peer.name, "rail unavailable: {r}");
+        }
+        info!(peer = %peer.name, connections = link.alive_connections(), transport = self.transport.name(), "connected to peer");
+        Ok(link)
+    }
+
+    async fn dial_one(&self, local: Option<SocketAddr>, addr: SocketAddr, hello: pb::Hello) -> Result<Connection, DialError> {
+        let peer = hello.expected_peer.clone();
+        let unreachable = |reason: String| DialError::Unreachable {
+            peer: peer.clone(),
+            reasons: reason,
+        };
+        let mut conn = tokio::time::timeout(self.config.connect_timeout(), self.transport.connect(local, addr))
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let frame = wire::encode_control(&wire::message(Body::Hello(hello)));
+        conn.writer.write_control(&frame).await.map_err(|e| unreachable(e.to_string()))?;
+        let reply = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut()))
+            .await
+            .map_err(|_| unreachable("no handshake reply".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        match reply {
+            Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => Ok(conn),
+            Frame::Control(Body::HelloAck(ack)) => Err(DialError::Refused {
+                peer: peer.clone(),
+                reason: format!("answered as {:?}", ack.node_name),
+            }),
+            Frame::Control(Body::Abort(a)) => Err(DialError::Refused {
+                peer: peer.clone(),
+                reason: a.message,
+            }),
+            _ => Err(DialError::Refused {
+                peer: peer.clone(),
+                reason: "unexpected handshake reply".into(),
+            }),
+        }
+    }
+
+    /// Handshakes one accepted connection and attaches it to its session.
+    async fn accept_one(self: Arc<Self>, mut conn: Connection, from: SocketAddr) {
+        let first = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut())).await;
+        let hello = match first {
+            Ok(Ok(Frame::Control(Body::Hello(h)))) => h,
+            Ok(Ok(_)) => return self.refuse(conn, from, HandshakeError::NotHello.to_string(), "not_hello").await,
+            Ok(Err(e)) => return self.refuse(conn, from, e.to_string(), "malformed").await,
+            Err(_) => return self.refuse(conn, from, "no hello in time".into(), "timeout").await,
+        };
+        let known = |name: &str| self.peers.contains_key(name);
+        if let Err(e) = check_hello(&hello, &self.config.node, known, &[self.transport.name()]) {
+            let label = match e {
+                HandshakeError::Version { .. } => "version",
+                HandshakeError::UnknownPeer(_) => "unknown_peer",
+                HandshakeError::WrongNode { .. } => "wrong_node",
+                HandshakeError::NoCommonTransport(_) => "no_common_transport",
+                HandshakeError::NotHello => "not_hello",
+            };
+            return self.refuse(conn, from, e.to_string(), label).await;
+        }
+        let ack = pb::HelloAck {
+            protocol_version: u32::from(PROTOCOL_VERSION),
+            node_name: self.config.node.clone(),
+            transports: vec![self.transport.name().to_string()],
+            rail_count: self.config.listen.len() as u32,
+        };
+        if conn
+            .writer
+            .write_control(&wire::encode_control(&wire::message(Body::HelloAck(ack))))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let key = (hello.node_name.clone(), hello.session_id);
+        let link = self
+            .inbound
+            .entry(key)
+            .or_insert_with(|| PeerLink::new(&hello.node_name, self.transport.name(), &self))
+            .clone();
+        if link.attach(conn, hello.rail_index).is_none() {
+            warn!(peer = %hello.node_name, "too many connections in one session; dropping one");
+        }
+        self.inbound.retain(|_, l| l.is_alive());
+    }
+
+    async fn refuse(&self, mut conn: Connection, from: SocketAddr, reason: String, label: &'static str) {
+        warn!(%from, "refused peer handshake: {reason}");
+        metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => label).increment(1);
+        let abort = wire::message(Body::Abort(pb::Abort {
+            transfer_id: 0,
+            code: ErrorCode::Protocol as i32,
+            message: reason,
+        }));
+        let _ = conn.writer.write_control(&wire::encode_control(&abort)).await;
+    }
+
+    /// Routes a session event to the transfer table and the right worker.
+    pub fn on_event(&self, peer: &str, event: Event) {
+        match event {
+            Event::Done {
+                transfer_id,
+                request_id,
+                kind,
+                region_id,
+                block_ids,
+                bytes,
+            } => {
+                metrics::counter!(m::TRANSFERS_DONE, "kind" => m::kind_label(kind)).increment(1);
+                let (worker, elapsed_us) = match kind {
+                    TransferKind::Push | TransferKind::Pull => {
+                        let Some(rec) = self.transfers.finish(transfer_id, |s| {
+                            s.state = TransferState::Done as i32;
+                            s.bytes_done = bytes;
+                        }) else {
+                            return;
+                        };
+                        let elapsed = rec.started.elapsed();
+                        metrics::histogram!(m::TRANSFER_SECONDS, "kind" => m::kind_label(kind)).record(elapsed.as_secs_f64());
+                        (rec.worker_id.clone(), elapsed.as_micros() as u64)
+                    }
+                    TransferKind::PushReceive | TransferKind::PullServe => match self.registry.get(region_id) {
+                        Some(r) => (r.worker_id.clone(), 0),
+                        None => return,
+                    },
+                };
+                let nkind = match kind {
+                    TransferKind::Push => NotificationKind::PushDone,
+                    TransferKind::PushReceive => NotificationKind::PushReceived,
+                    TransferKind::Pull => NotificationKind::PullDone,
+                    TransferKind::PullServe => NotificationKind::PullServed,
+                };
+                self.hub.send(
+                    &worker,
+                    Notification {
+                        kind: nkind as i32,
+                        transfer_id,
+                        request_id,
+                        peer: peer.to_string(),
+                        region_id,
+                        block_ids,
+                        bytes,
+                        failure: None,
+                        elapsed_us,
+                    },
+                );
+            }
+            Event::Failed {
+                transfer_id,
+                request_id,
+                kind,
+                region_id,
+                error,
+            } => {
+                metrics::counter!(m::TRANSFERS_FAILED, "kind" => m::kind_label(kind), "reason" => error.code()).increment(1);
+                let failure = failure_of(&error);
+                warn!(peer, transfer_id, request_id, kind = m::kind_label(kind), "transfer failed: {error}");
+                let worker = match kind {
+                    TransferKind::Push | TransferKind::Pull => {
+                        let f = failure.clone();
+                        match self.transfers.finish(transfer_id, |s| {
+                            s.state = TransferState::Failed as i32;
+                            s.failure = Some(f);
+                        }) {
+                            Some(rec) => rec.worker_id.clone(),
+                            None => return,
+                        }
+                    }
+                    TransferKind::PushReceive | TransferKind::PullServe => match self.registry.get(region_id) {
+                        Some(r) => r.worker_id.clone(),
+                        None => return,
+                    },
+                };
+                self.hub.send(
+                    &worker,
+                    Notification {
+                        kind: NotificationKind::Failed as i32,
+                        transfer_id,
+                        request_id,
+                        peer: peer.to_string(),
+                        region_id,
+                        block_ids: vec![],
+                        bytes: 0,
+                        failure: Some(failure),
+                        elapsed_us: 0,
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// The worker-facing description of a core failure.
+pub fn failure_of(error: &kvrail_core::TransferError) -> Failure {
+    use kvrail_core::FailureSide as S;
+    let side = match error.side() {
+        S::Local => FailureSide::Local,
+        S::Peer => FailureSide::Peer,
+        S::Rail => FailureSide::Rail,
+        S::Timeout => FailureSide::Timeout,
+        S::Cancelled => FailureSide::Cancelled,
+    };
+    Failure {
+        side: side as i32,
+        code: error.code().to_string(),
+        message: error.to_string(),
+    }
+}
+
+/// A running daemon.
+pub struct Daemon {
+    pub shared: Arc<Shared>,
+    pub socket: PathBuf,
+    pub listen: Vec<SocketAddr>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Daemon {
+    /// Binds every listener and the API socket, then serves in the background.
+    pub async fn start(config: Config) -> anyhow::Result<Daemon> {
+        config.validate()?;
+        let transport: Arc<dyn Transport> = Arc::new(TcpTransport);
+        let peers = config
+            .peers
+            .iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    PeerSlot {
+                        config: p.clone(),
+                        link: AsyncMutex::new(None),
+                    },
+                )
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            registry: Registry::default(),
+            hub: NotificationHub::default(),
+            transfers: TransferTable::default(),
+            peers,
+            inbound: DashMap::new(),
+            transport: transport.clone(),
+            next_transfer: AtomicU64::new(0),
+        });
+        if let Some(addr) = config.metrics_addr {
+            m::install(addr)?;
+            info!(%addr, "serving Prometheus metrics");
+        }
+        let mut tasks = Vec::new();
+        let mut listen = Vec::new();
+        for addr in &config.listen {
+            let listener = transport.listen(*addr).await.map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+            listen.push(listener.local_addr()?);
+            tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
+        }
+        let api = crate::api::serve(shared.clone(), &config.socket).await?;
+        tasks.push(api);
+        info!(node = %config.node, socket = %config.socket.display(), ?listen, transport = transport.name(), "kvrail sidecar ready");
+        Ok(Daemon {
+            shared,
+            socket: config.socket.clone(),
+            listen,
+            tasks,
+        })
+    }
+
+    /// Stops serving and closes every peer connection.
+    pub fn shutdown(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        for l in self.shared.inbound.iter() {
+            l.close("daemon shutting down");
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, mut listener: Box<dyn Listener>) {
+    loop {
+        match listener.accept().await {
+            Ok((conn, from)) => {
+                tokio::spawn(shared.clone().accept_one(conn, from));
+            }
+            Err(e) => {
+                warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! Every metric kvrail exports, named in one place.
+//!
+//! Labels: `peer` (node name), `rail` (rail index), `transport` (`tcp`, ...),
+//! `kind` (`push`, `push_receive`, `pull`, `pull_serve`), `reason` (failure code).
+
+use std::net::SocketAddr;
+
+use kvrail_core::TransferKind;
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+
+pub const BYTES_SENT: &str = "kvrail_bytes_sent_total";
+pub const BYTES_RECEIVED: &str = "kvrail_bytes_received_total";
+pub const SLICES_SENT: &str = "kvrail_slices_sent_total";
+pub const SLICES_RECEIVED: &str = "kvrail_slices_received_total";
+pub const TRANSFERS_STARTED: &str = "kvrail_transfers_started_total";
+pub const TRANSFERS_DONE: &str = "kvrail_transfers_done_total";
+pub const TRANSFERS_FAILED: &str = "kvrail_transfers_failed_total";
+pub const TRANSFER_SECONDS: &str = "kvrail_transfer_duration_seconds";
+pub const PEER_CONNECTIONS: &str = "kvrail_peer_connections";
+pub const CONNECTIONS_LOST: &str = "kvrail_connections_lost_total";
+pub const FRAMES_REJECTED: &str = "kvrail_frames_rejected_total";
+pub const HANDSHAKES_REFUSED: &str = "kvrail_handshakes_refused_total";
+pub const REGIONS_REGISTERED: &str = "kvrail_regions_registered";
+
+/// Label value of a transfer kind.
+pub fn kind_label(kind: TransferKind) -> &'static str {
+    match kind {
+        TransferKind::Push => "push",
+        TransferKind::PushReceive => "push_receive",
+        TransferKind::Pull => "pull",
+        TransferKind::PullServe => "pull_serve",
+    }
+}
+
+/// Installs the Prometheus exporter on `addr` (serves `/metrics` text) and
+/// describes every metric.
+pub fn install(addr: SocketAddr) -> Result<(), BuildError> {
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full(TRANSFER_SECONDS.to_string()),
+            &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+        )?
+        .install()?;
+    describe();
+    Ok(())
+}
+
+fn describe() {
+    describe_counter!(BYTES_SENT, Unit::Bytes, "Payload bytes written to peers");
+    describe_counter!(BYTES_RECEIVED, Unit::Bytes, "Payload bytes placed into local regions");
+    describe_counter!(SLICES_SENT, "Data slices written to peers");
+    describe_counter!(SLICES_RECEIVED, "Data slices placed into local regions");
+    describe_counter!(TRANSFERS_STARTED, "Transfers started, by kind");
+    describe_counter!(TRANSFERS_DONE, "Transfers completed, by kind");
+    describe_counter!(TRANSFERS_FAILED, "Transfers failed, by kind and reason");
+    describe_histogram!(TRANSFER_SECONDS, Unit::Seconds, "Transfer time from request to completion, by kind");
+    describe_gauge!(PEER_CONNECTIONS, "Live connections per peer");
+    describe_counter!(CONNECTIONS_LOST, "Peer connections that broke, by peer and rail");
+    describe_counter!(FRAMES_REJECTED, "Peer frames refused as malformed, by reason");
+    describe_counter!(HANDSHAKES_REFUSED, "Peer handshakes refused, by reason");
+    describe_gauge!(REGIONS_REGISTERED, "Regions currently registered");
+}
