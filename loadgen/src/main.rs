@@ -1,0 +1,39 @@
+//! loadgen: benchmarks, the two-sidecar demo, and (hidden) the sidecar itself so
+//! that one binary can start real sidecar processes.
+
+mod bench;
+mod cluster;
+mod demo;
+mod model;
+mod stats;
+mod trace;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "loadgen", about = "kvrail load generator: benchmarks and trace-driven demo")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay the first requests of a trace through two local sidecars; print transfer times and TTFT share.
+    Demo(demo::DemoArgs),
+    /// Measure throughput and latency between two local sidecars, with iperf3 side by side.
+    Bench(bench::BenchArgs),
+    /// Run a sidecar daemon (same as `kvrail serve`); used to start real sidecar processes.
+    #[command(hide = true)]
+    Sidecar(kvrail_sidecar::ServeArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    kvrail_sidecar::init_logging();
+    match Cli::parse().command {
+        Command::Demo(a) => demo::run(a).await,
+        Command::Bench(a) => bench::run(a).await,
+        Command::Sidecar(a) => kvrail_sidecar::serve(a).await,
+    }
+}

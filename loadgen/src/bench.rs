@@ -1,0 +1,444 @@
+//! `loadgen bench`: throughput and latency of kvrail between two local sidecars,
+//! with iperf3 run in the same invocation for a side-by-side ratio.
+//! One JSON object per result on stdout; a human table on stderr.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use kvrail_client::proto::{BlockRange, NotificationKind, RegionLayout, TransferState};
+use kvrail_client::{blocks, dense_layout, layout_extent, Client, KvRegion, SharedRegion};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::json;
+use tokio_stream::StreamExt;
+
+use crate::cluster::{ClusterOptions, LocalCluster};
+use crate::stats::{gbps, human_bytes, parse_size, Latencies};
+
+/// Flags of `loadgen bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// TCP connections per rail (iperf3 runs with as many streams).
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Slice size.
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    pub slice_bytes: u64,
+    /// Unacknowledged bytes per connection.
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    pub window_bytes: u64,
+    /// Sizes of single contiguous transfers.
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,16M,64M,256M", value_parser = parse_size)]
+    pub sizes: Vec<u64>,
+    /// Operations to measure: push, pull.
+    #[arg(long, value_delimiter = ',', default_value = "push,pull")]
+    pub ops: Vec<String>,
+    /// Scattered batch: COUNTxSIZE blocks at non-adjacent offsets into shuffled destination blocks.
+    #[arg(long, default_value = "512x160K")]
+    pub scattered: String,
+    /// vLLM-shaped batch: LAYERSxBLOCKSxSIZE, K and V per layer, blocks scattered in a pool twice as large.
+    #[arg(long, default_value = "80x512x4K")]
+    pub vllm: String,
+    /// 4 KiB push latency samples (call to the peer worker's notification).
+    #[arg(long, default_value_t = 1000)]
+    pub latency_samples: usize,
+    /// Bytes moved per measurement, at least (small sizes repeat until they reach it).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub bytes_per_point: u64,
+    /// Which parts to run: single, scattered, vllm, latency, iperf3.
+    #[arg(long, value_delimiter = ',', default_value = "iperf3,single,scattered,vllm,latency")]
+    pub only: Vec<String>,
+    /// iperf3 duration in seconds.
+    #[arg(long, default_value_t = 3)]
+    pub iperf3_seconds: u32,
+}
+
+fn parse_x(spec: &str) -> anyhow::Result<Vec<u64>> {
+    spec.split('x').map(|p| parse_size(p).map_err(anyhow::Error::msg)).collect()
+}
+
+/// Both workers: the prefill side's region and the decode side's, on one file each.
+struct Bench {
+    cluster: LocalCluster,
+    p: Client,
+    d: Client,
+    p_mem: SharedRegion,
+    d_mem: SharedRegion,
+    args: BenchArgs,
+    results: Vec<serde_json::Value>,
+    iperf3_gbps: Option<f64>,
+    contiguous_push_gbps: Option<f64>,
+    next_request: u64,
+}
+
+/// What one throughput point measured.
+struct Point {
+    name: &'static str,
+    op: String,
+    bytes: u64,
+    blocks: u64,
+    segments: u64,
+    lat: Latencies,
+    total: Duration,
+    iterations: u64,
+}
+
+impl Bench {
+    async fn register(&mut self, layout: RegionLayout) -> anyhow::Result<(u64, u64)> {
+        let p = self.p.register_path("bench-p", self.p_mem.path(), layout, true).await?;
+        let d = self.d.register_path("bench-d", self.d_mem.path(), layout, true).await?;
+        Ok((p, d))
+    }
+
+    async fn unregister(&mut self, (p, d): (u64, u64)) -> anyhow::Result<()> {
+        self.p.unregister_region(p).await?;
+        self.d.unregister_region(d).await?;
+        Ok(())
+    }
+
+    /// One transfer, call to completion as the initiator sees it.
+    async fn transfer(&mut self, op: &str, src: BlockRange, dst: BlockRange) -> anyhow::Result<(Duration, u64)> {
+        self.next_request += 1;
+        let req = format!("bench-{}", self.next_request);
+        let start = Instant::now();
+        let (client, worker) = if op == "push" { (&mut self.p, "bench-p") } else { (&mut self.d, "bench-d") };
+        let t = if op == "push" {
+            client.push(worker, &req, "decode", src, dst).await?
+        } else {
+            client.pull(worker, &req, "prefill", src, dst).await?
+        };
+        let s = client.wait(t.transfer_id, Some(Duration::from_secs(120))).await?;
+        let elapsed = start.elapsed();
+        if s.state != TransferState::Done as i32 {
+            bail!("{op} {req} did not complete: {:?}", s.failure);
+        }
+        Ok((elapsed, t.segments))
+    }
+
+    /// Repeats a transfer (after one warm-up) until `bytes_per_point` moved, verifies, reports.
+    async fn point(&mut self, name: &'static str, op: &str, layout: RegionLayout, layers: u32, src: Vec<u32>, dst: Vec<u32>) -> anyhow::Result<Point> {
+        let regions = self.register(layout).await?;
+        let (src_range, dst_range) = if op == "push" {
+            (blocks(regions.0, 0..layers, src.clone()), blocks(regions.1, 0..layers, dst.clone()))
+        } else {
+            (blocks(regions.0, 0..layers, src.clone()), blocks(regions.1, 0..layers, dst.clone()))
+        };
+        let bytes = u64::from(layers) * u64::from(layout.planes_per_layer) * src.len() as u64 * layout.block_bytes;
+        self.d_mem.fill(0, self.d_mem.len(), 0)?;
+        self.transfer(op, src_range.clone(), dst_range.clone()).await?; // warm-up: page faults, connections
+        verify_blocks(&self.p_mem, &self.d_mem, &layout, layers, &src, &dst).with_context(|| format!("{name} {op} moved wrong bytes"))?;
+        let iterations = (self.args.bytes_per_point / bytes).clamp(3, 2000);
+        let mut lat = Latencies::default();
+        let mut total = Duration::ZERO;
+        let mut segments = 0;
+        for _ in 0..iterations {
+            let (d, segs) = self.transfer(op, src_range.clone(), dst_range.clone()).await?;
+            lat.record(d);
+            total += d;
+            segments = segs;
+        }
+        self.unregister(regions).await?;
+        Ok(Point {
+            name,
+            op: op.to_string(),
+            bytes,
+            blocks: u64::from(layers) * u64::from(layout.planes_per_layer) * src.len() as u64,
+            segments,
+            lat,
+            total,
+            iterations,
+        })
+    }
+
+    fn report(&mut self, p: Point, extra: serde_json::Value) {
+        let rate = gbps(p.bytes * p.iterations, p.total);
+        let mut v = json!({
+            "bench": p.name,
+            "transport": "tcp",
+            "op": p.op,
+            "bytes": p.bytes,
+            "blocks": p.blocks,
+            "segments": p.segments,
+            "connections": self.args.connections,
+            "iterations": p.iterations,
+            "gbps": round3(rate),
+            "p50_us": p.lat.percentile_us(50.0),
+            "p99_us": p.lat.percentile_us(99.0),
+        });
+        if let Some(i) = self.iperf3_gbps {
+            v["ratio_vs_iperf3"] = json!(round3(rate / i));
+        }
+        if let (Some(c), true) = (self.contiguous_push_gbps, p.name != "single") {
+            v["ratio_vs_contiguous_256m"] = json!(round3(rate / c));
+        }
+        if let serde_json::Value::Object(m) = extra {
+            for (k, val) in m {
+                v[k] = val;
+            }
+        }
+        eprintln!(
+            "{:<10} {:<5} {:>10} {:>7} blk {:>6} seg {:>8.3} GB/s  p50 {:>9} us  p99 {:>9} us{}",
+            p.name,
+            p.op,
+            human_bytes(p.bytes),
+            p.blocks,
+            p.segments,
+            rate,
+            p.lat.percentile_us(50.0),
+            p.lat.percentile_us(99.0),
+            v.get("ratio_vs_iperf3").map(|r| format!("  {r}x iperf3")).unwrap_or_default()
+        );
+        println!("{v}");
+        self.results.push(v);
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Compares every named block of the source region with its destination block.
+fn verify_blocks(src_mem: &SharedRegion, dst_mem: &SharedRegion, layout: &RegionLayout, layers: u32, src: &[u32], dst: &[u32]) -> anyhow::Result<()> {
+    let off = |layer: u32, plane: u32, block: u32| {
+        layout.base_offset + u64::from(layer) * layout.layer_stride + u64::from(plane) * layout.plane_stride + u64::from(block) * layout.block_stride
+    };
+    for layer in 0..layers {
+        for plane in 0..layout.planes_per_layer {
+            for (s, d) in src.iter().zip(dst) {
+                let a = src_mem.io_slices(&[(off(layer, plane, *s), layout.block_bytes)])?;
+                let b = dst_mem.io_slices(&[(off(layer, plane, *d), layout.block_bytes)])?;
+                if *a[0] != *b[0] {
+                    bail!("layer {layer} plane {plane}: block {s} -> {d} differs");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Distinct content in every 4 KiB so that a misplaced block is caught.
+fn fill_source(mem: &SharedRegion) -> anyhow::Result<()> {
+    let chunk = 1 << 20;
+    let mut buf = vec![0u8; chunk];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    rand::RngCore::fill_bytes(&mut rng, &mut buf);
+    let mut off = 0u64;
+    while off < mem.len() {
+        let n = (mem.len() - off).min(chunk as u64) as usize;
+        for (i, page) in buf[..n].chunks_mut(4096).enumerate() {
+            page[..8].copy_from_slice(&(off / 4096 + i as u64).to_le_bytes());
+        }
+        mem.write_at(off, &buf[..n])?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// Runs iperf3 on loopback with `streams` parallel streams; GB/s received.
+fn iperf3(streams: usize, seconds: u32) -> anyhow::Result<f64> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("iperf3 is not installed (apt-get install iperf3)")?;
+    // The client retries until the server listens (it fails fast while it does not).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        let out = Command::new("iperf3")
+            .args(["-c", "127.0.0.1", "-p", &port.to_string(), "-P", &streams.to_string(), "-t", &seconds.to_string(), "--json"])
+            .output()?;
+        if out.status.success() || Instant::now() > deadline {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = server.kill();
+    let _ = server.wait();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 printed no JSON")?;
+    let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 JSON has no end.sum_received")?;
+    Ok(bps / 8.0 / 1e9)
+}
+
+async fn latency(bench: &mut Bench) -> anyhow::Result<()> {
+    let layout = dense_layout(1, 1, 1024, 4096);
+    let regions = bench.register(layout).await?;
+    let mut notes = bench.d.subscribe("bench-d").await?;
+    let mut lat = Latencies::default();
+    let samples = bench.args.latency_samples;
+    for i in 0..samples + 50 {
+        let b = (i % 1024) as u32;
+        bench.next_request += 1;
+        let req = format!("lat-{}", bench.next_request);
+        let start = Instant::now();
+        bench.p.push("bench-p", &req, "decode", blocks(regions.0, 0..1, vec![b]), blocks(regions.1, 0..1, vec![b])).await?;
+        loop {
+            let n = tokio::time::timeout(Duration::from_secs(10), notes.next())
+                .await
+                .context("no notification within 10 s")?
+                .context("notification stream ended")??;
+            if n.request_id == req {
+                if n.kind != NotificationKind::PushReceived as i32 {
+                    bail!("latency push failed: {n:?}");
+                }
+                break;
+            }
+        }
+        // The first 50 warm the path up.
+        if i >= 50 {
+            lat.record(start.elapsed());
+        }
+    }
+    bench.unregister(regions).await?;
+    // Where the time goes: a bare API round trip, and the sender's own view of the push.
+    let mut rpc = Latencies::default();
+    for _ in 0..samples {
+        let start = Instant::now();
+        bench.p.list_peers().await?;
+        rpc.record(start.elapsed());
+    }
+    let v = json!({
+        "bench": "latency",
+        "transport": "tcp",
+        "op": "push",
+        "bytes": 4096,
+        "blocks": 1,
+        "samples": samples,
+        "measured": "client push call to the peer worker's PUSH_RECEIVED notification",
+        "p50_us": lat.percentile_us(50.0),
+        "p99_us": lat.percentile_us(99.0),
+        "p999_us": lat.percentile_us(99.9),
+        "api_roundtrip_p50_us": rpc.percentile_us(50.0),
+        "api_roundtrip_p99_us": rpc.percentile_us(99.0),
+    });
+    eprintln!(
+        "latency    push  4 KiB: call -> peer notification  p50 {} us  p99 {} us  (bare API round trip p50 {} us)",
+        lat.percentile_us(50.0),
+        lat.percentile_us(99.0),
+        rpc.percentile_us(50.0)
+    );
+    println!("{v}");
+    bench.results.push(v);
+    Ok(())
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let wants = |part: &str| args.only.iter().any(|o| o == part);
+    let scattered = parse_x(&args.scattered)?;
+    let vllm = parse_x(&args.vllm)?;
+    if scattered.len() != 2 || vllm.len() != 3 {
+        bail!("--scattered is COUNTxSIZE and --vllm is LAYERSxBLOCKSxSIZE");
+    }
+    let max_single = args.sizes.iter().copied().max().unwrap_or(0);
+    let scattered_layout = dense_layout(1, 1, (scattered[0] * 2) as u32, scattered[1]);
+    let vllm_layout = dense_layout(vllm[0] as u32, 2, (vllm[1] * 2) as u32, vllm[2]);
+    let file_bytes = max_single.max(layout_extent(&scattered_layout)).max(layout_extent(&vllm_layout)).max(4 << 20);
+
+    let opts = ClusterOptions {
+        connections_per_rail: args.connections,
+        slice_bytes: args.slice_bytes,
+        window_bytes: args.window_bytes,
+    };
+    let cluster = LocalCluster::start(&opts).await?;
+    let p = cluster.client(&cluster.prefill).await?;
+    let d = cluster.client(&cluster.decode).await?;
+    let p_kv = KvRegion::create(cluster.shm_path("p"), dense_layout(1, 1, 1, file_bytes))?;
+    let d_kv = KvRegion::create(cluster.shm_path("d"), dense_layout(1, 1, 1, file_bytes))?;
+    fill_source(&p_kv.memory)?;
+    let mut bench = Bench {
+        cluster,
+        p,
+        d,
+        p_mem: p_kv.memory,
+        d_mem: d_kv.memory,
+        args: args.clone(),
+        results: Vec::new(),
+        iperf3_gbps: None,
+        contiguous_push_gbps: None,
+        next_request: 0,
+    };
+    // Put the bytes where both workers already mapped them.
+    let _ = &bench.cluster;
+    eprintln!(
+        "kvrail bench: 2 sidecars on loopback, tcp, {} connections, slices of {}, window {}",
+        args.connections,
+        human_bytes(args.slice_bytes),
+        human_bytes(args.window_bytes)
+    );
+    let result = run_parts(&mut bench, &wants, &scattered, &vllm, scattered_layout, vllm_layout).await;
+    let _ = std::fs::remove_file(bench.p_mem.path());
+    let _ = std::fs::remove_file(bench.d_mem.path());
+    result
+}
+
+async fn run_parts(
+    bench: &mut Bench,
+    wants: &dyn Fn(&str) -> bool,
+    scattered: &[u64],
+    vllm: &[u64],
+    scattered_layout: RegionLayout,
+    vllm_layout: RegionLayout,
+) -> anyhow::Result<()> {
+    let args = bench.args.clone();
+    if wants("iperf3") {
+        let g = iperf3(args.connections, args.iperf3_seconds)?;
+        bench.iperf3_gbps = Some(g);
+        let v = json!({"bench": "iperf3", "transport": "tcp", "op": "stream", "streams": args.connections, "seconds": args.iperf3_seconds, "gbps": round3(g)});
+        eprintln!("iperf3     -P {}  {:>8.3} GB/s (same loopback, same run)", args.connections, g);
+        println!("{v}");
+        bench.results.push(v);
+    }
+    if wants("single") {
+        let mut sizes = args.sizes.clone();
+        sizes.sort_unstable();
+        // Largest first so the scattered and vLLM ratios have their reference.
+        sizes.reverse();
+        for &size in &sizes {
+            for op in &args.ops {
+                let block = size.min(1 << 20);
+                let n = (size / block).max(1);
+                let layout = dense_layout(1, 1, (bench.p_mem.len() / block) as u32, block);
+                let ids: Vec<u32> = (0..n as u32).collect();
+                let point = bench.point("single", op, layout, 1, ids.clone(), ids).await?;
+                if op == "push" && size == 256 << 20 {
+                    bench.contiguous_push_gbps = Some(gbps(point.bytes * point.iterations, point.total));
+                }
+                bench.report(point, json!({}));
+            }
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    if wants("scattered") {
+        let count = scattered[0] as u32;
+        // Every other block: no two sources adjacent; destinations a shuffled subset.
+        let src: Vec<u32> = (0..count).map(|i| i * 2).collect();
+        let mut dst: Vec<u32> = (0..count * 2).collect();
+        dst.shuffle(&mut rng);
+        dst.truncate(count as usize);
+        for op in &args.ops {
+            let point = bench.point("scattered", op, scattered_layout, 1, src.clone(), dst.clone()).await?;
+            bench.report(point, json!({"block_bytes": scattered[1]}));
+        }
+    }
+    if wants("vllm") {
+        let pool = (vllm[1] * 2) as u32;
+        let pick = |rng: &mut rand::rngs::StdRng| {
+            let mut v: Vec<u32> = (0..pool).collect();
+            v.shuffle(rng);
+            v.truncate(vllm[1] as usize);
+            v
+        };
+        let src = pick(&mut rng);
+        let dst = pick(&mut rng);
+        for op in &args.ops {
+            let point = bench.point("vllm", op, vllm_layout, vllm[0] as u32, src.clone(), dst.clone()).await?;
+            bench.report(point, json!({"layers": vllm[0], "block_bytes": vllm[2], "pool_blocks": pool}));
+        }
+    }
+    if wants("latency") {
+        latency(bench).await?;
+    }
+    Ok(())
+}

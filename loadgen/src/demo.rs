@@ -1,0 +1,230 @@
+//! `loadgen demo`: the main job. Two sidecars on loopback; the first requests of
+//! a real trace (bundled Mooncake slice); each request's KV sized from the model
+//! table, pushed prefill -> decode through the sidecars, verified byte for byte,
+//! and its transfer time set against a modelled time-to-first-token.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvrail_client::proto::{NotificationKind, RegionLayout};
+use kvrail_client::{blocks, dense_layout, KvRegion, SharedRegion};
+use rand::seq::SliceRandom;
+use rand::{RngCore, SeedableRng};
+use serde_json::json;
+use tokio_stream::StreamExt;
+
+use crate::cluster::{ClusterOptions, LocalCluster};
+use crate::model::Model;
+use crate::stats::{gbps, human_bytes, parse_size, Latencies};
+use crate::trace;
+
+/// Flags of `loadgen demo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Mooncake-format JSONL trace.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/conversation_trace_head.jsonl"))]
+    pub trace: PathBuf,
+    /// Requests replayed from the start of the trace.
+    #[arg(long, default_value_t = 200)]
+    pub requests: usize,
+    /// Model whose KV geometry sizes each request (llama-3.1-8b, llama-3.1-70b, qwen2.5-32b).
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Prompts longer than this are clipped (bounds memory: both sides hold a pool for one prompt).
+    #[arg(long, default_value_t = 8192)]
+    pub max_prompt_tokens: u64,
+    /// TCP connections per rail.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    pub slice_bytes: u64,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Per-request outcome.
+struct Outcome {
+    transfer: Duration,
+    prefill_ms: f64,
+    bytes: u64,
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let model = *Model::by_name(&args.model).with_context(|| format!("unknown model {:?}", args.model))?;
+    let requests = trace::read_mooncake(&args.trace, args.requests)?;
+    if requests.is_empty() {
+        bail!("{} holds no requests", args.trace.display());
+    }
+    let max_blocks = model.blocks_for(args.max_prompt_tokens.max(16)) as u32;
+    // A pool twice the largest request, so that each request lands in scattered blocks.
+    let layout = dense_layout(model.num_layers, model.planes, max_blocks * 2, model.block_bytes());
+    let opts = ClusterOptions {
+        connections_per_rail: args.connections,
+        slice_bytes: args.slice_bytes,
+        window_bytes: (args.slice_bytes * 8).max(8 << 20),
+    };
+    eprintln!(
+        "kvrail demo: {} requests of {} on {} ({} KiB of KV per token, prompts clipped at {} tokens), 2 sidecars on loopback over tcp",
+        requests.len(),
+        args.trace.file_name().and_then(|f| f.to_str()).unwrap_or("trace"),
+        model.name,
+        model.kv_bytes_per_token() / 1024,
+        args.max_prompt_tokens
+    );
+    let cluster = LocalCluster::start(&opts).await?;
+    let mut p = cluster.client(&cluster.prefill).await?;
+    let mut d = cluster.client(&cluster.decode).await?;
+    let p_kv = KvRegion::create(cluster.shm_path("demo-p"), layout)?;
+    let d_kv = KvRegion::create(cluster.shm_path("demo-d"), layout)?;
+    let result = async {
+        fill_random(&p_kv.memory)?;
+        // Touch every destination page now, so tmpfs page allocation is not timed as transfer.
+        d_kv.memory.fill(0, d_kv.memory.len(), 0)?;
+        let p_region = p.register_region("prefill-0", &p_kv, false).await?;
+        let d_region = d.register_region("decode-0", &d_kv, false).await?;
+        let mut notes = d.subscribe("decode-0").await?;
+
+        let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(requests.len() as u64) };
+        bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
+        let mut outcomes = Vec::with_capacity(requests.len());
+        let mut moved = 0u64;
+        let started = Instant::now();
+        for (i, r) in requests.iter().enumerate() {
+            let tokens = r.input_length.clamp(1, args.max_prompt_tokens);
+            let n = model.blocks_for(tokens) as usize;
+            let src = pick(&mut rng, max_blocks * 2, n);
+            let dst = pick(&mut rng, max_blocks * 2, n);
+            let req = format!("trace-{i}");
+            let t0 = Instant::now();
+            p.push("prefill-0", &req, "decode", blocks(p_region, 0..model.num_layers, src.clone()), blocks(d_region, 0..model.num_layers, dst.clone()))
+                .await?;
+            let note = loop {
+                let n = tokio::time::timeout(Duration::from_secs(120), notes.next())
+                    .await
+                    .context("no notification within 120 s")?
+                    .context("notification stream ended")??;
+                if n.request_id == req {
+                    break n;
+                }
+            };
+            let transfer = t0.elapsed();
+            if note.kind != NotificationKind::PushReceived as i32 {
+                bail!("request {req} failed: {:?}", note.failure);
+            }
+            verify_and_clear(&p_kv.memory, &d_kv.memory, &layout, &src, &dst).with_context(|| format!("request {req}"))?;
+            moved += note.bytes;
+            outcomes.push(Outcome {
+                transfer,
+                prefill_ms: model.prefill_ms(tokens),
+                bytes: note.bytes,
+            });
+            bar.set_message(format!("{} moved, {:.2} GB/s", human_bytes(moved), gbps(moved, started.elapsed())));
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        summarize(&args, &model, &outcomes);
+        Ok::<(), anyhow::Error>(())
+    }
+    .await;
+    p_kv.unlink();
+    d_kv.unlink();
+    drop(cluster);
+    result
+}
+
+fn pick(rng: &mut rand::rngs::StdRng, pool: u32, n: usize) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..pool).collect();
+    v.shuffle(rng);
+    v.truncate(n);
+    v
+}
+
+fn fill_random(mem: &SharedRegion) -> anyhow::Result<()> {
+    let chunk = 4 << 20;
+    let mut buf = vec![0u8; chunk];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+    let mut off = 0u64;
+    while off < mem.len() {
+        let n = (mem.len() - off).min(chunk as u64) as usize;
+        rng.fill_bytes(&mut buf[..n]);
+        mem.write_at(off, &buf[..n])?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// Checks every destination block against its source, then zeroes it so that a
+/// later request cannot pass on stale bytes.
+fn verify_and_clear(src: &SharedRegion, dst: &SharedRegion, l: &RegionLayout, src_ids: &[u32], dst_ids: &[u32]) -> anyhow::Result<()> {
+    let off = |layer: u32, plane: u32, b: u32| l.base_offset + u64::from(layer) * l.layer_stride + u64::from(plane) * l.plane_stride + u64::from(b) * l.block_stride;
+    for layer in 0..l.num_layers {
+        for plane in 0..l.planes_per_layer {
+            for (s, d) in src_ids.iter().zip(dst_ids) {
+                let (so, dof) = (off(layer, plane, *s), off(layer, plane, *d));
+                let a = src.io_slices(&[(so, l.block_bytes)])?;
+                let b = dst.io_slices(&[(dof, l.block_bytes)])?;
+                if *a[0] != *b[0] {
+                    bail!("layer {layer} plane {plane}: block {s} -> {d} differs");
+                }
+                dst.fill(dof, l.block_bytes, 0)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome]) {
+    let mut transfer = Latencies::default();
+    let mut ttft = Latencies::default();
+    let mut shares: Vec<f64> = Vec::with_capacity(outcomes.len());
+    let mut bytes = 0u64;
+    let mut busy = Duration::ZERO;
+    for o in outcomes {
+        transfer.record(o.transfer);
+        let t = o.prefill_ms + o.transfer.as_secs_f64() * 1000.0;
+        ttft.record(Duration::from_secs_f64(t / 1000.0));
+        shares.push(o.transfer.as_secs_f64() * 1000.0 / t);
+        bytes += o.bytes;
+        busy += o.transfer;
+    }
+    shares.sort_by(f64::total_cmp);
+    let pct = |v: &[f64], p: f64| v[((v.len() as f64 - 1.0) * p / 100.0).round() as usize];
+    let share_mean = shares.iter().sum::<f64>() / shares.len() as f64;
+    let v = json!({
+        "demo": "trace_push",
+        "transport": "tcp",
+        "model": model.name,
+        "trace": args.trace.file_name().and_then(|f| f.to_str()),
+        "requests": outcomes.len(),
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "kv_bytes_total": bytes,
+        "verified_bytes": bytes,
+        "gbps": (gbps(bytes, busy) * 1000.0).round() / 1000.0,
+        "transfer_p50_ms": transfer.percentile_us(50.0) as f64 / 1000.0,
+        "transfer_p99_ms": transfer.percentile_us(99.0) as f64 / 1000.0,
+        "modelled_ttft_p50_ms": ttft.percentile_us(50.0) as f64 / 1000.0,
+        "modelled_ttft_p99_ms": ttft.percentile_us(99.0) as f64 / 1000.0,
+        "transfer_share_of_ttft_p50": (pct(&shares, 50.0) * 1000.0).round() / 1000.0,
+        "transfer_share_of_ttft_p99": (pct(&shares, 99.0) * 1000.0).round() / 1000.0,
+        "transfer_share_of_ttft_mean": (share_mean * 1000.0).round() / 1000.0,
+        "ttft_model": "prefill time from the H100 bf16 fit in shared/traces/models.json + measured transfer (not overlapped)",
+    });
+    println!("{v}");
+    eprintln!();
+    eprintln!("{} requests, {} of KV moved and verified byte for byte", outcomes.len(), human_bytes(bytes));
+    eprintln!("transport  transfer p50   transfer p99   GB/s    TTFT p50 (modelled)  TTFT p99   transfer share of TTFT p50 / p99");
+    eprintln!(
+        "tcp        {:>9.2} ms   {:>9.2} ms   {:>5.2}   {:>12.1} ms      {:>7.1} ms   {:>5.1}% / {:.1}%",
+        transfer.percentile_us(50.0) as f64 / 1000.0,
+        transfer.percentile_us(99.0) as f64 / 1000.0,
+        gbps(bytes, busy),
+        ttft.percentile_us(50.0) as f64 / 1000.0,
+        ttft.percentile_us(99.0) as f64 / 1000.0,
+        pct(&shares, 50.0) * 100.0,
+        pct(&shares, 99.0) * 100.0
+    );
+}
