@@ -55,7 +55,11 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let mut client = Client::connect(&a.socket).await?;
     let layout = dense_layout(a.layers, 2, a.num_blocks, a.block_bytes);
-    let path = a.shm_dir.join(format!("kvrail-example-{}-{}", a.worker, std::process::id()));
+    let path = a.shm_dir.join(format!(
+        "kvrail-example-{}-{}",
+        a.worker,
+        std::process::id()
+    ));
     let kv = KvRegion::create(&path, layout)?;
     let region = client.register_region(&a.worker, &kv, false).await?;
     let mut notes = client.subscribe(&a.worker).await?;
@@ -64,12 +68,24 @@ async fn main() -> anyhow::Result<()> {
     let received = if a.pull {
         let h = Handoff::read(&a.handoff).context("reading the prefill worker's hand-off")?;
         if h.block_ids.len() != my_blocks.len() {
-            bail!("hand-off names {} blocks, this worker expects {}", h.block_ids.len(), my_blocks.len());
+            bail!(
+                "hand-off names {} blocks, this worker expects {}",
+                h.block_ids.len(),
+                my_blocks.len()
+            );
         }
         let t = client
-            .pull(&a.worker, &h.request_id, &a.peer, blocks(h.region_id, 0..h.layers, h.block_ids), blocks(region, 0..a.layers, my_blocks.clone()))
+            .pull(
+                &a.worker,
+                &h.request_id,
+                &a.peer,
+                blocks(h.region_id, 0..h.layers, h.block_ids),
+                blocks(region, 0..a.layers, my_blocks.clone()),
+            )
             .await?;
-        let status = client.wait(t.transfer_id, Some(Duration::from_secs(60))).await?;
+        let status = client
+            .wait(t.transfer_id, Some(Duration::from_secs(60)))
+            .await?;
         if let Some(f) = status.failure {
             bail!("pull failed ({}): {}", f.code, f.message);
         }

@@ -51,12 +51,22 @@ pub fn block_pattern(seed: u64, layer: u32, plane: u32, ordinal: u32, len: usize
 }
 
 /// Writes the pattern of a request into `block_ids` of `kv` (every plane of `layers`).
-pub fn fill(kv: &KvRegion, seed: u64, layers: std::ops::Range<u32>, block_ids: &[u32]) -> anyhow::Result<()> {
+pub fn fill(
+    kv: &KvRegion,
+    seed: u64,
+    layers: std::ops::Range<u32>,
+    block_ids: &[u32],
+) -> anyhow::Result<()> {
     let len = kv.layout.block_bytes as usize;
     for layer in layers {
         for plane in 0..kv.layout.planes_per_layer {
             for (ordinal, &b) in block_ids.iter().enumerate() {
-                kv.write_block(layer, plane, b, &block_pattern(seed, layer, plane, ordinal as u32, len))?;
+                kv.write_block(
+                    layer,
+                    plane,
+                    b,
+                    &block_pattern(seed, layer, plane, ordinal as u32, len),
+                )?;
             }
         }
     }
@@ -64,7 +74,12 @@ pub fn fill(kv: &KvRegion, seed: u64, layers: std::ops::Range<u32>, block_ids: &
 }
 
 /// Checks that `block_ids` of `kv` hold the request's pattern; returns bytes checked.
-pub fn verify(kv: &KvRegion, seed: u64, layers: std::ops::Range<u32>, block_ids: &[u32]) -> anyhow::Result<u64> {
+pub fn verify(
+    kv: &KvRegion,
+    seed: u64,
+    layers: std::ops::Range<u32>,
+    block_ids: &[u32],
+) -> anyhow::Result<u64> {
     let len = kv.layout.block_bytes as usize;
     let mut checked = 0u64;
     for layer in layers {
@@ -77,7 +92,9 @@ pub fn verify(kv: &KvRegion, seed: u64, layers: std::ops::Range<u32>, block_ids:
                         .zip(block_pattern(seed, layer, plane, ordinal as u32, len))
                         .position(|(a, b)| *a != b)
                         .unwrap_or(0);
-                    anyhow::bail!("layer {layer} plane {plane} block {b} (#{ordinal}) differs at byte {at}");
+                    anyhow::bail!(
+                        "layer {layer} plane {plane} block {b} (#{ordinal}) differs at byte {at}"
+                    );
                 }
                 checked += len as u64;
             }

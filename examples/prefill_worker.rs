@@ -46,7 +46,11 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let mut client = Client::connect(&a.socket).await?;
     let layout = dense_layout(a.layers, 2, a.num_blocks, a.block_bytes);
-    let path = a.shm_dir.join(format!("kvrail-example-{}-{}", a.worker, std::process::id()));
+    let path = a.shm_dir.join(format!(
+        "kvrail-example-{}-{}",
+        a.worker,
+        std::process::id()
+    ));
     let kv = KvRegion::create(&path, layout)?;
     let region = client.register_region(&a.worker, &kv, a.expose).await?;
     let mut notes = client.subscribe(&a.worker).await?;
@@ -74,13 +78,24 @@ async fn main() -> anyhow::Result<()> {
     } else {
         let h = Handoff::read(&a.handoff).context("reading the decode worker's hand-off")?;
         let t = client
-            .push(&a.worker, &h.request_id, &a.peer, blocks(region, 0..a.layers, my_blocks), blocks(h.region_id, 0..h.layers, h.block_ids))
+            .push(
+                &a.worker,
+                &h.request_id,
+                &a.peer,
+                blocks(region, 0..a.layers, my_blocks),
+                blocks(h.region_id, 0..h.layers, h.block_ids),
+            )
             .await?;
-        let status = client.wait(t.transfer_id, Some(Duration::from_secs(60))).await?;
+        let status = client
+            .wait(t.transfer_id, Some(Duration::from_secs(60)))
+            .await?;
         if let Some(f) = status.failure {
             bail!("push failed ({}): {}", f.code, f.message);
         }
-        println!("PUSHED {} bytes in {} us ({} segments)", t.total_bytes, status.elapsed_us, t.segments);
+        println!(
+            "PUSHED {} bytes in {} us ({} segments)",
+            t.total_bytes, status.elapsed_us, t.segments
+        );
     }
     client.unregister_region(region).await?;
     kv.unlink();

@@ -1,11 +1,14 @@
 //! Bad input from workers and peers: each case gets a specific error, the daemon
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 //! stays up, and no byte lands outside the named destination blocks.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvrail_client::proto::{FailureSide, NotificationKind, RegionLayout, TransferState, TransferStatus};
+use kvrail_client::proto::{
+    FailureSide, NotificationKind, RegionLayout, TransferState, TransferStatus,
+};
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
 use kvrail_core::wire::{self, pb, Body, SliceHeader};
 use kvrail_e2e::Pair;
@@ -33,7 +36,15 @@ async fn setup(extra: &[&str]) -> Setup {
     let p_region = p.register_region("p0", &p_kv, false).await.unwrap();
     let d_region = d.register_region("d0", &d_kv, false).await.unwrap();
     fill(&p_kv, 3, 0..4, &(0..64).collect::<Vec<_>>()).unwrap();
-    Setup { pair, p, d, p_kv, d_kv, p_region, d_region }
+    Setup {
+        pair,
+        p,
+        d,
+        p_kv,
+        d_kv,
+        p_region,
+        d_region,
+    }
 }
 
 impl Drop for Setup {
@@ -49,12 +60,24 @@ fn zeros(kv: &KvRegion) -> bool {
     buf.iter().all(|b| *b == 0)
 }
 
-async fn push(s: &mut Setup, req: &str, src: Vec<u32>, dst_layers: std::ops::Range<u32>, dst: Vec<u32>) -> Result<u64, Code> {
+async fn push(
+    s: &mut Setup,
+    req: &str,
+    src: Vec<u32>,
+    dst_layers: std::ops::Range<u32>,
+    dst: Vec<u32>,
+) -> Result<u64, Code> {
     let layers = dst_layers.clone();
-    s.p.push("p0", req, "decode", blocks(s.p_region, 0..layers.len() as u32, src), blocks(s.d_region, dst_layers, dst))
-        .await
-        .map(|t| t.transfer_id)
-        .map_err(|e| e.code().unwrap())
+    s.p.push(
+        "p0",
+        req,
+        "decode",
+        blocks(s.p_region, 0..layers.len() as u32, src),
+        blocks(s.d_region, dst_layers, dst),
+    )
+    .await
+    .map(|t| t.transfer_id)
+    .map_err(|e| e.code().unwrap())
 }
 
 async fn wait(c: &mut Client, id: u64) -> TransferStatus {
@@ -71,39 +94,207 @@ async fn warm_up(s: &mut Setup) {
 async fn worker_requests_are_validated_with_specific_codes() {
     let mut s = setup(&[]).await;
     let (pr, dr) = (s.p_region, s.d_region);
-    let call = |src: kvrail_client::proto::BlockRange, dst, peer: &'static str, req: &'static str| {
-        let mut c = s.p.clone();
-        async move { c.push("p0", req, peer, src, dst).await.map_err(|e| e.code().unwrap()) }
-    };
-    assert_eq!(call(blocks(999, 0..1, vec![0]), blocks(dr, 0..1, vec![0]), "decode", "a").await.unwrap_err(), Code::NotFound, "unknown local region");
-    assert_eq!(call(blocks(pr, 0..1, vec![0]), blocks(dr, 0..1, vec![0]), "nobody", "a").await.unwrap_err(), Code::NotFound, "unknown peer");
-    assert_eq!(call(blocks(pr, 0..1, vec![64]), blocks(dr, 0..1, vec![0]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "block out of range");
-    assert_eq!(call(blocks(pr, 2..5, vec![0]), blocks(dr, 0..3, vec![0]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "layer out of range");
-    assert_eq!(call(blocks(pr, 0..1, vec![]), blocks(dr, 0..1, vec![]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "zero blocks");
-    assert_eq!(call(blocks(pr, 0..0, vec![1]), blocks(dr, 0..0, vec![1]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "zero layers");
-    assert_eq!(call(blocks(pr, 0..1, vec![1, 2]), blocks(dr, 0..1, vec![5, 5]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "overlapping destination");
-    assert_eq!(call(blocks(pr, 0..1, vec![1, 2]), blocks(dr, 0..1, vec![5]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "size mismatch");
-    assert_eq!(call(blocks(pr, 0..1, vec![1]), blocks(dr, 0..1, vec![5]), "decode", "").await.unwrap_err(), Code::InvalidArgument, "empty request id");
-    assert_eq!(call(blocks(pr, 0..1, vec![0; 2_000_000]), blocks(dr, 0..1, vec![0]), "decode", "a").await.unwrap_err(), Code::InvalidArgument, "absurd block count");
+    let call =
+        |src: kvrail_client::proto::BlockRange, dst, peer: &'static str, req: &'static str| {
+            let mut c = s.p.clone();
+            async move {
+                c.push("p0", req, peer, src, dst)
+                    .await
+                    .map_err(|e| e.code().unwrap())
+            }
+        };
+    assert_eq!(
+        call(
+            blocks(999, 0..1, vec![0]),
+            blocks(dr, 0..1, vec![0]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::NotFound,
+        "unknown local region"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![0]),
+            blocks(dr, 0..1, vec![0]),
+            "nobody",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::NotFound,
+        "unknown peer"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![64]),
+            blocks(dr, 0..1, vec![0]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "block out of range"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 2..5, vec![0]),
+            blocks(dr, 0..3, vec![0]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "layer out of range"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![]),
+            blocks(dr, 0..1, vec![]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "zero blocks"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..0, vec![1]),
+            blocks(dr, 0..0, vec![1]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "zero layers"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![1, 2]),
+            blocks(dr, 0..1, vec![5, 5]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "overlapping destination"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![1, 2]),
+            blocks(dr, 0..1, vec![5]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "size mismatch"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![1]),
+            blocks(dr, 0..1, vec![5]),
+            "decode",
+            ""
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "empty request id"
+    );
+    assert_eq!(
+        call(
+            blocks(pr, 0..1, vec![0; 2_000_000]),
+            blocks(dr, 0..1, vec![0]),
+            "decode",
+            "a"
+        )
+        .await
+        .unwrap_err(),
+        Code::InvalidArgument,
+        "absurd block count"
+    );
 
     // Region registration.
     let layout = dense_layout(4, 2, 64, 4096);
     let missing = s.pair.dir.path().join("missing");
-    assert_eq!(s.p.register_path("p0", &missing, layout, false).await.unwrap_err().code(), Some(Code::NotFound));
+    assert_eq!(
+        s.p.register_path("p0", &missing, layout, false)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(Code::NotFound)
+    );
     let small = s.pair.shm_path("small");
     std::fs::write(&small, vec![0u8; 4096]).unwrap();
-    assert_eq!(s.p.register_path("p0", &small, layout, false).await.unwrap_err().code(), Some(Code::InvalidArgument), "layout larger than file");
-    let zero_block = RegionLayout { block_bytes: 0, ..layout };
-    assert_eq!(s.p.register_path("p0", &small, zero_block, false).await.unwrap_err().code(), Some(Code::InvalidArgument));
-    let absurd = RegionLayout { layer_stride: u64::MAX / 2, ..layout };
-    assert_eq!(s.p.register_path("p0", &small, absurd, false).await.unwrap_err().code(), Some(Code::InvalidArgument));
-    let overlapping = RegionLayout { block_stride: 100, ..dense_layout(1, 1, 4, 4096) };
-    assert_eq!(s.p.register_path("p0", &small, overlapping, false).await.unwrap_err().code(), Some(Code::InvalidArgument));
-    assert_eq!(s.p.register_path("p0", s.pair.dir.path(), layout, false).await.unwrap_err().code(), Some(Code::FailedPrecondition), "directory");
+    assert_eq!(
+        s.p.register_path("p0", &small, layout, false)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(Code::InvalidArgument),
+        "layout larger than file"
+    );
+    let zero_block = RegionLayout {
+        block_bytes: 0,
+        ..layout
+    };
+    assert_eq!(
+        s.p.register_path("p0", &small, zero_block, false)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(Code::InvalidArgument)
+    );
+    let absurd = RegionLayout {
+        layer_stride: u64::MAX / 2,
+        ..layout
+    };
+    assert_eq!(
+        s.p.register_path("p0", &small, absurd, false)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(Code::InvalidArgument)
+    );
+    let overlapping = RegionLayout {
+        block_stride: 100,
+        ..dense_layout(1, 1, 4, 4096)
+    };
+    assert_eq!(
+        s.p.register_path("p0", &small, overlapping, false)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(Code::InvalidArgument)
+    );
+    assert_eq!(
+        s.p.register_path("p0", s.pair.dir.path(), layout, false)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(Code::FailedPrecondition),
+        "directory"
+    );
     std::fs::remove_file(&small).unwrap();
 
-    assert_eq!(s.p.wait(12345, None).await.unwrap_err().code(), Some(Code::NotFound));
-    assert_eq!(s.p.unregister_region(12345).await.unwrap_err().code(), Some(Code::NotFound));
+    assert_eq!(
+        s.p.wait(12345, None).await.unwrap_err().code(),
+        Some(Code::NotFound)
+    );
+    assert_eq!(
+        s.p.unregister_region(12345).await.unwrap_err().code(),
+        Some(Code::NotFound)
+    );
     // Nothing of the above reached the peer.
     assert!(zeros(&s.d_kv));
 }
@@ -113,30 +304,56 @@ async fn peer_side_rejections_fail_the_transfer_and_leave_memory_untouched() {
     let mut s = setup(&[]).await;
     let mut notes = s.p.subscribe("p0").await.unwrap();
     let dr = s.d_region;
-    let cases: Vec<(Vec<u32>, std::ops::Range<u32>, Vec<u32>, u64, &str)> = vec![
+    type Case = (Vec<u32>, std::ops::Range<u32>, Vec<u32>, u64, &'static str);
+    let cases: Vec<Case> = vec![
         (vec![0], 0..1, vec![0], 999, "unknown_region"),
         (vec![0, 1], 0..1, vec![3, 64], dr, "out_of_range"),
         (vec![0], 3..5, vec![1], dr, "out_of_range"),
     ];
     for (i, (src, layers, dst, region, code)) in cases.into_iter().enumerate() {
         let req = format!("bad-{i}");
-        let t = s
-            .p
-            .push("p0", &req, "decode", blocks(s.p_region, 0..layers.len() as u32, src), blocks(region, layers, dst))
+        let t =
+            s.p.push(
+                "p0",
+                &req,
+                "decode",
+                blocks(s.p_region, 0..layers.len() as u32, src),
+                blocks(region, layers, dst),
+            )
             .await
             .unwrap();
         let st = wait(&mut s.p, t.transfer_id).await;
         assert_eq!(st.state, TransferState::Failed as i32, "{req}: {st:?}");
         let f = st.failure.unwrap();
-        assert_eq!((f.side, f.code.as_str()), (FailureSide::Peer as i32, code), "{req}: {}", f.message);
+        assert_eq!(
+            (f.side, f.code.as_str()),
+            (FailureSide::Peer as i32, code),
+            "{req}: {}",
+            f.message
+        );
         let n = notes.next().await.unwrap().unwrap();
-        assert_eq!((n.kind, n.request_id.as_str()), (NotificationKind::Failed as i32, req.as_str()));
+        assert_eq!(
+            (n.kind, n.request_id.as_str()),
+            (NotificationKind::Failed as i32, req.as_str())
+        );
     }
     // Pulling a region that is not exposed.
-    let t = s.d.pull("d0", "pull-unexposed", "prefill", blocks(s.p_region, 0..1, vec![0]), blocks(dr, 0..1, vec![0])).await.unwrap();
+    let t =
+        s.d.pull(
+            "d0",
+            "pull-unexposed",
+            "prefill",
+            blocks(s.p_region, 0..1, vec![0]),
+            blocks(dr, 0..1, vec![0]),
+        )
+        .await
+        .unwrap();
     let st = wait(&mut s.d, t.transfer_id).await;
     assert_eq!(st.failure.unwrap().code, "not_exposed");
-    assert!(zeros(&s.d_kv), "a rejected transfer wrote into the destination");
+    assert!(
+        zeros(&s.d_kv),
+        "a rejected transfer wrote into the destination"
+    );
     // The same request ids work once their transfers are over, and the daemons still serve.
     let id = push(&mut s, "bad-0", vec![5], 2..3, vec![9]).await.unwrap();
     assert_eq!(wait(&mut s.p, id).await.state, TransferState::Done as i32);
@@ -148,13 +365,27 @@ async fn duplicate_request_ids_are_refused_while_live() {
     warm_up(&mut s).await;
     s.pair.decode.signal("STOP");
     let first = push(&mut s, "dup", vec![1], 0..1, vec![1]).await.unwrap();
-    assert_eq!(push(&mut s, "dup", vec![2], 0..1, vec![2]).await.unwrap_err(), Code::AlreadyExists);
+    assert_eq!(
+        push(&mut s, "dup", vec![2], 0..1, vec![2])
+            .await
+            .unwrap_err(),
+        Code::AlreadyExists
+    );
     // Still in flight: its source region cannot be unregistered under it.
-    assert_eq!(s.p.unregister_region(s.p_region).await.unwrap_err().code(), Some(Code::FailedPrecondition));
+    assert_eq!(
+        s.p.unregister_region(s.p_region).await.unwrap_err().code(),
+        Some(Code::FailedPrecondition)
+    );
     s.pair.decode.signal("CONT");
-    assert_eq!(wait(&mut s.p, first).await.state, TransferState::Done as i32);
+    assert_eq!(
+        wait(&mut s.p, first).await.state,
+        TransferState::Done as i32
+    );
     let again = push(&mut s, "dup", vec![2], 0..1, vec![2]).await.unwrap();
-    assert_eq!(wait(&mut s.p, again).await.state, TransferState::Done as i32);
+    assert_eq!(
+        wait(&mut s.p, again).await.state,
+        TransferState::Done as i32
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -165,9 +396,16 @@ async fn a_stalled_peer_times_out_and_cancel_is_reported() {
     let stalled = push(&mut s, "stall", vec![1], 0..1, vec![1]).await.unwrap();
     let st = wait(&mut s.p, stalled).await;
     let f = st.failure.expect("must fail");
-    assert_eq!((f.side, f.code.as_str()), (FailureSide::Timeout as i32, "timeout"), "{}", f.message);
+    assert_eq!(
+        (f.side, f.code.as_str()),
+        (FailureSide::Timeout as i32, "timeout"),
+        "{}",
+        f.message
+    );
 
-    let cancelled = push(&mut s, "cancel-me", vec![2], 0..1, vec![2]).await.unwrap();
+    let cancelled = push(&mut s, "cancel-me", vec![2], 0..1, vec![2])
+        .await
+        .unwrap();
     let st = s.p.cancel(cancelled).await.unwrap();
     assert_eq!(st.state, TransferState::Failed as i32);
     assert_eq!(st.failure.unwrap().side, FailureSide::Cancelled as i32);
@@ -182,23 +420,33 @@ async fn a_peer_dying_mid_transfer_fails_it_and_the_daemon_stays_up() {
     warm_up(&mut s).await;
     s.pair.decode.signal("STOP");
     let all: Vec<u32> = (0..64).collect();
-    let id = push(&mut s, "doomed", all.clone(), 0..4, all).await.unwrap();
+    let id = push(&mut s, "doomed", all.clone(), 0..4, all)
+        .await
+        .unwrap();
     s.pair.decode.kill();
     let st = wait(&mut s.p, id).await;
     let f = st.failure.expect("must fail");
-    assert_eq!((f.side, f.code.as_str()), (FailureSide::Rail as i32, "connection_lost"), "{}", f.message);
+    assert_eq!(
+        (f.side, f.code.as_str()),
+        (FailureSide::Rail as i32, "connection_lost"),
+        "{}",
+        f.message
+    );
     assert!(s.pair.prefill.is_running());
     // The daemon answers, and says plainly that the peer is gone.
     let peers = s.p.list_peers().await.unwrap();
     assert!(!peers.peers[0].connected);
-    let err = push(&mut s, "next", vec![1], 0..1, vec![1]).await.unwrap_err();
+    let err = push(&mut s, "next", vec![1], 0..1, vec![1])
+        .await
+        .unwrap_err();
     assert_eq!(err, Code::Unavailable);
 }
 
 /// A hand-written peer on a raw socket: handshakes, then misbehaves.
 fn raw_peer(addr: std::net::SocketAddr, node: &str) -> (TcpStream, Option<Body>) {
     let mut sock = TcpStream::connect(addr).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let hello = pb::Hello {
         protocol_version: 1,
         node_name: node.into(),
@@ -208,7 +456,8 @@ fn raw_peer(addr: std::net::SocketAddr, node: &str) -> (TcpStream, Option<Body>)
         expected_peer: "decode".into(),
         ..Default::default()
     };
-    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello)))).unwrap();
+    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
+        .unwrap();
     let reply = read_control(&mut sock);
     (sock, reply)
 }
@@ -216,7 +465,9 @@ fn raw_peer(addr: std::net::SocketAddr, node: &str) -> (TcpStream, Option<Body>)
 fn read_control(sock: &mut TcpStream) -> Option<Body> {
     let mut hdr = [0u8; 8];
     sock.read_exact(&mut hdr).ok()?;
-    let wire::FrameHeader::Control { len } = wire::decode_frame_header(&hdr).ok()? else { return None };
+    let wire::FrameHeader::Control { len } = wire::decode_frame_header(&hdr).ok()? else {
+        return None;
+    };
     let mut body = vec![0u8; len as usize];
     sock.read_exact(&mut body).ok()?;
     wire::decode_control(&body).ok()
@@ -229,15 +480,23 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
 
     // Not kvrail at all.
     let mut junk = TcpStream::connect(addr).unwrap();
-    junk.write_all(b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
-    junk.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    junk.write_all(b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxx")
+        .unwrap();
+    junk.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let mut buf = [0u8; 256];
     let n = junk.read(&mut buf).unwrap_or(0);
-    assert!(n == 0 || buf[..2] == *b"KR", "the daemon must answer garbage with a refusal or a close");
+    assert!(
+        n == 0 || buf[..2] == *b"KR",
+        "the daemon must answer garbage with a refusal or a close"
+    );
 
     // A node that is not a configured peer.
     let (_, reply) = raw_peer(addr, "mallory");
-    assert!(matches!(reply, Some(Body::Abort(ref a)) if a.message.contains("mallory")), "{reply:?}");
+    assert!(
+        matches!(reply, Some(Body::Abort(ref a)) if a.message.contains("mallory")),
+        "{reply:?}"
+    );
 
     // A configured peer that sends a slice outside the transfer it opened.
     let (mut sock, reply) = raw_peer(addr, "prefill");
@@ -245,26 +504,57 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
     let open = pb::PushOpen {
         transfer_id: 1,
         request_id: "evil".into(),
-        destination: Some(pb::BlockSet { region_id: s.d_region, layer_start: 0, layer_count: 1, block_ids: vec![4] }),
+        destination: Some(pb::BlockSet {
+            region_id: s.d_region,
+            layer_start: 0,
+            layer_count: 1,
+            block_ids: vec![4],
+        }),
         block_bytes: 4096,
         total_bytes: 8192,
     };
-    sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open)))).unwrap();
+    sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
+        .unwrap();
     let payload = vec![0xAAu8; 4096];
-    sock.write_all(&wire::encode_data_header(SliceHeader { transfer_id: 1, offset: 6000 }, 4096)).unwrap();
+    sock.write_all(&wire::encode_data_header(
+        SliceHeader {
+            transfer_id: 1,
+            offset: 6000,
+        },
+        4096,
+    ))
+    .unwrap();
     sock.write_all(&payload).unwrap();
     let reply = read_control(&mut sock);
-    assert!(matches!(reply, Some(Body::Abort(ref a)) if a.transfer_id == 1), "{reply:?}");
+    assert!(
+        matches!(reply, Some(Body::Abort(ref a)) if a.transfer_id == 1),
+        "{reply:?}"
+    );
     // A slice for a transfer that was never opened, then a truncated frame, then a close.
-    sock.write_all(&wire::encode_data_header(SliceHeader { transfer_id: 99, offset: 0 }, 4096)).unwrap();
+    sock.write_all(&wire::encode_data_header(
+        SliceHeader {
+            transfer_id: 99,
+            offset: 0,
+        },
+        4096,
+    ))
+    .unwrap();
     sock.write_all(&payload).unwrap();
-    sock.write_all(&wire::encode_data_header(SliceHeader { transfer_id: 99, offset: 0 }, 65536)).unwrap();
+    sock.write_all(&wire::encode_data_header(
+        SliceHeader {
+            transfer_id: 99,
+            offset: 0,
+        },
+        65536,
+    ))
+    .unwrap();
     sock.write_all(&payload[..100]).unwrap();
     drop(sock);
 
     // A garbled frame in the middle of a session.
     let (mut sock, _) = raw_peer(addr, "prefill");
-    sock.write_all(b"KR\x01\x09garbage-after-a-good-hello").unwrap();
+    sock.write_all(b"KR\x01\x09garbage-after-a-good-hello")
+        .unwrap();
     let mut rest = Vec::new();
     let _ = sock.read_to_end(&mut rest);
 
@@ -275,7 +565,9 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
     assert!(log.contains("malformed frame"), "{log}");
     // The daemon still moves real transfers, verified.
     let all: Vec<u32> = (0..64).collect();
-    let id = push(&mut s, "after-abuse", all.clone(), 0..4, all.clone()).await.unwrap();
+    let id = push(&mut s, "after-abuse", all.clone(), 0..4, all.clone())
+        .await
+        .unwrap();
     assert_eq!(wait(&mut s.p, id).await.state, TransferState::Done as i32);
     verify(&s.d_kv, 3, 0..4, &all).unwrap();
 }

@@ -47,7 +47,11 @@ pub struct BenchArgs {
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     pub bytes_per_point: u64,
     /// Which parts to run: single, scattered, vllm, latency, iperf3.
-    #[arg(long, value_delimiter = ',', default_value = "iperf3,single,scattered,vllm,latency")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "iperf3,single,scattered,vllm,latency"
+    )]
     pub only: Vec<String>,
     /// iperf3 duration in seconds.
     #[arg(long, default_value_t = 3)]
@@ -55,12 +59,15 @@ pub struct BenchArgs {
 }
 
 fn parse_x(spec: &str) -> anyhow::Result<Vec<u64>> {
-    spec.split('x').map(|p| parse_size(p).map_err(anyhow::Error::msg)).collect()
+    spec.split('x')
+        .map(|p| parse_size(p).map_err(anyhow::Error::msg))
+        .collect()
 }
 
 /// Both workers: the prefill side's region and the decode side's, on one file each.
 struct Bench {
-    cluster: LocalCluster,
+    // Keeps the sidecar processes alive for the whole run.
+    _cluster: LocalCluster,
     p: Client,
     d: Client,
     p_mem: SharedRegion,
@@ -70,6 +77,9 @@ struct Bench {
     iperf3_gbps: Option<f64>,
     contiguous_push_gbps: Option<f64>,
     next_request: u64,
+    /// The prefill worker's notifications: a pulled region may be freed only once served.
+    p_notes: tonic::Streaming<kvrail_client::proto::Notification>,
+    awaiting_served: std::collections::HashSet<String>,
 }
 
 /// What one throughput point measured.
@@ -86,29 +96,55 @@ struct Point {
 
 impl Bench {
     async fn register(&mut self, layout: RegionLayout) -> anyhow::Result<(u64, u64)> {
-        let p = self.p.register_path("bench-p", self.p_mem.path(), layout, true).await?;
-        let d = self.d.register_path("bench-d", self.d_mem.path(), layout, true).await?;
+        let p = self
+            .p
+            .register_path("bench-p", self.p_mem.path(), layout, true)
+            .await?;
+        let d = self
+            .d
+            .register_path("bench-d", self.d_mem.path(), layout, true)
+            .await?;
         Ok((p, d))
     }
 
     async fn unregister(&mut self, (p, d): (u64, u64)) -> anyhow::Result<()> {
+        // As a prefill worker would: free pulled blocks only after PULL_SERVED.
+        while !self.awaiting_served.is_empty() {
+            let n = tokio::time::timeout(Duration::from_secs(30), self.p_notes.next())
+                .await
+                .context("pulls not reported served within 30 s")?
+                .context("notification stream ended")??;
+            self.awaiting_served.remove(&n.request_id);
+        }
         self.p.unregister_region(p).await?;
         self.d.unregister_region(d).await?;
         Ok(())
     }
 
     /// One transfer, call to completion as the initiator sees it.
-    async fn transfer(&mut self, op: &str, src: BlockRange, dst: BlockRange) -> anyhow::Result<(Duration, u64)> {
+    async fn transfer(
+        &mut self,
+        op: &str,
+        src: BlockRange,
+        dst: BlockRange,
+    ) -> anyhow::Result<(Duration, u64)> {
         self.next_request += 1;
         let req = format!("bench-{}", self.next_request);
         let start = Instant::now();
-        let (client, worker) = if op == "push" { (&mut self.p, "bench-p") } else { (&mut self.d, "bench-d") };
+        let (client, worker) = if op == "push" {
+            (&mut self.p, "bench-p")
+        } else {
+            (&mut self.d, "bench-d")
+        };
         let t = if op == "push" {
             client.push(worker, &req, "decode", src, dst).await?
         } else {
+            self.awaiting_served.insert(req.clone());
             client.pull(worker, &req, "prefill", src, dst).await?
         };
-        let s = client.wait(t.transfer_id, Some(Duration::from_secs(120))).await?;
+        let s = client
+            .wait(t.transfer_id, Some(Duration::from_secs(120)))
+            .await?;
         let elapsed = start.elapsed();
         if s.state != TransferState::Done as i32 {
             bail!("{op} {req} did not complete: {:?}", s.failure);
@@ -117,23 +153,37 @@ impl Bench {
     }
 
     /// Repeats a transfer (after one warm-up) until `bytes_per_point` moved, verifies, reports.
-    async fn point(&mut self, name: &'static str, op: &str, layout: RegionLayout, layers: u32, src: Vec<u32>, dst: Vec<u32>) -> anyhow::Result<Point> {
+    async fn point(
+        &mut self,
+        name: &'static str,
+        op: &str,
+        layout: RegionLayout,
+        layers: u32,
+        src: Vec<u32>,
+        dst: Vec<u32>,
+    ) -> anyhow::Result<Point> {
         let regions = self.register(layout).await?;
-        let (src_range, dst_range) = if op == "push" {
-            (blocks(regions.0, 0..layers, src.clone()), blocks(regions.1, 0..layers, dst.clone()))
-        } else {
-            (blocks(regions.0, 0..layers, src.clone()), blocks(regions.1, 0..layers, dst.clone()))
-        };
-        let bytes = u64::from(layers) * u64::from(layout.planes_per_layer) * src.len() as u64 * layout.block_bytes;
+        // Source blocks live on the prefill side and destinations on the decode side, for
+        // push and pull alike; only who initiates differs.
+        let src_range = blocks(regions.0, 0..layers, src.clone());
+        let dst_range = blocks(regions.1, 0..layers, dst.clone());
+        let bytes = u64::from(layers)
+            * u64::from(layout.planes_per_layer)
+            * src.len() as u64
+            * layout.block_bytes;
         self.d_mem.fill(0, self.d_mem.len(), 0)?;
-        self.transfer(op, src_range.clone(), dst_range.clone()).await?; // warm-up: page faults, connections
-        verify_blocks(&self.p_mem, &self.d_mem, &layout, layers, &src, &dst).with_context(|| format!("{name} {op} moved wrong bytes"))?;
+        self.transfer(op, src_range.clone(), dst_range.clone())
+            .await?; // warm-up: page faults, connections
+        verify_blocks(&self.p_mem, &self.d_mem, &layout, layers, &src, &dst)
+            .with_context(|| format!("{name} {op} moved wrong bytes"))?;
         let iterations = (self.args.bytes_per_point / bytes).clamp(3, 2000);
         let mut lat = Latencies::default();
         let mut total = Duration::ZERO;
         let mut segments = 0;
         for _ in 0..iterations {
-            let (d, segs) = self.transfer(op, src_range.clone(), dst_range.clone()).await?;
+            let (d, segs) = self
+                .transfer(op, src_range.clone(), dst_range.clone())
+                .await?;
             lat.record(d);
             total += d;
             segments = segs;
@@ -187,7 +237,9 @@ impl Bench {
             rate,
             p.lat.percentile_us(50.0),
             p.lat.percentile_us(99.0),
-            v.get("ratio_vs_iperf3").map(|r| format!("  {r}x iperf3")).unwrap_or_default()
+            v.get("ratio_vs_iperf3")
+                .map(|r| format!("  {r}x iperf3"))
+                .unwrap_or_default()
         );
         println!("{v}");
         self.results.push(v);
@@ -199,9 +251,19 @@ fn round3(x: f64) -> f64 {
 }
 
 /// Compares every named block of the source region with its destination block.
-fn verify_blocks(src_mem: &SharedRegion, dst_mem: &SharedRegion, layout: &RegionLayout, layers: u32, src: &[u32], dst: &[u32]) -> anyhow::Result<()> {
+fn verify_blocks(
+    src_mem: &SharedRegion,
+    dst_mem: &SharedRegion,
+    layout: &RegionLayout,
+    layers: u32,
+    src: &[u32],
+    dst: &[u32],
+) -> anyhow::Result<()> {
     let off = |layer: u32, plane: u32, block: u32| {
-        layout.base_offset + u64::from(layer) * layout.layer_stride + u64::from(plane) * layout.plane_stride + u64::from(block) * layout.block_stride
+        layout.base_offset
+            + u64::from(layer) * layout.layer_stride
+            + u64::from(plane) * layout.plane_stride
+            + u64::from(block) * layout.block_stride
     };
     for layer in 0..layers {
         for plane in 0..layout.planes_per_layer {
@@ -237,7 +299,9 @@ fn fill_source(mem: &SharedRegion) -> anyhow::Result<()> {
 
 /// Runs iperf3 on loopback with `streams` parallel streams; GB/s received.
 fn iperf3(streams: usize, seconds: u32) -> anyhow::Result<f64> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let mut server = Command::new("iperf3")
         .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())
@@ -248,7 +312,17 @@ fn iperf3(streams: usize, seconds: u32) -> anyhow::Result<f64> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let out = loop {
         let out = Command::new("iperf3")
-            .args(["-c", "127.0.0.1", "-p", &port.to_string(), "-P", &streams.to_string(), "-t", &seconds.to_string(), "--json"])
+            .args([
+                "-c",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-P",
+                &streams.to_string(),
+                "-t",
+                &seconds.to_string(),
+                "--json",
+            ])
             .output()?;
         if out.status.success() || Instant::now() > deadline {
             break out;
@@ -257,8 +331,11 @@ fn iperf3(streams: usize, seconds: u32) -> anyhow::Result<f64> {
     };
     let _ = server.kill();
     let _ = server.wait();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 printed no JSON")?;
-    let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 JSON has no end.sum_received")?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("iperf3 printed no JSON")?;
+    let bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 JSON has no end.sum_received")?;
     Ok(bps / 8.0 / 1e9)
 }
 
@@ -273,7 +350,16 @@ async fn latency(bench: &mut Bench) -> anyhow::Result<()> {
         bench.next_request += 1;
         let req = format!("lat-{}", bench.next_request);
         let start = Instant::now();
-        bench.p.push("bench-p", &req, "decode", blocks(regions.0, 0..1, vec![b]), blocks(regions.1, 0..1, vec![b])).await?;
+        bench
+            .p
+            .push(
+                "bench-p",
+                &req,
+                "decode",
+                blocks(regions.0, 0..1, vec![b]),
+                blocks(regions.1, 0..1, vec![b]),
+            )
+            .await?;
         loop {
             let n = tokio::time::timeout(Duration::from_secs(10), notes.next())
                 .await
@@ -334,7 +420,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let max_single = args.sizes.iter().copied().max().unwrap_or(0);
     let scattered_layout = dense_layout(1, 1, (scattered[0] * 2) as u32, scattered[1]);
     let vllm_layout = dense_layout(vllm[0] as u32, 2, (vllm[1] * 2) as u32, vllm[2]);
-    let file_bytes = max_single.max(layout_extent(&scattered_layout)).max(layout_extent(&vllm_layout)).max(4 << 20);
+    let file_bytes = max_single
+        .max(layout_extent(&scattered_layout))
+        .max(layout_extent(&vllm_layout))
+        .max(4 << 20);
 
     let opts = ClusterOptions {
         connections_per_rail: args.connections,
@@ -342,13 +431,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         window_bytes: args.window_bytes,
     };
     let cluster = LocalCluster::start(&opts).await?;
-    let p = cluster.client(&cluster.prefill).await?;
+    let mut p = cluster.client(&cluster.prefill).await?;
+    let p_notes = p.subscribe("bench-p").await?;
     let d = cluster.client(&cluster.decode).await?;
     let p_kv = KvRegion::create(cluster.shm_path("p"), dense_layout(1, 1, 1, file_bytes))?;
     let d_kv = KvRegion::create(cluster.shm_path("d"), dense_layout(1, 1, 1, file_bytes))?;
     fill_source(&p_kv.memory)?;
     let mut bench = Bench {
-        cluster,
+        _cluster: cluster,
         p,
         d,
         p_mem: p_kv.memory,
@@ -358,16 +448,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         iperf3_gbps: None,
         contiguous_push_gbps: None,
         next_request: 0,
+        p_notes,
+        awaiting_served: Default::default(),
     };
-    // Put the bytes where both workers already mapped them.
-    let _ = &bench.cluster;
     eprintln!(
         "kvrail bench: 2 sidecars on loopback, tcp, {} connections, slices of {}, window {}",
         args.connections,
         human_bytes(args.slice_bytes),
         human_bytes(args.window_bytes)
     );
-    let result = run_parts(&mut bench, &wants, &scattered, &vllm, scattered_layout, vllm_layout).await;
+    let result = run_parts(
+        &mut bench,
+        &wants,
+        &scattered,
+        &vllm,
+        scattered_layout,
+        vllm_layout,
+    )
+    .await;
     let _ = std::fs::remove_file(bench.p_mem.path());
     let _ = std::fs::remove_file(bench.d_mem.path());
     result
@@ -386,7 +484,10 @@ async fn run_parts(
         let g = iperf3(args.connections, args.iperf3_seconds)?;
         bench.iperf3_gbps = Some(g);
         let v = json!({"bench": "iperf3", "transport": "tcp", "op": "stream", "streams": args.connections, "seconds": args.iperf3_seconds, "gbps": round3(g)});
-        eprintln!("iperf3     -P {}  {:>8.3} GB/s (same loopback, same run)", args.connections, g);
+        eprintln!(
+            "iperf3     -P {}  {:>8.3} GB/s (same loopback, same run)",
+            args.connections, g
+        );
         println!("{v}");
         bench.results.push(v);
     }
@@ -401,9 +502,12 @@ async fn run_parts(
                 let n = (size / block).max(1);
                 let layout = dense_layout(1, 1, (bench.p_mem.len() / block) as u32, block);
                 let ids: Vec<u32> = (0..n as u32).collect();
-                let point = bench.point("single", op, layout, 1, ids.clone(), ids).await?;
+                let point = bench
+                    .point("single", op, layout, 1, ids.clone(), ids)
+                    .await?;
                 if op == "push" && size == 256 << 20 {
-                    bench.contiguous_push_gbps = Some(gbps(point.bytes * point.iterations, point.total));
+                    bench.contiguous_push_gbps =
+                        Some(gbps(point.bytes * point.iterations, point.total));
                 }
                 bench.report(point, json!({}));
             }
@@ -418,7 +522,16 @@ async fn run_parts(
         dst.shuffle(&mut rng);
         dst.truncate(count as usize);
         for op in &args.ops {
-            let point = bench.point("scattered", op, scattered_layout, 1, src.clone(), dst.clone()).await?;
+            let point = bench
+                .point(
+                    "scattered",
+                    op,
+                    scattered_layout,
+                    1,
+                    src.clone(),
+                    dst.clone(),
+                )
+                .await?;
             bench.report(point, json!({"block_bytes": scattered[1]}));
         }
     }
@@ -433,8 +546,20 @@ async fn run_parts(
         let src = pick(&mut rng);
         let dst = pick(&mut rng);
         for op in &args.ops {
-            let point = bench.point("vllm", op, vllm_layout, vllm[0] as u32, src.clone(), dst.clone()).await?;
-            bench.report(point, json!({"layers": vllm[0], "block_bytes": vllm[2], "pool_blocks": pool}));
+            let point = bench
+                .point(
+                    "vllm",
+                    op,
+                    vllm_layout,
+                    vllm[0] as u32,
+                    src.clone(),
+                    dst.clone(),
+                )
+                .await?;
+            bench.report(
+                point,
+                json!({"layers": vllm[0], "block_bytes": vllm[2], "pool_blocks": pool}),
+            );
         }
     }
     if wants("latency") {

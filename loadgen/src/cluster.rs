@@ -47,32 +47,43 @@ impl LocalCluster {
         let dir = tempfile::tempdir()?;
         let exe = std::env::current_exe()?;
         let (pp, dp) = (free_port()?, free_port()?);
-        let spawn = |node: &str, port: u16, peer: &str, peer_port: u16| -> anyhow::Result<SidecarProcess> {
-            let socket = dir.path().join(format!("{node}.sock"));
-            let log = std::fs::File::create(dir.path().join(format!("{node}.log")))?;
-            let child = Command::new(&exe)
-                .arg("sidecar")
-                .args(["--node", node, "--listen", &format!("127.0.0.1:{port}")])
-                .args(["--peer", &format!("{peer}=127.0.0.1:{peer_port}")])
-                .arg("--socket")
-                .arg(&socket)
-                .args(["--connections-per-rail", &opts.connections_per_rail.to_string()])
-                .args(["--slice-bytes", &opts.slice_bytes.to_string()])
-                .args(["--window-bytes", &opts.window_bytes.to_string()])
-                .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .context("start a sidecar process")?;
-            Ok(SidecarProcess {
-                node: node.into(),
-                socket,
-                child,
-            })
-        };
+        let spawn =
+            |node: &str, port: u16, peer: &str, peer_port: u16| -> anyhow::Result<SidecarProcess> {
+                let socket = dir.path().join(format!("{node}.sock"));
+                let log = std::fs::File::create(dir.path().join(format!("{node}.log")))?;
+                let child = Command::new(&exe)
+                    .arg("sidecar")
+                    .args(["--node", node, "--listen", &format!("127.0.0.1:{port}")])
+                    .args(["--peer", &format!("{peer}=127.0.0.1:{peer_port}")])
+                    .arg("--socket")
+                    .arg(&socket)
+                    .args([
+                        "--connections-per-rail",
+                        &opts.connections_per_rail.to_string(),
+                    ])
+                    .args(["--slice-bytes", &opts.slice_bytes.to_string()])
+                    .args(["--window-bytes", &opts.window_bytes.to_string()])
+                    .env(
+                        "RUST_LOG",
+                        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+                    )
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .context("start a sidecar process")?;
+                Ok(SidecarProcess {
+                    node: node.into(),
+                    socket,
+                    child,
+                })
+            };
         let prefill = spawn("prefill", pp, "decode", dp)?;
         let decode = spawn("decode", dp, "prefill", pp)?;
-        let cluster = LocalCluster { prefill, decode, dir };
+        let cluster = LocalCluster {
+            prefill,
+            decode,
+            dir,
+        };
         cluster.client(&cluster.prefill).await?;
         cluster.client(&cluster.decode).await?;
         Ok(cluster)
@@ -88,7 +99,8 @@ impl LocalCluster {
                 }
             }
             if Instant::now() > deadline {
-                let log = std::fs::read_to_string(self.dir.path().join(format!("{}.log", s.node))).unwrap_or_default();
+                let log = std::fs::read_to_string(self.dir.path().join(format!("{}.log", s.node)))
+                    .unwrap_or_default();
                 bail!("sidecar {} did not come up:\n{log}", s.node);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -98,7 +110,11 @@ impl LocalCluster {
     /// A path for a shared-memory file (under /dev/shm when it exists).
     pub fn shm_path(&self, name: &str) -> PathBuf {
         let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() { base.to_path_buf() } else { self.dir.path().to_path_buf() };
+        let dir = if base.is_dir() {
+            base.to_path_buf()
+        } else {
+            self.dir.path().to_path_buf()
+        };
         dir.join(format!("kvrail-loadgen-{}-{name}", std::process::id()))
     }
 }

@@ -53,14 +53,20 @@ struct Outcome {
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let model = *Model::by_name(&args.model).with_context(|| format!("unknown model {:?}", args.model))?;
+    let model =
+        *Model::by_name(&args.model).with_context(|| format!("unknown model {:?}", args.model))?;
     let requests = trace::read_mooncake(&args.trace, args.requests)?;
     if requests.is_empty() {
         bail!("{} holds no requests", args.trace.display());
     }
     let max_blocks = model.blocks_for(args.max_prompt_tokens.max(16)) as u32;
     // A pool twice the largest request, so that each request lands in scattered blocks.
-    let layout = dense_layout(model.num_layers, model.planes, max_blocks * 2, model.block_bytes());
+    let layout = dense_layout(
+        model.num_layers,
+        model.planes,
+        max_blocks * 2,
+        model.block_bytes(),
+    );
     let opts = ClusterOptions {
         connections_per_rail: args.connections,
         slice_bytes: args.slice_bytes,
@@ -87,8 +93,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         let d_region = d.register_region("decode-0", &d_kv, false).await?;
         let mut notes = d.subscribe("decode-0").await?;
 
-        let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(requests.len() as u64) };
-        bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        let bar = if args.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(requests.len() as u64)
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
         let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
         let mut outcomes = Vec::with_capacity(requests.len());
         let mut moved = 0u64;
@@ -100,8 +115,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             let dst = pick(&mut rng, max_blocks * 2, n);
             let req = format!("trace-{i}");
             let t0 = Instant::now();
-            p.push("prefill-0", &req, "decode", blocks(p_region, 0..model.num_layers, src.clone()), blocks(d_region, 0..model.num_layers, dst.clone()))
-                .await?;
+            p.push(
+                "prefill-0",
+                &req,
+                "decode",
+                blocks(p_region, 0..model.num_layers, src.clone()),
+                blocks(d_region, 0..model.num_layers, dst.clone()),
+            )
+            .await?;
             let note = loop {
                 let n = tokio::time::timeout(Duration::from_secs(120), notes.next())
                     .await
@@ -115,14 +136,19 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             if note.kind != NotificationKind::PushReceived as i32 {
                 bail!("request {req} failed: {:?}", note.failure);
             }
-            verify_and_clear(&p_kv.memory, &d_kv.memory, &layout, &src, &dst).with_context(|| format!("request {req}"))?;
+            verify_and_clear(&p_kv.memory, &d_kv.memory, &layout, &src, &dst)
+                .with_context(|| format!("request {req}"))?;
             moved += note.bytes;
             outcomes.push(Outcome {
                 transfer,
                 prefill_ms: model.prefill_ms(tokens),
                 bytes: note.bytes,
             });
-            bar.set_message(format!("{} moved, {:.2} GB/s", human_bytes(moved), gbps(moved, started.elapsed())));
+            bar.set_message(format!(
+                "{} moved, {:.2} GB/s",
+                human_bytes(moved),
+                gbps(moved, started.elapsed())
+            ));
             bar.inc(1);
         }
         bar.finish_and_clear();
@@ -159,8 +185,19 @@ fn fill_random(mem: &SharedRegion) -> anyhow::Result<()> {
 
 /// Checks every destination block against its source, then zeroes it so that a
 /// later request cannot pass on stale bytes.
-fn verify_and_clear(src: &SharedRegion, dst: &SharedRegion, l: &RegionLayout, src_ids: &[u32], dst_ids: &[u32]) -> anyhow::Result<()> {
-    let off = |layer: u32, plane: u32, b: u32| l.base_offset + u64::from(layer) * l.layer_stride + u64::from(plane) * l.plane_stride + u64::from(b) * l.block_stride;
+fn verify_and_clear(
+    src: &SharedRegion,
+    dst: &SharedRegion,
+    l: &RegionLayout,
+    src_ids: &[u32],
+    dst_ids: &[u32],
+) -> anyhow::Result<()> {
+    let off = |layer: u32, plane: u32, b: u32| {
+        l.base_offset
+            + u64::from(layer) * l.layer_stride
+            + u64::from(plane) * l.plane_stride
+            + u64::from(b) * l.block_stride
+    };
     for layer in 0..l.num_layers {
         for plane in 0..l.planes_per_layer {
             for (s, d) in src_ids.iter().zip(dst_ids) {
@@ -215,7 +252,11 @@ fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome]) {
     });
     println!("{v}");
     eprintln!();
-    eprintln!("{} requests, {} of KV moved and verified byte for byte", outcomes.len(), human_bytes(bytes));
+    eprintln!(
+        "{} requests, {} of KV moved and verified byte for byte",
+        outcomes.len(),
+        human_bytes(bytes)
+    );
     eprintln!("transport  transfer p50   transfer p99   GB/s    TTFT p50 (modelled)  TTFT p99   transfer share of TTFT p50 / p99");
     eprintln!(
         "tcp        {:>9.2} ms   {:>9.2} ms   {:>5.2}   {:>12.1} ms      {:>7.1} ms   {:>5.1}% / {:.1}%",

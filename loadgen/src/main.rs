@@ -11,7 +11,10 @@ mod trace;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "loadgen", about = "kvrail load generator: benchmarks and trace-driven demo")]
+#[command(
+    name = "loadgen",
+    about = "kvrail load generator: benchmarks and trace-driven demo"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

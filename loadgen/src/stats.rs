@@ -61,7 +61,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "g" | "gib" | "gb" => 1 << 30,
         _ => return Err(format!("bad size unit in {s:?}")),
     };
-    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mul)
+        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 #[cfg(test)]

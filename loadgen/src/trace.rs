@@ -16,7 +16,8 @@ pub struct Request {
 
 /// Reads up to `limit` requests; a bad line is an error naming the file and line.
 pub fn read_mooncake(path: &Path, limit: usize) -> anyhow::Result<Vec<Request>> {
-    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if out.len() >= limit {
@@ -25,7 +26,8 @@ pub fn read_mooncake(path: &Path, limit: usize) -> anyhow::Result<Vec<Request>> 
         if line.trim().is_empty() {
             continue;
         }
-        let r: Request = serde_json::from_str(line).map_err(|e| anyhow::anyhow!("{}:{}: {e}", path.display(), i + 1))?;
+        let r: Request = serde_json::from_str(line)
+            .map_err(|e| anyhow::anyhow!("{}:{}: {e}", path.display(), i + 1))?;
         out.push(r);
     }
     Ok(out)

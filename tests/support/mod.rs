@@ -13,9 +13,22 @@ use kvrail_client::Client;
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     let dir = BUILT.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("workspace root")
+            .to_path_buf();
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.current_dir(&root).args(["build", "--quiet", "--bins", "-p", "kvrail-sidecar", "-p", "kvrail-examples"]);
+        cmd.current_dir(&root).args([
+            "build",
+            "--quiet",
+            "--bins",
+            "-p",
+            "kvrail-sidecar",
+            "-p",
+            "kvrail-examples",
+            "-p",
+            "loadgen",
+        ]);
         if !cfg!(debug_assertions) {
             cmd.arg("--release");
         }
@@ -23,14 +36,20 @@ pub fn binary(name: &str) -> PathBuf {
         assert!(status.success(), "building the kvrail binaries failed");
         // target/<profile>/deps/<test> -> target/<profile>
         let exe = std::env::current_exe().expect("current exe");
-        exe.parent().and_then(Path::parent).expect("target dir").to_path_buf()
+        exe.parent()
+            .and_then(Path::parent)
+            .expect("target dir")
+            .to_path_buf()
     });
     dir.join(name)
 }
 
 /// A port nobody listens on right now (the kernel picks it).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("bind an ephemeral port")
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
 }
 
 /// One `kvrail serve` process.
@@ -62,7 +81,11 @@ impl Sidecar {
 
     /// Sends a signal (`STOP`, `CONT`, `KILL`) to the process.
     pub fn signal(&self, sig: &str) {
-        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill");
+        let ok = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
         assert!(ok.success());
     }
 
@@ -76,7 +99,9 @@ impl Sidecar {
 
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     /// Connects a client, retrying until the daemon answers (or 30 s pass).
@@ -88,7 +113,12 @@ impl Sidecar {
                     return c;
                 }
             }
-            assert!(Instant::now() < deadline, "sidecar {} did not come up; see {}", self.node, self.socket.with_extension("log").display());
+            assert!(
+                Instant::now() < deadline,
+                "sidecar {} did not come up; see {}",
+                self.node,
+                self.socket.with_extension("log").display()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -102,7 +132,10 @@ impl Sidecar {
 impl Drop for Sidecar {
     fn drop(&mut self) {
         if self.child.is_some() {
-            let _ = Command::new("kill").arg("-CONT").arg(self.pid().to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(self.pid().to_string())
+                .status();
         }
         self.kill();
     }
@@ -150,14 +183,26 @@ impl Pair {
         };
         let prefill = mk("prefill", pp, "decode", dp, Some(mp));
         let decode = mk("decode", dp, "prefill", pp, None);
-        Pair { prefill, decode, dir }
+        Pair {
+            prefill,
+            decode,
+            dir,
+        }
     }
 
     pub fn shm_path(&self, name: &str) -> PathBuf {
         // /dev/shm when present (tmpfs, as in production), else the temp dir.
         let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() { base.to_path_buf() } else { self.dir.path().to_path_buf() };
-        dir.join(format!("kvrail-test-{}-{}-{name}", std::process::id(), self.prefill.listen.port()))
+        let dir = if base.is_dir() {
+            base.to_path_buf()
+        } else {
+            self.dir.path().to_path_buf()
+        };
+        dir.join(format!(
+            "kvrail-test-{}-{}-{name}",
+            std::process::id(),
+            self.prefill.listen.port()
+        ))
     }
 }
 
@@ -165,7 +210,8 @@ impl Pair {
 pub fn scrape(addr: SocketAddr) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("send");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .expect("send");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("read");
     out

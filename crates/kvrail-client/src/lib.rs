@@ -17,7 +17,7 @@ use hyper_util::rt::TokioIo;
 pub use kvrail_proto as proto;
 use kvrail_proto::sidecar_client::SidecarClient;
 use kvrail_proto::*;
-pub use kvrail_shm::{ShmError, SharedRegion};
+pub use kvrail_shm::{SharedRegion, ShmError};
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::Streaming;
@@ -27,7 +27,10 @@ use tonic::Streaming;
 pub enum ClientError {
     /// The sidecar's socket could not be reached.
     #[error("cannot reach the sidecar at {path}: {source}")]
-    Connect { path: PathBuf, source: tonic::transport::Error },
+    Connect {
+        path: PathBuf,
+        source: tonic::transport::Error,
+    },
     /// The sidecar refused the call; the status says why.
     #[error("sidecar refused the call: {0}")]
     Rejected(#[from] tonic::Status),
@@ -47,7 +50,12 @@ impl ClientError {
 }
 
 /// A dense vLLM-style layout: each layer is `[planes, num_blocks, block_bytes]`, layers back to back.
-pub fn dense_layout(num_layers: u32, planes_per_layer: u32, num_blocks: u32, block_bytes: u64) -> RegionLayout {
+pub fn dense_layout(
+    num_layers: u32,
+    planes_per_layer: u32,
+    num_blocks: u32,
+    block_bytes: u64,
+) -> RegionLayout {
     let plane_stride = u64::from(num_blocks) * block_bytes;
     RegionLayout {
         num_layers,
@@ -87,16 +95,27 @@ impl KvRegion {
     /// Byte offset of one block.
     pub fn block_offset(&self, layer: u32, plane: u32, block: u32) -> u64 {
         let l = &self.layout;
-        l.base_offset + u64::from(layer) * l.layer_stride + u64::from(plane) * l.plane_stride + u64::from(block) * l.block_stride
+        l.base_offset
+            + u64::from(layer) * l.layer_stride
+            + u64::from(plane) * l.plane_stride
+            + u64::from(block) * l.block_stride
     }
 
-    pub fn write_block(&self, layer: u32, plane: u32, block: u32, data: &[u8]) -> Result<(), ShmError> {
-        self.memory.write_at(self.block_offset(layer, plane, block), data)
+    pub fn write_block(
+        &self,
+        layer: u32,
+        plane: u32,
+        block: u32,
+        data: &[u8],
+    ) -> Result<(), ShmError> {
+        self.memory
+            .write_at(self.block_offset(layer, plane, block), data)
     }
 
     pub fn read_block(&self, layer: u32, plane: u32, block: u32) -> Result<Vec<u8>, ShmError> {
         let mut out = vec![0u8; self.layout.block_bytes as usize];
-        self.memory.read_at(self.block_offset(layer, plane, block), &mut out)?;
+        self.memory
+            .read_at(self.block_offset(layer, plane, block), &mut out)?;
         Ok(out)
     }
 
@@ -136,17 +155,31 @@ impl Client {
             .await
             .map_err(|source| ClientError::Connect { path, source })?;
         Ok(Self {
-            inner: SidecarClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20),
+            inner: SidecarClient::new(channel)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20),
         })
     }
 
     /// Registers a region; returns its id on this sidecar.
-    pub async fn register_region(&mut self, worker_id: &str, kv: &KvRegion, expose_to_peers: bool) -> Result<u64, ClientError> {
-        self.register_path(worker_id, kv.memory.path(), kv.layout, expose_to_peers).await
+    pub async fn register_region(
+        &mut self,
+        worker_id: &str,
+        kv: &KvRegion,
+        expose_to_peers: bool,
+    ) -> Result<u64, ClientError> {
+        self.register_path(worker_id, kv.memory.path(), kv.layout, expose_to_peers)
+            .await
     }
 
     /// Registers a shared file by path with an explicit layout.
-    pub async fn register_path(&mut self, worker_id: &str, path: &Path, layout: RegionLayout, expose_to_peers: bool) -> Result<u64, ClientError> {
+    pub async fn register_path(
+        &mut self,
+        worker_id: &str,
+        path: &Path,
+        layout: RegionLayout,
+        expose_to_peers: bool,
+    ) -> Result<u64, ClientError> {
         let r = self
             .inner
             .register_region(RegisterRegionRequest {
@@ -160,12 +193,21 @@ impl Client {
     }
 
     pub async fn unregister_region(&mut self, region_id: u64) -> Result<(), ClientError> {
-        self.inner.unregister_region(UnregisterRegionRequest { region_id }).await?;
+        self.inner
+            .unregister_region(UnregisterRegionRequest { region_id })
+            .await?;
         Ok(())
     }
 
     /// Writes local `source` blocks into `destination` blocks of a region on `peer`.
-    pub async fn push(&mut self, worker_id: &str, request_id: &str, peer: &str, source: BlockRange, destination: BlockRange) -> Result<TransferAccepted, ClientError> {
+    pub async fn push(
+        &mut self,
+        worker_id: &str,
+        request_id: &str,
+        peer: &str,
+        source: BlockRange,
+        destination: BlockRange,
+    ) -> Result<TransferAccepted, ClientError> {
         let r = self
             .inner
             .push(PushRequest {
@@ -180,7 +222,14 @@ impl Client {
     }
 
     /// Reads `source` blocks of an exposed region on `peer` into local `destination` blocks.
-    pub async fn pull(&mut self, worker_id: &str, request_id: &str, peer: &str, source: BlockRange, destination: BlockRange) -> Result<TransferAccepted, ClientError> {
+    pub async fn pull(
+        &mut self,
+        worker_id: &str,
+        request_id: &str,
+        peer: &str,
+        source: BlockRange,
+        destination: BlockRange,
+    ) -> Result<TransferAccepted, ClientError> {
         let r = self
             .inner
             .pull(PullRequest {
@@ -195,26 +244,60 @@ impl Client {
     }
 
     /// Waits for a transfer to finish; `None` waits without limit.
-    pub async fn wait(&mut self, transfer_id: u64, timeout: Option<Duration>) -> Result<TransferStatus, ClientError> {
-        let timeout_ms = timeout.map(|t| t.as_millis().clamp(1, u128::from(u32::MAX)) as u32).unwrap_or(0);
-        Ok(self.inner.wait(WaitRequest { transfer_id, timeout_ms }).await?.into_inner())
+    pub async fn wait(
+        &mut self,
+        transfer_id: u64,
+        timeout: Option<Duration>,
+    ) -> Result<TransferStatus, ClientError> {
+        let timeout_ms = timeout
+            .map(|t| t.as_millis().clamp(1, u128::from(u32::MAX)) as u32)
+            .unwrap_or(0);
+        Ok(self
+            .inner
+            .wait(WaitRequest {
+                transfer_id,
+                timeout_ms,
+            })
+            .await?
+            .into_inner())
     }
 
     pub async fn get_transfer(&mut self, transfer_id: u64) -> Result<TransferStatus, ClientError> {
-        Ok(self.inner.get_transfer(GetTransferRequest { transfer_id }).await?.into_inner())
+        Ok(self
+            .inner
+            .get_transfer(GetTransferRequest { transfer_id })
+            .await?
+            .into_inner())
     }
 
     pub async fn cancel(&mut self, transfer_id: u64) -> Result<TransferStatus, ClientError> {
-        Ok(self.inner.cancel(CancelRequest { transfer_id }).await?.into_inner())
+        Ok(self
+            .inner
+            .cancel(CancelRequest { transfer_id })
+            .await?
+            .into_inner())
     }
 
     /// Every notification for `worker_id`, including any queued before subscribing.
-    pub async fn subscribe(&mut self, worker_id: &str) -> Result<Streaming<Notification>, ClientError> {
-        Ok(self.inner.subscribe(SubscribeRequest { worker_id: worker_id.into() }).await?.into_inner())
+    pub async fn subscribe(
+        &mut self,
+        worker_id: &str,
+    ) -> Result<Streaming<Notification>, ClientError> {
+        Ok(self
+            .inner
+            .subscribe(SubscribeRequest {
+                worker_id: worker_id.into(),
+            })
+            .await?
+            .into_inner())
     }
 
     pub async fn list_peers(&mut self) -> Result<ListPeersResponse, ClientError> {
-        Ok(self.inner.list_peers(ListPeersRequest {}).await?.into_inner())
+        Ok(self
+            .inner
+            .list_peers(ListPeersRequest {})
+            .await?
+            .into_inner())
     }
 }
 

@@ -32,7 +32,11 @@ pub enum PlanError {
     NoLayers,
     /// The layer range leaves the region.
     #[error("layers {start}..{start}+{count} out of range (region has {num_layers})")]
-    LayerOutOfRange { start: u32, count: u32, num_layers: u32 },
+    LayerOutOfRange {
+        start: u32,
+        count: u32,
+        num_layers: u32,
+    },
     /// No block ids listed.
     #[error("no blocks selected")]
     NoBlocks,

@@ -18,7 +18,12 @@ pub enum HandshakeError {
 }
 
 /// Checks a dialer's hello on the accepting side.
-pub fn check_hello(hello: &pb::Hello, local_node: &str, is_known_peer: impl Fn(&str) -> bool, local_transports: &[&str]) -> Result<(), HandshakeError> {
+pub fn check_hello(
+    hello: &pb::Hello,
+    local_node: &str,
+    is_known_peer: impl Fn(&str) -> bool,
+    local_transports: &[&str],
+) -> Result<(), HandshakeError> {
     if hello.protocol_version != u32::from(PROTOCOL_VERSION) {
         return Err(HandshakeError::Version {
             theirs: hello.protocol_version,
@@ -34,7 +39,11 @@ pub fn check_hello(hello: &pb::Hello, local_node: &str, is_known_peer: impl Fn(&
     if !is_known_peer(&hello.node_name) {
         return Err(HandshakeError::UnknownPeer(hello.node_name.clone()));
     }
-    if !hello.transports.iter().any(|t| local_transports.contains(&t.as_str())) {
+    if !hello
+        .transports
+        .iter()
+        .any(|t| local_transports.contains(&t.as_str()))
+    {
         return Err(HandshakeError::NoCommonTransport(hello.transports.clone()));
     }
     Ok(())
@@ -58,12 +67,33 @@ mod tests {
     fn accepts_a_known_peer_and_refuses_the_rest() {
         let known = |n: &str| n == "prefill";
         assert_eq!(check_hello(&hello(), "decode", known, &["tcp"]), Ok(()));
-        let v = pb::Hello { protocol_version: 9, ..hello() };
-        assert!(matches!(check_hello(&v, "decode", known, &["tcp"]), Err(HandshakeError::Version { .. })));
-        let stranger = pb::Hello { node_name: "mallory".into(), ..hello() };
-        assert_eq!(check_hello(&stranger, "decode", known, &["tcp"]), Err(HandshakeError::UnknownPeer("mallory".into())));
-        assert!(matches!(check_hello(&hello(), "other", known, &["tcp"]), Err(HandshakeError::WrongNode { .. })));
-        let quic_only = pb::Hello { transports: vec!["quic".into()], ..hello() };
-        assert!(matches!(check_hello(&quic_only, "decode", known, &["tcp"]), Err(HandshakeError::NoCommonTransport(_))));
+        let v = pb::Hello {
+            protocol_version: 9,
+            ..hello()
+        };
+        assert!(matches!(
+            check_hello(&v, "decode", known, &["tcp"]),
+            Err(HandshakeError::Version { .. })
+        ));
+        let stranger = pb::Hello {
+            node_name: "mallory".into(),
+            ..hello()
+        };
+        assert_eq!(
+            check_hello(&stranger, "decode", known, &["tcp"]),
+            Err(HandshakeError::UnknownPeer("mallory".into()))
+        );
+        assert!(matches!(
+            check_hello(&hello(), "other", known, &["tcp"]),
+            Err(HandshakeError::WrongNode { .. })
+        ));
+        let quic_only = pb::Hello {
+            transports: vec!["quic".into()],
+            ..hello()
+        };
+        assert!(matches!(
+            check_hello(&quic_only, "decode", known, &["tcp"]),
+            Err(HandshakeError::NoCommonTransport(_))
+        ));
     }
 }

@@ -27,7 +27,12 @@ pub struct RegionLayout {
 
 impl RegionLayout {
     /// A dense vLLM-style layout: layers one after another, each `[planes, num_blocks, block_bytes]`.
-    pub fn dense(num_layers: u32, planes_per_layer: u32, num_blocks: u32, block_bytes: u64) -> Self {
+    pub fn dense(
+        num_layers: u32,
+        planes_per_layer: u32,
+        num_blocks: u32,
+        block_bytes: u64,
+    ) -> Self {
         let plane_stride = u64::from(num_blocks) * block_bytes;
         Self {
             num_layers,
@@ -73,10 +78,7 @@ impl RegionLayout {
             return Err(LayoutError::TooLarge);
         }
         if extent > region_len {
-            return Err(LayoutError::ExceedsRegion {
-                extent,
-                region_len,
-            });
+            return Err(LayoutError::ExceedsRegion { extent, region_len });
         }
         // Sufficient condition for disjoint blocks: sort the dimensions by stride; each
         // dimension's whole span must fit inside one step of the next larger stride.
@@ -94,7 +96,7 @@ impl RegionLayout {
             if stride < span {
                 return Err(LayoutError::OverlappingBlocks);
             }
-            span = stride * (count - 1) + span;
+            span += stride * (count - 1);
         }
         Ok(())
     }
@@ -120,7 +122,10 @@ mod tests {
         let l = RegionLayout::dense(4, 2, 16, 4096);
         assert_eq!(l.extent(), 4 * 2 * 16 * 4096);
         l.validate(l.extent()).unwrap();
-        assert_eq!(l.block_offset(1, 1, 3), 2 * 16 * 4096 + 16 * 4096 + 3 * 4096);
+        assert_eq!(
+            l.block_offset(1, 1, 3),
+            2 * 16 * 4096 + 16 * 4096 + 3 * 4096
+        );
     }
 
     #[test]
@@ -142,12 +147,24 @@ mod tests {
     #[test]
     fn rejects_bad_layouts() {
         let mut l = RegionLayout::dense(2, 2, 4, 64);
-        assert_eq!(l.validate(10), Err(LayoutError::ExceedsRegion { extent: 1024, region_len: 10 }));
+        assert_eq!(
+            l.validate(10),
+            Err(LayoutError::ExceedsRegion {
+                extent: 1024,
+                region_len: 10
+            })
+        );
         l.block_stride = 32;
         assert_eq!(l.validate(1 << 20), Err(LayoutError::OverlappingBlocks));
-        let z = RegionLayout { num_blocks: 0, ..RegionLayout::dense(1, 1, 1, 1) };
+        let z = RegionLayout {
+            num_blocks: 0,
+            ..RegionLayout::dense(1, 1, 1, 1)
+        };
         assert_eq!(z.validate(1 << 20), Err(LayoutError::ZeroDimension));
-        let huge = RegionLayout { layer_stride: u64::MAX / 2, ..RegionLayout::dense(4, 1, 1, 1) };
+        let huge = RegionLayout {
+            layer_stride: u64::MAX / 2,
+            ..RegionLayout::dense(4, 1, 1, 1)
+        };
         assert_eq!(huge.validate(u64::MAX), Err(LayoutError::TooLarge));
         let zero_block = RegionLayout::dense(1, 1, 1, 0);
         assert_eq!(zero_block.validate(1), Err(LayoutError::BlockSize(0)));

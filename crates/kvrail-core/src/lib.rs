@@ -18,8 +18,8 @@ pub use error::{FailureSide, LayoutError, PlanError, TransferError};
 pub use layout::RegionLayout;
 pub use plan::{Access, BlockSelection, Plan, Segment};
 pub use session::{
-    ConnId, Event, LocalTransfer, RegionAccess, RegionDirectory, Session, SessionConfig, SliceDisposition,
-    TransferKind, Transmit,
+    ConnId, Event, LocalTransfer, RegionAccess, RegionDirectory, Session, SessionConfig,
+    SliceDisposition, TransferKind, Transmit,
 };
 pub use transfer::TransferState;
 

@@ -53,7 +53,9 @@ struct Pair {
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8 + 1).collect()
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8 + 1)
+        .collect()
 }
 
 impl Pair {
@@ -65,7 +67,9 @@ impl Pair {
         };
         let mut p = Pair {
             sides: [mk(), mk()],
-            wires: (0..conns).map(|_| [VecDeque::new(), VecDeque::new()]).collect(),
+            wires: (0..conns)
+                .map(|_| [VecDeque::new(), VecDeque::new()])
+                .collect(),
             rng: StdRng::seed_from_u64(seed),
             now: Instant::now(),
             slices_per_conn: vec![0; conns],
@@ -79,13 +83,32 @@ impl Pair {
         p
     }
 
-    fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool, exposed: bool) {
+    fn add_region(
+        &mut self,
+        side: usize,
+        id: u64,
+        layout: RegionLayout,
+        fill: bool,
+        exposed: bool,
+    ) {
         let len = layout.extent() as usize;
         let bytes = if fill { pattern(id, len) } else { vec![0; len] };
-        self.sides[side].regions.0.insert(id, Region { layout, bytes, exposed });
+        self.sides[side].regions.0.insert(
+            id,
+            Region {
+                layout,
+                bytes,
+                exposed,
+            },
+        );
     }
 
-    fn local(&mut self, side: usize, local: BlockSelection, remote: BlockSelection) -> LocalTransfer {
+    fn local(
+        &mut self,
+        side: usize,
+        local: BlockSelection,
+        remote: BlockSelection,
+    ) -> LocalTransfer {
         let layout = self.sides[side].regions.0[&local.region_id].layout;
         let id = self.next_id;
         self.next_id += 1;
@@ -120,7 +143,13 @@ impl Pair {
                     Transmit::Control { conn, msg } => {
                         self.wires[conn][dir].push_back(Item::Control(msg.body.unwrap()));
                     }
-                    Transmit::Slice { conn, header, len, region_id, pieces } => {
+                    Transmit::Slice {
+                        conn,
+                        header,
+                        len,
+                        region_id,
+                        pieces,
+                    } => {
                         let src = &self.sides[dir].regions.0[&region_id].bytes;
                         let mut data = Vec::with_capacity(len as usize);
                         for (off, l) in pieces {
@@ -154,20 +183,29 @@ impl Pair {
         let to = 1 - dir;
         let side = &mut self.sides[to];
         match item {
-            Item::Control(body) => side.session.handle_control(conn, body, self.now, &side.regions),
-            Item::Slice(header, data) => match side.session.accept_slice(conn, header, data.len() as u32, self.now) {
-                SliceDisposition::Place { region_id, pieces } => {
-                    let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
-                    let mut cursor = 0usize;
-                    for (off, l) in pieces {
-                        dst[off as usize..(off + l) as usize].copy_from_slice(&data[cursor..cursor + l as usize]);
-                        cursor += l as usize;
+            Item::Control(body) => side
+                .session
+                .handle_control(conn, body, self.now, &side.regions),
+            Item::Slice(header, data) => {
+                match side
+                    .session
+                    .accept_slice(conn, header, data.len() as u32, self.now)
+                {
+                    SliceDisposition::Place { region_id, pieces } => {
+                        let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
+                        let mut cursor = 0usize;
+                        for (off, l) in pieces {
+                            dst[off as usize..(off + l) as usize]
+                                .copy_from_slice(&data[cursor..cursor + l as usize]);
+                            cursor += l as usize;
+                        }
+                        assert_eq!(cursor, data.len());
+                        side.session
+                            .slice_placed(conn, header, data.len() as u32, self.now);
                     }
-                    assert_eq!(cursor, data.len());
-                    side.session.slice_placed(conn, header, data.len() as u32, self.now);
+                    SliceDisposition::Discard => {}
                 }
-                SliceDisposition::Discard => {}
-            },
+            }
         }
         self.flush();
         true
@@ -183,7 +221,8 @@ impl Pair {
 
     fn kill(&mut self, conn: usize) {
         for s in &mut self.sides {
-            s.session.connection_lost(conn, "test cut the connection", self.now);
+            s.session
+                .connection_lost(conn, "test cut the connection", self.now);
         }
         self.wires[conn][0].clear();
         self.wires[conn][1].clear();
@@ -236,12 +275,21 @@ fn small_slices() -> SessionConfig {
 }
 
 /// Checks that dst blocks hold the src blocks and every other dst byte is still zero.
-fn assert_moved(p: &Pair, src: (usize, u64, &[u32]), dst: (usize, u64, &[u32]), layers: (u32, u32)) {
+fn assert_moved(
+    p: &Pair,
+    src: (usize, u64, &[u32]),
+    dst: (usize, u64, &[u32]),
+    layers: (u32, u32),
+) {
     let dst_layout = p.sides[dst.0].regions.0[&dst.1].layout;
     for layer in layers.0..layers.0 + layers.1 {
         for plane in 0..dst_layout.planes_per_layer {
             for (s, d) in src.2.iter().zip(dst.2) {
-                assert_eq!(p.block(src.0, src.1, layer, plane, *s), p.block(dst.0, dst.1, layer, plane, *d), "layer {layer} plane {plane} block {s}->{d}");
+                assert_eq!(
+                    p.block(src.0, src.1, layer, plane, *s),
+                    p.block(dst.0, dst.1, layer, plane, *d),
+                    "layer {layer} plane {plane} block {s}->{d}"
+                );
             }
         }
     }
@@ -253,8 +301,15 @@ fn assert_moved(p: &Pair, src: (usize, u64, &[u32]), dst: (usize, u64, &[u32]), 
         }
         let _ = layer;
     }
-    let nonzero = p.sides[dst.0].regions.0[&dst.1].bytes.iter().filter(|b| **b != 0).count();
-    assert_eq!(nonzero, expected_nonzero, "bytes landed outside the destination blocks");
+    let nonzero = p.sides[dst.0].regions.0[&dst.1]
+        .bytes
+        .iter()
+        .filter(|b| **b != 0)
+        .count();
+    assert_eq!(
+        nonzero, expected_nonzero,
+        "bytes landed outside the destination blocks"
+    );
 }
 
 #[test]
@@ -270,7 +325,10 @@ fn push_moves_shuffled_blocks_and_nothing_else() {
         assert_eq!(p.done_kinds(0), vec![TransferKind::Push]);
         assert_eq!(p.done_kinds(1), vec![TransferKind::PushReceive]);
         assert_moved(&p, (0, 1, &src), (1, 9, &dst), (1, 2));
-        assert_eq!(p.sides[0].session.active_transfers() + p.sides[1].session.active_transfers(), 0);
+        assert_eq!(
+            p.sides[0].session.active_transfers() + p.sides[1].session.active_transfers(),
+            0
+        );
     }
 }
 
@@ -304,11 +362,31 @@ fn slices_stripe_over_every_connection() {
 #[test]
 fn receiver_rejections_reach_the_sender_with_their_reason() {
     let cases: Vec<(BlockSelection, BlockSelection, ErrorCode)> = vec![
-        (sel(1, (0, 1), &[0]), sel(77, (0, 1), &[0]), ErrorCode::UnknownRegion),
-        (sel(1, (0, 1), &[0]), sel(2, (0, 1), &[99]), ErrorCode::OutOfRange),
-        (sel(1, (0, 1), &[0, 1]), sel(2, (0, 1), &[3, 3]), ErrorCode::OverlappingBlocks),
-        (sel(1, (0, 1), &[0, 1]), sel(2, (0, 1), &[3]), ErrorCode::SizeMismatch),
-        (sel(1, (0, 1), &[0]), sel(2, (1, 4), &[0]), ErrorCode::OutOfRange),
+        (
+            sel(1, (0, 1), &[0]),
+            sel(77, (0, 1), &[0]),
+            ErrorCode::UnknownRegion,
+        ),
+        (
+            sel(1, (0, 1), &[0]),
+            sel(2, (0, 1), &[99]),
+            ErrorCode::OutOfRange,
+        ),
+        (
+            sel(1, (0, 1), &[0, 1]),
+            sel(2, (0, 1), &[3, 3]),
+            ErrorCode::OverlappingBlocks,
+        ),
+        (
+            sel(1, (0, 1), &[0, 1]),
+            sel(2, (0, 1), &[3]),
+            ErrorCode::SizeMismatch,
+        ),
+        (
+            sel(1, (0, 1), &[0]),
+            sel(2, (1, 4), &[0]),
+            ErrorCode::OutOfRange,
+        ),
     ];
     for (src, dst, code) in cases {
         let mut p = Pair::new(2, small_slices(), 1);
@@ -318,9 +396,15 @@ fn receiver_rejections_reach_the_sender_with_their_reason() {
         p.drive();
         let f = p.failures(0);
         assert_eq!(f.len(), 1, "{code:?}");
-        assert!(matches!(&f[0], TransferError::Peer { code: c, .. } if *c == code), "{code:?}: {f:?}");
+        assert!(
+            matches!(&f[0], TransferError::Peer { code: c, .. } if *c == code),
+            "{code:?}: {f:?}"
+        );
         assert_eq!(f[0].side(), FailureSide::Peer);
-        assert!(p.sides[1].regions.0[&2].bytes.iter().all(|b| *b == 0), "{code:?} wrote into the region");
+        assert!(
+            p.sides[1].regions.0[&2].bytes.iter().all(|b| *b == 0),
+            "{code:?} wrote into the region"
+        );
         assert_eq!(p.sides[1].session.active_transfers(), 0);
     }
 }
@@ -332,7 +416,13 @@ fn pull_from_an_unexposed_region_is_refused() {
     p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 64), true, false);
     p.pull(sel(2, (0, 1), &[0]), sel(5, (0, 1), &[0]));
     p.drive();
-    assert!(matches!(&p.failures(0)[..], [TransferError::Peer { code: ErrorCode::NotExposed, .. }]));
+    assert!(matches!(
+        &p.failures(0)[..],
+        [TransferError::Peer {
+            code: ErrorCode::NotExposed,
+            ..
+        }]
+    ));
 }
 
 #[test]
@@ -367,8 +457,14 @@ fn losing_every_connection_fails_both_sides() {
     p.kill(0);
     p.kill(1);
     p.flush();
-    assert!(matches!(&p.failures(0)[..], [TransferError::ConnectionLost(_)]));
-    assert!(matches!(&p.failures(1)[..], [TransferError::ConnectionLost(_)]));
+    assert!(matches!(
+        &p.failures(0)[..],
+        [TransferError::ConnectionLost(_)]
+    ));
+    assert!(matches!(
+        &p.failures(1)[..],
+        [TransferError::ConnectionLost(_)]
+    ));
     assert_eq!(p.failures(0)[0].side(), FailureSide::Rail);
 }
 
@@ -379,7 +475,9 @@ fn a_silent_peer_times_out() {
     p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
     p.flush(); // sent, never delivered
     let deadline = p.sides[0].session.poll_timeout().unwrap();
-    p.sides[0].session.handle_timeout(deadline - Duration::from_millis(1));
+    p.sides[0]
+        .session
+        .handle_timeout(deadline - Duration::from_millis(1));
     p.flush();
     assert!(p.failures(0).is_empty());
     p.sides[0].session.handle_timeout(deadline);
@@ -414,18 +512,49 @@ fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
     // Deliver only the announcement.
     p.flush();
-    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else { panic!("expected the open") };
+    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else {
+        panic!("expected the open")
+    };
     p.wires[0][0].clear();
     let now = p.now;
     let b = &mut p.sides[1];
     b.session.handle_control(0, open, now, &b.regions);
-    let bad = SliceHeader { transfer_id: id, offset: 50 };
-    assert_eq!(b.session.accept_slice(0, bad, 100, now), SliceDisposition::Discard);
-    assert_eq!(b.session.accept_slice(0, SliceHeader { transfer_id: 999, offset: 0 }, 10, now), SliceDisposition::Discard);
+    let bad = SliceHeader {
+        transfer_id: id,
+        offset: 50,
+    };
+    assert_eq!(
+        b.session.accept_slice(0, bad, 100, now),
+        SliceDisposition::Discard
+    );
+    assert_eq!(
+        b.session.accept_slice(
+            0,
+            SliceHeader {
+                transfer_id: 999,
+                offset: 0
+            },
+            10,
+            now
+        ),
+        SliceDisposition::Discard
+    );
     p.flush();
-    assert!(matches!(&p.failures(1)[..], [TransferError::Local { code: ErrorCode::Protocol, .. }]));
+    assert!(matches!(
+        &p.failures(1)[..],
+        [TransferError::Local {
+            code: ErrorCode::Protocol,
+            ..
+        }]
+    ));
     p.drive();
-    assert!(matches!(&p.failures(0)[..], [TransferError::Peer { code: ErrorCode::Protocol, .. }]));
+    assert!(matches!(
+        &p.failures(0)[..],
+        [TransferError::Peer {
+            code: ErrorCode::Protocol,
+            ..
+        }]
+    ));
     assert!(p.sides[1].regions.0[&2].bytes.iter().all(|b| *b == 0));
 }
 
@@ -437,13 +566,28 @@ fn failure_waits_for_slices_still_being_placed() {
     let id = p.pull(sel(2, (0, 1), &[0, 1]), sel(5, (0, 1), &[0, 1]));
     let now = p.now;
     let a = &mut p.sides[0].session;
-    let h = SliceHeader { transfer_id: id, offset: 0 };
-    assert!(matches!(a.accept_slice(0, h, 100, now), SliceDisposition::Place { .. }));
+    let h = SliceHeader {
+        transfer_id: id,
+        offset: 0,
+    };
+    assert!(matches!(
+        a.accept_slice(0, h, 100, now),
+        SliceDisposition::Place { .. }
+    ));
     // The worker cancels while the payload is still being read into its blocks.
     assert!(a.cancel(id, now));
-    assert!(a.poll_event().is_none(), "must not report failure while memory is being written");
+    assert!(
+        a.poll_event().is_none(),
+        "must not report failure while memory is being written"
+    );
     a.slice_placed(0, h, 100, now);
-    assert!(matches!(a.poll_event(), Some(Event::Failed { error: TransferError::Cancelled, .. })));
+    assert!(matches!(
+        a.poll_event(),
+        Some(Event::Failed {
+            error: TransferError::Cancelled,
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -461,6 +605,12 @@ fn many_concurrent_transfers_both_ways_all_complete() {
     p.drive();
     assert_eq!(p.done_kinds(0).len(), 16);
     assert_eq!(p.done_kinds(1).len(), 16);
-    assert_eq!(p.sides[1].regions.0[&4].bytes, p.sides[0].regions.0[&1].bytes);
-    assert_eq!(p.sides[0].regions.0[&3].bytes, p.sides[1].regions.0[&2].bytes);
+    assert_eq!(
+        p.sides[1].regions.0[&4].bytes,
+        p.sides[0].regions.0[&1].bytes
+    );
+    assert_eq!(
+        p.sides[0].regions.0[&3].bytes,
+        p.sides[1].regions.0[&2].bytes
+    );
 }

@@ -46,7 +46,11 @@ pub struct Plan {
 
 impl Plan {
     /// Validates `selection` against `layout` and builds the coalesced segment list.
-    pub fn build(layout: &RegionLayout, selection: &BlockSelection, access: Access) -> Result<Plan, PlanError> {
+    pub fn build(
+        layout: &RegionLayout,
+        selection: &BlockSelection,
+        access: Access,
+    ) -> Result<Plan, PlanError> {
         if selection.layer_count == 0 {
             return Err(PlanError::NoLayers);
         }
@@ -65,7 +69,11 @@ impl Plan {
         if selection.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
             return Err(PlanError::TooManyBlocks(selection.block_ids.len()));
         }
-        if let Some(&bad) = selection.block_ids.iter().find(|b| **b >= layout.num_blocks) {
+        if let Some(&bad) = selection
+            .block_ids
+            .iter()
+            .find(|b| **b >= layout.num_blocks)
+        {
             return Err(PlanError::BlockOutOfRange {
                 block: bad,
                 num_blocks: layout.num_blocks,
@@ -85,7 +93,9 @@ impl Plan {
                 for &block in &selection.block_ids {
                     let offset = layout.block_offset(layer, plane, block);
                     match segments.last_mut() {
-                        Some(last) if last.offset + last.len == offset => last.len += layout.block_bytes,
+                        Some(last) if last.offset + last.len == offset => {
+                            last.len += layout.block_bytes
+                        }
                         _ => segments.push(Segment {
                             logical,
                             offset,
@@ -120,12 +130,17 @@ impl Plan {
     /// The region byte ranges `(offset, len)` that back logical bytes `[logical, logical+len)`.
     /// Errors when the range leaves the stream: a peer can never reach past the plan.
     pub fn pieces(&self, logical: u64, len: u64) -> Result<Pieces<'_>, PlanError> {
-        let end = logical.checked_add(len).filter(|e| *e <= self.total).ok_or(PlanError::OutsideStream {
-            offset: logical,
-            len,
-            total: self.total,
-        })?;
-        let index = self.segments.partition_point(|s| s.logical + s.len <= logical);
+        let end = logical
+            .checked_add(len)
+            .filter(|e| *e <= self.total)
+            .ok_or(PlanError::OutsideStream {
+                offset: logical,
+                len,
+                total: self.total,
+            })?;
+        let index = self
+            .segments
+            .partition_point(|s| s.logical + s.len <= logical);
         Ok(Pieces {
             segments: &self.segments[index..],
             cursor: logical,
@@ -180,14 +195,28 @@ mod tests {
         // 2 layers x 2 planes, each a run of 3 blocks.
         assert_eq!(p.segments().len(), 4);
         assert_eq!(p.total_bytes(), 2 * 2 * 3 * 100);
-        assert_eq!(p.segments()[1], Segment { logical: 300, offset: 800 + 200, len: 300 });
+        assert_eq!(
+            p.segments()[1],
+            Segment {
+                logical: 300,
+                offset: 800 + 200,
+                len: 300
+            }
+        );
     }
 
     #[test]
     fn whole_dense_region_is_one_segment() {
         let l = RegionLayout::dense(3, 2, 4, 64);
         let p = Plan::build(&l, &sel((0, 3), &[0, 1, 2, 3]), Access::Read).unwrap();
-        assert_eq!(p.segments(), &[Segment { logical: 0, offset: 0, len: l.extent() }]);
+        assert_eq!(
+            p.segments(),
+            &[Segment {
+                logical: 0,
+                offset: 0,
+                len: l.extent()
+            }]
+        );
     }
 
     #[test]
@@ -212,7 +241,10 @@ mod tests {
     #[test]
     fn validation_errors_are_specific() {
         let l = RegionLayout::dense(4, 2, 8, 16);
-        assert_eq!(Plan::build(&l, &sel((0, 0), &[1]), Access::Read), Err(PlanError::NoLayers));
+        assert_eq!(
+            Plan::build(&l, &sel((0, 0), &[1]), Access::Read),
+            Err(PlanError::NoLayers)
+        );
         assert!(matches!(
             Plan::build(&l, &sel((3, 2), &[1]), Access::Read),
             Err(PlanError::LayerOutOfRange { .. })
@@ -221,12 +253,21 @@ mod tests {
             Plan::build(&l, &sel((u32::MAX, 2), &[1]), Access::Read),
             Err(PlanError::LayerOutOfRange { .. })
         ));
-        assert_eq!(Plan::build(&l, &sel((0, 1), &[]), Access::Read), Err(PlanError::NoBlocks));
+        assert_eq!(
+            Plan::build(&l, &sel((0, 1), &[]), Access::Read),
+            Err(PlanError::NoBlocks)
+        );
         assert_eq!(
             Plan::build(&l, &sel((0, 1), &[8]), Access::Read),
-            Err(PlanError::BlockOutOfRange { block: 8, num_blocks: 8 })
+            Err(PlanError::BlockOutOfRange {
+                block: 8,
+                num_blocks: 8
+            })
         );
-        assert_eq!(Plan::build(&l, &sel((0, 1), &[3, 1, 3]), Access::Write), Err(PlanError::DuplicateBlock(3)));
+        assert_eq!(
+            Plan::build(&l, &sel((0, 1), &[3, 1, 3]), Access::Write),
+            Err(PlanError::DuplicateBlock(3))
+        );
         // Reading a block twice is fine.
         assert!(Plan::build(&l, &sel((0, 1), &[3, 1, 3]), Access::Read).is_ok());
     }

@@ -114,7 +114,10 @@ pub enum Event {
 #[derive(Debug, Clone, PartialEq)]
 pub enum SliceDisposition {
     /// Read the payload into these (offset, len) ranges of local region `region_id`.
-    Place { region_id: u64, pieces: Vec<(u64, u64)> },
+    Place {
+        region_id: u64,
+        pieces: Vec<(u64, u64)>,
+    },
     /// Read and drop the payload: its transfer is unknown or already over.
     Discard,
 }
@@ -148,7 +151,13 @@ struct Transfer {
 }
 
 impl Transfer {
-    fn new(request_id: String, kind: TransferKind, selection: BlockSelection, plan: Plan, now: Instant) -> Self {
+    fn new(
+        request_id: String,
+        kind: TransferKind,
+        selection: BlockSelection,
+        plan: Plan,
+        now: Instant,
+    ) -> Self {
         Self {
             request_id,
             kind,
@@ -252,7 +261,9 @@ impl Session {
 
     /// Whether any unfinished transfer reads or writes local region `region_id`.
     pub fn uses_region(&self, region_id: u64) -> bool {
-        self.transfers.values().any(|t| t.selection.region_id == region_id)
+        self.transfers
+            .values()
+            .any(|t| t.selection.region_id == region_id)
     }
 
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
@@ -298,7 +309,13 @@ impl Session {
         if !self.transfers.contains_key(&transfer_id) {
             return false;
         }
-        self.abort(transfer_id, ErrorCode::Cancelled, "cancelled by the worker", TransferError::Cancelled, now);
+        self.abort(
+            transfer_id,
+            ErrorCode::Cancelled,
+            "cancelled by the worker",
+            TransferError::Cancelled,
+            now,
+        );
         true
     }
 
@@ -317,7 +334,13 @@ impl Session {
     }
 
     /// Feeds one control message that arrived on `conn`.
-    pub fn handle_control(&mut self, conn: ConnId, body: Body, now: Instant, regions: &dyn RegionDirectory) {
+    pub fn handle_control(
+        &mut self,
+        conn: ConnId,
+        body: Body,
+        now: Instant,
+        regions: &dyn RegionDirectory,
+    ) {
         match body {
             Body::PushOpen(open) => self.on_push_open(conn, open, now, regions),
             Body::PullOpen(open) => self.on_pull_open(conn, open, now, regions),
@@ -337,7 +360,10 @@ impl Session {
                     self.finish_failed(a.transfer_id, error);
                 }
             }
-            Body::Ping(p) => self.control.push_back((Some(conn), crate::wire::message(Body::Pong(pb::Pong { nonce: p.nonce })))),
+            Body::Ping(p) => self.control.push_back((
+                Some(conn),
+                crate::wire::message(Body::Pong(pb::Pong { nonce: p.nonce })),
+            )),
             // Handshake messages belong to the driver; after it, they are ignored.
             Body::Hello(_) | Body::HelloAck(_) | Body::Pong(_) => {}
         }
@@ -366,39 +392,92 @@ impl Session {
         ));
     }
 
-    fn on_push_open(&mut self, conn: ConnId, open: pb::PushOpen, now: Instant, regions: &dyn RegionDirectory) {
+    fn on_push_open(
+        &mut self,
+        conn: ConnId,
+        open: pb::PushOpen,
+        now: Instant,
+        regions: &dyn RegionDirectory,
+    ) {
         let id = open.transfer_id;
         // The sender repeats the announcement on each connection it uses.
         if self.transfers.contains_key(&id) || self.rejected.contains(&id) {
             return;
         }
         let selection = selection_of(open.destination.as_ref());
-        match accept_plan(&selection, open.block_bytes, open.total_bytes, Access::Write, regions) {
+        match accept_plan(
+            &selection,
+            open.block_bytes,
+            open.total_bytes,
+            Access::Write,
+            regions,
+        ) {
             Ok(plan) => {
-                self.transfers.insert(id, Transfer::new(open.request_id, TransferKind::PushReceive, selection, plan, now));
+                self.transfers.insert(
+                    id,
+                    Transfer::new(
+                        open.request_id,
+                        TransferKind::PushReceive,
+                        selection,
+                        plan,
+                        now,
+                    ),
+                );
             }
             Err((code, message)) => self.reject(conn, id, code, message),
         }
     }
 
-    fn on_pull_open(&mut self, conn: ConnId, open: pb::PullOpen, now: Instant, regions: &dyn RegionDirectory) {
+    fn on_pull_open(
+        &mut self,
+        conn: ConnId,
+        open: pb::PullOpen,
+        now: Instant,
+        regions: &dyn RegionDirectory,
+    ) {
         let id = open.transfer_id;
         if self.transfers.contains_key(&id) {
-            self.reject(conn, id, ErrorCode::DuplicateTransfer, format!("transfer {id} already exists"));
+            self.reject(
+                conn,
+                id,
+                ErrorCode::DuplicateTransfer,
+                format!("transfer {id} already exists"),
+            );
             return;
         }
         let selection = selection_of(open.source.as_ref());
-        match accept_plan(&selection, open.block_bytes, open.total_bytes, Access::Read, regions) {
+        match accept_plan(
+            &selection,
+            open.block_bytes,
+            open.total_bytes,
+            Access::Read,
+            regions,
+        ) {
             Ok(plan) => {
-                self.transfers.insert(id, Transfer::new(open.request_id, TransferKind::PullServe, selection, plan, now));
+                self.transfers.insert(
+                    id,
+                    Transfer::new(
+                        open.request_id,
+                        TransferKind::PullServe,
+                        selection,
+                        plan,
+                        now,
+                    ),
+                );
             }
             Err((code, message)) => self.reject(conn, id, code, message),
         }
     }
 
     fn on_slice_ack(&mut self, ack: pb::SliceAck, now: Instant) {
-        let Some(t) = self.transfers.get_mut(&ack.transfer_id) else { return };
-        if let Some(pos) = t.in_flight.iter().position(|&(_, o, l)| o == ack.offset && l == ack.length) {
+        let Some(t) = self.transfers.get_mut(&ack.transfer_id) else {
+            return;
+        };
+        if let Some(pos) = t
+            .in_flight
+            .iter()
+            .position(|&(_, o, l)| o == ack.offset && l == ack.length)
+        {
             let (conn, off, len) = t.in_flight.swap_remove(pos);
             if let Some(c) = self.conns.get_mut(conn) {
                 c.outstanding = c.outstanding.saturating_sub(len);
@@ -409,11 +488,15 @@ impl Session {
     }
 
     fn on_complete(&mut self, transfer_id: u64, _now: Instant) {
-        let Some(t) = self.transfers.get(&transfer_id) else { return };
+        let Some(t) = self.transfers.get(&transfer_id) else {
+            return;
+        };
         if !t.kind.sends_data() {
             return;
         }
-        let Some(mut t) = self.transfers.remove(&transfer_id) else { return };
+        let Some(mut t) = self.transfers.remove(&transfer_id) else {
+            return;
+        };
         self.release_in_flight(&mut t);
         t.advance(TransferEvent::AllPlaced);
         self.events.push_back(Event::Done {
@@ -435,7 +518,13 @@ impl Session {
     }
 
     /// A slice header arrived: where should its payload go?
-    pub fn accept_slice(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) -> SliceDisposition {
+    pub fn accept_slice(
+        &mut self,
+        conn: ConnId,
+        header: SliceHeader,
+        len: u32,
+        now: Instant,
+    ) -> SliceDisposition {
         let Some(t) = self.transfers.get_mut(&header.transfer_id) else {
             return SliceDisposition::Discard;
         };
@@ -473,7 +562,9 @@ impl Session {
     /// The payload of a slice accepted with [`SliceDisposition::Place`] is now in memory.
     pub fn slice_placed(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) {
         let id = header.transfer_id;
-        let Some(t) = self.transfers.get_mut(&id) else { return };
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
         t.placing = t.placing.saturating_sub(1);
         if let Some(error) = t.pending_failure.clone() {
             if t.placing == 0 {
@@ -486,9 +577,14 @@ impl Session {
         t.last_progress = now;
         t.advance(TransferEvent::SliceMoved);
         if t.placed.is_complete(t.plan.total_bytes()) {
-            let Some(mut t) = self.transfers.remove(&id) else { return };
+            let Some(mut t) = self.transfers.remove(&id) else {
+                return;
+            };
             t.advance(TransferEvent::AllPlaced);
-            self.control.push_back((Some(conn), crate::wire::message(Body::Complete(pb::Complete { transfer_id: id }))));
+            self.control.push_back((
+                Some(conn),
+                crate::wire::message(Body::Complete(pb::Complete { transfer_id: id })),
+            ));
             self.events.push_back(Event::Done {
                 transfer_id: id,
                 request_id: t.request_id,
@@ -512,7 +608,9 @@ impl Session {
     /// A slice accepted for placement could not be read in full (its connection broke).
     pub fn slice_abandoned(&mut self, header: SliceHeader) {
         let id = header.transfer_id;
-        let Some(t) = self.transfers.get_mut(&id) else { return };
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
         t.placing = t.placing.saturating_sub(1);
         if let Some(error) = t.pending_failure.clone() {
             if t.placing == 0 {
@@ -524,7 +622,9 @@ impl Session {
     /// A connection broke. Its unacknowledged slices go back to be re-sent on the
     /// survivors; with no survivor, every transfer fails.
     pub fn connection_lost(&mut self, conn: ConnId, reason: &str, _now: Instant) {
-        let Some(c) = self.conns.get_mut(conn) else { return };
+        let Some(c) = self.conns.get_mut(conn) else {
+            return;
+        };
         if !c.alive {
             return;
         }
@@ -581,7 +681,14 @@ impl Session {
         }
     }
 
-    fn abort(&mut self, id: u64, code: ErrorCode, message: &str, error: TransferError, _now: Instant) {
+    fn abort(
+        &mut self,
+        id: u64,
+        code: ErrorCode,
+        message: &str,
+        error: TransferError,
+        _now: Instant,
+    ) {
         if self.alive_connections() > 0 {
             self.control.push_back((
                 None,
@@ -597,7 +704,9 @@ impl Session {
 
     /// Fails now, or once the slices being placed into our memory have landed.
     fn fail_locally(&mut self, id: u64, error: TransferError) {
-        let Some(t) = self.transfers.get_mut(&id) else { return };
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
         if t.placing > 0 {
             t.pending_failure = Some(error);
             return;
@@ -606,12 +715,16 @@ impl Session {
     }
 
     fn finish_failed(&mut self, id: u64, error: TransferError) {
-        let Some(t) = self.transfers.get_mut(&id) else { return };
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
         if t.placing > 0 {
             t.pending_failure.get_or_insert(error);
             return;
         }
-        let Some(mut t) = self.transfers.remove(&id) else { return };
+        let Some(mut t) = self.transfers.remove(&id) else {
+            return;
+        };
         self.release_in_flight(&mut t);
         t.advance(TransferEvent::Abort);
         self.events.push_back(Event::Failed {
@@ -628,7 +741,10 @@ impl Session {
     /// unacknowledged bytes that still has window.
     pub fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
         while let Some((target, msg)) = self.control.pop_front() {
-            if let Some(conn) = target.filter(|c| self.conns.get(*c).is_some_and(|c| c.alive)).or_else(|| self.any_alive()) {
+            if let Some(conn) = target
+                .filter(|c| self.conns.get(*c).is_some_and(|c| c.alive))
+                .or_else(|| self.any_alive())
+            {
                 return Some(Transmit::Control { conn, msg });
             }
         }
@@ -640,7 +756,10 @@ impl Session {
             }
             let (off, len) = match t.resend.front() {
                 Some(&r) => r,
-                None => (t.next_offset, slice_bytes.min(t.plan.total_bytes() - t.next_offset)),
+                None => (
+                    t.next_offset,
+                    slice_bytes.min(t.plan.total_bytes() - t.next_offset),
+                ),
             };
             let conn = pick_connection(&self.conns, len, window)?;
             // A push announces itself on each connection before that connection's first slice.
@@ -648,7 +767,10 @@ impl Session {
             if t.announced & bit == 0 {
                 if let Some(open) = &t.open_msg {
                     t.announced |= bit;
-                    return Some(Transmit::Control { conn, msg: open.clone() });
+                    return Some(Transmit::Control {
+                        conn,
+                        msg: open.clone(),
+                    });
                 }
             }
             if t.resend.front().is_some() {
@@ -656,13 +778,20 @@ impl Session {
             } else {
                 t.next_offset += len;
             }
-            let pieces = t.plan.pieces(off, len).map(|p| p.collect()).unwrap_or_default();
+            let pieces = t
+                .plan
+                .pieces(off, len)
+                .map(|p| p.collect())
+                .unwrap_or_default();
             t.in_flight.push((conn, off, len));
             t.advance(TransferEvent::SliceMoved);
             self.conns[conn].outstanding += len;
             return Some(Transmit::Slice {
                 conn,
-                header: SliceHeader { transfer_id: id, offset: off },
+                header: SliceHeader {
+                    transfer_id: id,
+                    offset: off,
+                },
                 len: len as u32,
                 region_id: t.selection.region_id,
                 pieces,
@@ -726,13 +855,20 @@ fn accept_plan(
     access: Access,
     regions: &dyn RegionDirectory,
 ) -> Result<Plan, (ErrorCode, String)> {
-    let region = regions
-        .lookup(selection.region_id)
-        .ok_or_else(|| (ErrorCode::UnknownRegion, format!("region {} is not registered", selection.region_id)))?;
+    let region = regions.lookup(selection.region_id).ok_or_else(|| {
+        (
+            ErrorCode::UnknownRegion,
+            format!("region {} is not registered", selection.region_id),
+        )
+    })?;
     if access == Access::Read && !region.exposed {
-        return Err((ErrorCode::NotExposed, format!("region {} is not exposed to peers", selection.region_id)));
+        return Err((
+            ErrorCode::NotExposed,
+            format!("region {} is not exposed to peers", selection.region_id),
+        ));
     }
-    let plan = Plan::build(&region.layout, selection, access).map_err(|e| (e.wire_code(), e.to_string()))?;
+    let plan = Plan::build(&region.layout, selection, access)
+        .map_err(|e| (e.wire_code(), e.to_string()))?;
     if plan.total_bytes() != total_bytes || plan.block_bytes() != block_bytes {
         let e = PlanError::SizeMismatch {
             source_bytes: total_bytes,

@@ -69,8 +69,20 @@ mod tests {
         let s = Queued.on(SliceMoved).unwrap().on(SliceMoved).unwrap();
         assert_eq!(s, InFlight);
         assert_eq!(s.on(AllPlaced), Ok(Done));
-        assert_eq!(Done.on(Abort), Err(InvalidTransition { from: Done, event: Abort }));
-        assert_eq!(Queued.on(AllPlaced), Err(InvalidTransition { from: Queued, event: AllPlaced }));
+        assert_eq!(
+            Done.on(Abort),
+            Err(InvalidTransition {
+                from: Done,
+                event: Abort
+            })
+        );
+        assert_eq!(
+            Queued.on(AllPlaced),
+            Err(InvalidTransition {
+                from: Queued,
+                event: AllPlaced
+            })
+        );
         assert!(Failed.is_final() && Done.is_final() && !InFlight.is_final());
     }
 }

@@ -73,7 +73,9 @@ pub fn decode_frame_header(buf: &[u8; FRAME_HEADER_LEN]) -> Result<FrameHeader, 
         }),
         KIND_CONTROL => Ok(FrameHeader::Control { len }),
         KIND_DATA => {
-            let payload_len = len.checked_sub(SLICE_HEADER_LEN as u32).ok_or(WireError::ShortData)?;
+            let payload_len = len
+                .checked_sub(SLICE_HEADER_LEN as u32)
+                .ok_or(WireError::ShortData)?;
             if payload_len > MAX_SLICE_BYTES {
                 return Err(WireError::TooLong {
                     len: payload_len,
@@ -105,7 +107,10 @@ pub fn decode_slice_header(buf: &[u8; SLICE_HEADER_LEN]) -> SliceHeader {
 }
 
 /// Frame header plus slice header for a data frame of `payload_len` bytes.
-pub fn encode_data_header(slice: SliceHeader, payload_len: u32) -> [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN] {
+pub fn encode_data_header(
+    slice: SliceHeader,
+    payload_len: u32,
+) -> [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN] {
     let mut out = [0u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN];
     out[..2].copy_from_slice(&MAGIC);
     out[2] = PROTOCOL_VERSION;
@@ -171,25 +176,58 @@ mod tests {
             panic!("not control")
         };
         assert_eq!(len as usize, frame.len() - 8);
-        assert_eq!(decode_control(&frame[8..]).unwrap(), Body::Complete(pb::Complete { transfer_id: 42 }));
+        assert_eq!(
+            decode_control(&frame[8..]).unwrap(),
+            Body::Complete(pb::Complete { transfer_id: 42 })
+        );
     }
 
     #[test]
     fn data_header_roundtrip() {
-        let h = encode_data_header(SliceHeader { transfer_id: 7, offset: 1 << 33 }, 4096);
+        let h = encode_data_header(
+            SliceHeader {
+                transfer_id: 7,
+                offset: 1 << 33,
+            },
+            4096,
+        );
         let fh: [u8; 8] = h[..8].try_into().unwrap();
-        assert_eq!(decode_frame_header(&fh).unwrap(), FrameHeader::Data { payload_len: 4096 });
+        assert_eq!(
+            decode_frame_header(&fh).unwrap(),
+            FrameHeader::Data { payload_len: 4096 }
+        );
         let sh: [u8; 16] = h[8..].try_into().unwrap();
-        assert_eq!(decode_slice_header(&sh), SliceHeader { transfer_id: 7, offset: 1 << 33 });
+        assert_eq!(
+            decode_slice_header(&sh),
+            SliceHeader {
+                transfer_id: 7,
+                offset: 1 << 33
+            }
+        );
     }
 
     #[test]
     fn garbled_frames_are_rejected() {
-        assert_eq!(decode_frame_header(b"XX\x01\x01\0\0\0\0"), Err(WireError::BadMagic(*b"XX")));
-        assert_eq!(decode_frame_header(b"KR\x09\x01\0\0\0\0"), Err(WireError::Version(9)));
-        assert_eq!(decode_frame_header(b"KR\x01\x07\0\0\0\0"), Err(WireError::UnknownKind(7)));
-        assert_eq!(decode_frame_header(b"KR\x01\x02\x04\0\0\0"), Err(WireError::ShortData));
-        assert!(matches!(decode_frame_header(b"KR\x01\x01\xff\xff\xff\xff"), Err(WireError::TooLong { .. })));
+        assert_eq!(
+            decode_frame_header(b"XX\x01\x01\0\0\0\0"),
+            Err(WireError::BadMagic(*b"XX"))
+        );
+        assert_eq!(
+            decode_frame_header(b"KR\x09\x01\0\0\0\0"),
+            Err(WireError::Version(9))
+        );
+        assert_eq!(
+            decode_frame_header(b"KR\x01\x07\0\0\0\0"),
+            Err(WireError::UnknownKind(7))
+        );
+        assert_eq!(
+            decode_frame_header(b"KR\x01\x02\x04\0\0\0"),
+            Err(WireError::ShortData)
+        );
+        assert!(matches!(
+            decode_frame_header(b"KR\x01\x01\xff\xff\xff\xff"),
+            Err(WireError::TooLong { .. })
+        ));
         assert!(decode_control(&[0xff, 0xff, 0xff]).is_err());
         assert_eq!(decode_control(&[]), Err(WireError::EmptyMessage));
     }

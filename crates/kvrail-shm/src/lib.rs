@@ -27,17 +27,31 @@ use memmap2::MmapRaw;
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
     #[error("cannot open {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0} is not a regular file")]
     NotAFile(PathBuf),
     #[error("{0} is empty")]
     Empty(PathBuf),
     #[error("cannot size {path} to {len} bytes: {source}")]
-    Resize { path: PathBuf, len: u64, source: std::io::Error },
+    Resize {
+        path: PathBuf,
+        len: u64,
+        source: std::io::Error,
+    },
     #[error("cannot map {path}: {source}")]
-    Map { path: PathBuf, source: std::io::Error },
+    Map {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("range {offset}+{len} is outside the {region_len}-byte region")]
-    OutOfBounds { offset: u64, len: u64, region_len: u64 },
+    OutOfBounds {
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
 }
 
 /// A file mapped shared and read-write.
@@ -56,8 +70,14 @@ impl SharedRegion {
             .read(true)
             .write(true)
             .open(&path)
-            .map_err(|source| ShmError::Open { path: path.clone(), source })?;
-        let meta = file.metadata().map_err(|source| ShmError::Open { path: path.clone(), source })?;
+            .map_err(|source| ShmError::Open {
+                path: path.clone(),
+                source,
+            })?;
+        let meta = file.metadata().map_err(|source| ShmError::Open {
+            path: path.clone(),
+            source,
+        })?;
         let ft = meta.file_type();
         if !ft.is_file() || ft.is_fifo() || ft.is_char_device() || ft.is_block_device() {
             return Err(ShmError::NotAFile(path));
@@ -65,8 +85,15 @@ impl SharedRegion {
         if meta.len() == 0 {
             return Err(ShmError::Empty(path));
         }
-        let map = MmapRaw::map_raw(&file).map_err(|source| ShmError::Map { path: path.clone(), source })?;
-        Ok(Self { map, path, _file: file })
+        let map = MmapRaw::map_raw(&file).map_err(|source| ShmError::Map {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(Self {
+            map,
+            path,
+            _file: file,
+        })
     }
 
     /// Creates (or truncates) a file of `len` zero bytes and maps it (the worker's side).
@@ -79,9 +106,15 @@ impl SharedRegion {
                 .create(true)
                 .truncate(true)
                 .open(&path)
-                .map_err(|source| ShmError::Open { path: path.clone(), source })?;
-            file.set_len(len)
-                .map_err(|source| ShmError::Resize { path: path.clone(), len, source })?;
+                .map_err(|source| ShmError::Open {
+                    path: path.clone(),
+                    source,
+                })?;
+            file.set_len(len).map_err(|source| ShmError::Resize {
+                path: path.clone(),
+                len,
+                source,
+            })?;
         }
         Self::open(path)
     }
@@ -117,7 +150,9 @@ impl SharedRegion {
                 self.check(offset, len)?;
                 // SAFETY: the range was bounds-checked against the mapping, which lives
                 // as long as `self`; the bytes are plain data that any pattern may hold.
-                let s = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len as usize) };
+                let s = unsafe {
+                    std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len as usize)
+                };
                 Ok(IoSlice::new(s))
             })
             .collect()
@@ -133,7 +168,12 @@ impl SharedRegion {
                 // SAFETY: bounds-checked against the mapping, which outlives the slice.
                 // The mapping is MAP_SHARED read-write; exclusive use of these bytes is
                 // the transfer protocol's guarantee (disjoint, granted destination blocks).
-                let s = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset as usize), len as usize) };
+                let s = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        self.map.as_mut_ptr().add(offset as usize),
+                        len as usize,
+                    )
+                };
                 Ok(IoSliceMut::new(s))
             })
             .collect()
@@ -143,7 +183,13 @@ impl SharedRegion {
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), ShmError> {
         self.check(offset, data.len() as u64)?;
         // SAFETY: bounds-checked; `data` is a distinct allocation, so the copy cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.as_mut_ptr().add(offset as usize), data.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.map.as_mut_ptr().add(offset as usize),
+                data.len(),
+            )
+        };
         Ok(())
     }
 
@@ -151,7 +197,13 @@ impl SharedRegion {
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), ShmError> {
         self.check(offset, out.len() as u64)?;
         // SAFETY: bounds-checked; `out` is a distinct allocation, so the copy cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
         Ok(())
     }
 
@@ -159,7 +211,13 @@ impl SharedRegion {
     pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), ShmError> {
         self.check(offset, len)?;
         // SAFETY: bounds-checked against the live mapping.
-        unsafe { std::ptr::write_bytes(self.map.as_mut_ptr().add(offset as usize), byte, len as usize) };
+        unsafe {
+            std::ptr::write_bytes(
+                self.map.as_mut_ptr().add(offset as usize),
+                byte,
+                len as usize,
+            )
+        };
         Ok(())
     }
 }
@@ -193,12 +251,27 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r");
         let r = SharedRegion::create(&path, 4096).unwrap();
-        assert!(matches!(r.io_slices(&[(4000, 97)]), Err(ShmError::OutOfBounds { .. })));
-        assert!(matches!(r.io_slices_mut(&[(u64::MAX, 2)]), Err(ShmError::OutOfBounds { .. })));
+        assert!(matches!(
+            r.io_slices(&[(4000, 97)]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            r.io_slices_mut(&[(u64::MAX, 2)]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
         assert!(r.write_at(4095, b"ab").is_err());
-        assert!(matches!(SharedRegion::open(dir.path()), Err(ShmError::Open { .. } | ShmError::NotAFile(_))));
-        assert!(matches!(SharedRegion::open(dir.path().join("missing")), Err(ShmError::Open { .. })));
+        assert!(matches!(
+            SharedRegion::open(dir.path()),
+            Err(ShmError::Open { .. } | ShmError::NotAFile(_))
+        ));
+        assert!(matches!(
+            SharedRegion::open(dir.path().join("missing")),
+            Err(ShmError::Open { .. })
+        ));
         std::fs::write(dir.path().join("empty"), b"").unwrap();
-        assert!(matches!(SharedRegion::open(dir.path().join("empty")), Err(ShmError::Empty(_))));
+        assert!(matches!(
+            SharedRegion::open(dir.path().join("empty")),
+            Err(ShmError::Empty(_))
+        ));
     }
 }

@@ -35,7 +35,8 @@ pub async fn serve(shared: Arc<Shared>, socket: &Path) -> anyhow::Result<JoinHan
             anyhow::bail!("{} exists and is not a socket", socket.display());
         }
     }
-    let listener = UnixListener::bind(socket).map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", socket.display()))?;
+    let listener = UnixListener::bind(socket)
+        .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     let service = SidecarServer::new(Api { shared }).max_decoding_message_size(64 << 20);
     let incoming = UnixListenerStream::new(listener);
@@ -77,18 +78,27 @@ fn selection_of(b: &BlockRange) -> BlockSelection {
 }
 
 fn require<'a, T>(field: &'a Option<T>, name: &str) -> Result<&'a T, Status> {
-    field.as_ref().ok_or_else(|| Status::invalid_argument(format!("{name} is required")))
+    field
+        .as_ref()
+        .ok_or_else(|| Status::invalid_argument(format!("{name} is required")))
 }
 
 fn require_text(value: &str, name: &str) -> Result<(), Status> {
     if value.is_empty() || value.len() > 256 {
-        return Err(Status::invalid_argument(format!("{name} must be 1..=256 bytes")));
+        return Err(Status::invalid_argument(format!(
+            "{name} must be 1..=256 bytes"
+        )));
     }
     Ok(())
 }
 
 /// Checks the peer-side selection as far as this side can: shape and duplicates.
-fn check_remote(sel: &BlockSelection, write: bool, local_blocks: usize, local_layers: u32) -> Result<(), Status> {
+fn check_remote(
+    sel: &BlockSelection,
+    write: bool,
+    local_blocks: usize,
+    local_layers: u32,
+) -> Result<(), Status> {
     if sel.layer_count == 0 {
         return Err(Status::invalid_argument("remote selection has no layers"));
     }
@@ -96,16 +106,24 @@ fn check_remote(sel: &BlockSelection, write: bool, local_blocks: usize, local_la
         return Err(Status::invalid_argument("remote selection has no blocks"));
     }
     if sel.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
-        return Err(Status::invalid_argument(format!("{} blocks exceeds the per-request limit", sel.block_ids.len())));
+        return Err(Status::invalid_argument(format!(
+            "{} blocks exceeds the per-request limit",
+            sel.block_ids.len()
+        )));
     }
     if write {
         let mut sorted = sel.block_ids.clone();
         sorted.sort_unstable();
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Status::invalid_argument(format!("destination block {} is listed more than once (overlapping destination)", w[0])));
+            return Err(Status::invalid_argument(format!(
+                "destination block {} is listed more than once (overlapping destination)",
+                w[0]
+            )));
         }
     }
-    if sel.block_ids.len() as u64 * u64::from(sel.layer_count) != local_blocks as u64 * u64::from(local_layers) {
+    if sel.block_ids.len() as u64 * u64::from(sel.layer_count)
+        != local_blocks as u64 * u64::from(local_layers)
+    {
         return Err(Status::invalid_argument(format!(
             "size mismatch: source and destination must name the same number of layer-blocks ({} x {} vs {} x {})",
             local_layers,
@@ -119,8 +137,12 @@ fn check_remote(sel: &BlockSelection, write: bool, local_blocks: usize, local_la
 
 fn shm_status(e: &ShmError) -> Status {
     match e {
-        ShmError::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Status::not_found(e.to_string()),
-        ShmError::Open { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => Status::permission_denied(e.to_string()),
+        ShmError::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            Status::not_found(e.to_string())
+        }
+        ShmError::Open { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
+            Status::permission_denied(e.to_string())
+        }
         ShmError::OutOfBounds { .. } => Status::invalid_argument(e.to_string()),
         _ => Status::failed_precondition(e.to_string()),
     }
@@ -128,29 +150,53 @@ fn shm_status(e: &ShmError) -> Status {
 
 impl Api {
     /// Common path of Push and Pull.
-    async fn start(&self, push: bool, request_id: &str, worker_id: &str, peer: &str, source: &BlockRange, destination: &BlockRange) -> Result<TransferAccepted, Status> {
+    async fn start(
+        &self,
+        push: bool,
+        request_id: &str,
+        worker_id: &str,
+        peer: &str,
+        source: &BlockRange,
+        destination: &BlockRange,
+    ) -> Result<TransferAccepted, Status> {
         require_text(request_id, "request_id")?;
         require_text(worker_id, "worker_id")?;
         if !self.shared.peers.contains_key(peer) {
             return Err(Status::not_found(format!("unknown peer {peer:?}")));
         }
-        let (local_range, remote_range) = if push { (source, destination) } else { (destination, source) };
+        let (local_range, remote_range) = if push {
+            (source, destination)
+        } else {
+            (destination, source)
+        };
         let local_sel = selection_of(local_range);
         let remote_sel = selection_of(remote_range);
         let region = self
             .shared
             .registry
             .get(local_sel.region_id)
-            .ok_or_else(|| Status::not_found(format!("unknown local region {}", local_sel.region_id)))?;
+            .ok_or_else(|| {
+                Status::not_found(format!("unknown local region {}", local_sel.region_id))
+            })?;
         let access = if push { Access::Read } else { Access::Write };
-        let plan = Plan::build(&region.layout, &local_sel, access).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        check_remote(&remote_sel, push, local_sel.block_ids.len(), local_sel.layer_count)?;
+        let plan = Plan::build(&region.layout, &local_sel, access)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        check_remote(
+            &remote_sel,
+            push,
+            local_sel.block_ids.len(),
+            local_sel.layer_count,
+        )?;
 
         let id = self.shared.next_transfer_id();
         self.shared
             .transfers
             .reserve(worker_id, request_id, id)
-            .map_err(|_| Status::already_exists(format!("request {request_id:?} is already in flight for worker {worker_id:?}")))?;
+            .map_err(|_| {
+                Status::already_exists(format!(
+                    "request {request_id:?} is already in flight for worker {worker_id:?}"
+                ))
+            })?;
         let link = match self.shared.outbound_link(peer).await {
             Ok(Some(link)) => link,
             Ok(None) => {
@@ -189,11 +235,21 @@ impl Api {
         };
         let kind = if push { "push" } else { "pull" };
         metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);
-        let started = link.with_session(|s, now| if push { s.start_push(req, now) } else { s.start_pull(req, now) });
+        let started = link.with_session(|s, now| {
+            if push {
+                s.start_push(req, now)
+            } else {
+                s.start_pull(req, now)
+            }
+        });
         link.rearm_timer();
         if let Err(e) = started {
-            self.shared.transfers.finish(id, |s| s.state = TransferState::Failed as i32);
-            return Err(Status::internal(format!("plan rejected after validation: {e}")));
+            self.shared
+                .transfers
+                .finish(id, |s| s.state = TransferState::Failed as i32);
+            return Err(Status::internal(format!(
+                "plan rejected after validation: {e}"
+            )));
         }
         Ok(TransferAccepted {
             transfer_id: id,
@@ -211,7 +267,8 @@ impl Api {
 
     fn live_status(&self, rec: &TransferRecord) -> TransferStatus {
         let mut s = rec.current();
-        let final_state = s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
+        let final_state =
+            s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
         if !final_state {
             if let Some(link) = rec.link.upgrade() {
                 if let Some((state, done, _)) = link.with_session(|sess, _| sess.progress(rec.id)) {
@@ -231,7 +288,10 @@ type NotificationStream = Pin<Box<dyn Stream<Item = Result<Notification, Status>
 
 #[tonic::async_trait]
 impl Sidecar for Api {
-    async fn register_region(&self, req: Request<RegisterRegionRequest>) -> Result<Response<RegisterRegionResponse>, Status> {
+    async fn register_region(
+        &self,
+        req: Request<RegisterRegionRequest>,
+    ) -> Result<Response<RegisterRegionResponse>, Status> {
         let req = req.into_inner();
         require_text(&req.worker_id, "worker_id")?;
         if req.shm_path.is_empty() {
@@ -241,10 +301,17 @@ impl Sidecar for Api {
         let region = self
             .shared
             .registry
-            .register(&req.worker_id, Path::new(&req.shm_path), layout, req.expose_to_peers)
+            .register(
+                &req.worker_id,
+                Path::new(&req.shm_path),
+                layout,
+                req.expose_to_peers,
+            )
             .map_err(|e| match e {
                 RegisterError::Shm(s) => shm_status(&s),
-                RegisterError::Layout(l) => Status::invalid_argument(format!("invalid layout: {l}")),
+                RegisterError::Layout(l) => {
+                    Status::invalid_argument(format!("invalid layout: {l}"))
+                }
             })?;
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
         info!(region = region.id, worker = %req.worker_id, path = %req.shm_path, bytes = region.memory.len(), "region registered");
@@ -254,13 +321,18 @@ impl Sidecar for Api {
         }))
     }
 
-    async fn unregister_region(&self, req: Request<UnregisterRegionRequest>) -> Result<Response<UnregisterRegionResponse>, Status> {
+    async fn unregister_region(
+        &self,
+        req: Request<UnregisterRegionRequest>,
+    ) -> Result<Response<UnregisterRegionResponse>, Status> {
         let id = req.into_inner().region_id;
         if self.shared.registry.get(id).is_none() {
             return Err(Status::not_found(format!("unknown region {id}")));
         }
         if self.shared.region_in_use(id) {
-            return Err(Status::failed_precondition(format!("region {id} has transfers in flight; cancel or wait for them first")));
+            return Err(Status::failed_precondition(format!(
+                "region {id} has transfers in flight; cancel or wait for them first"
+            )));
         }
         self.shared.registry.remove(id);
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
@@ -271,36 +343,49 @@ impl Sidecar for Api {
         let r = req.into_inner();
         let src = require(&r.source, "source")?;
         let dst = require(&r.destination, "destination")?;
-        self.start(true, &r.request_id, &r.worker_id, &r.peer, src, dst).await.map(Response::new)
+        self.start(true, &r.request_id, &r.worker_id, &r.peer, src, dst)
+            .await
+            .map(Response::new)
     }
 
     async fn pull(&self, req: Request<PullRequest>) -> Result<Response<TransferAccepted>, Status> {
         let r = req.into_inner();
         let src = require(&r.source, "source")?;
         let dst = require(&r.destination, "destination")?;
-        self.start(false, &r.request_id, &r.worker_id, &r.peer, src, dst).await.map(Response::new)
+        self.start(false, &r.request_id, &r.worker_id, &r.peer, src, dst)
+            .await
+            .map(Response::new)
     }
 
     async fn wait(&self, req: Request<WaitRequest>) -> Result<Response<TransferStatus>, Status> {
         let req = req.into_inner();
         let rec = self.record(req.transfer_id)?;
         let mut rx = rec.status.subscribe();
-        let is_final = |s: &TransferStatus| s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
+        let is_final = |s: &TransferStatus| {
+            s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32
+        };
         let wait = rx.wait_for(is_final);
         if req.timeout_ms == 0 {
             let _ = wait.await;
         } else {
-            let _ = tokio::time::timeout(Duration::from_millis(u64::from(req.timeout_ms)), wait).await;
+            let _ =
+                tokio::time::timeout(Duration::from_millis(u64::from(req.timeout_ms)), wait).await;
         }
         Ok(Response::new(self.live_status(&rec)))
     }
 
-    async fn get_transfer(&self, req: Request<GetTransferRequest>) -> Result<Response<TransferStatus>, Status> {
+    async fn get_transfer(
+        &self,
+        req: Request<GetTransferRequest>,
+    ) -> Result<Response<TransferStatus>, Status> {
         let rec = self.record(req.into_inner().transfer_id)?;
         Ok(Response::new(self.live_status(&rec)))
     }
 
-    async fn cancel(&self, req: Request<CancelRequest>) -> Result<Response<TransferStatus>, Status> {
+    async fn cancel(
+        &self,
+        req: Request<CancelRequest>,
+    ) -> Result<Response<TransferStatus>, Status> {
         let rec = self.record(req.into_inner().transfer_id)?;
         if let Some(link) = rec.link.upgrade() {
             link.with_session(|s, now| s.cancel(rec.id, now));
@@ -310,14 +395,22 @@ impl Sidecar for Api {
 
     type SubscribeStream = NotificationStream;
 
-    async fn subscribe(&self, req: Request<SubscribeRequest>) -> Result<Response<Self::SubscribeStream>, Status> {
+    async fn subscribe(
+        &self,
+        req: Request<SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
         let worker = req.into_inner().worker_id;
         require_text(&worker, "worker_id")?;
         let rx = self.shared.hub.subscribe(&worker);
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx).map(Ok))))
+        Ok(Response::new(Box::pin(
+            UnboundedReceiverStream::new(rx).map(Ok),
+        )))
     }
 
-    async fn list_peers(&self, _req: Request<ListPeersRequest>) -> Result<Response<ListPeersResponse>, Status> {
+    async fn list_peers(
+        &self,
+        _req: Request<ListPeersRequest>,
+    ) -> Result<Response<ListPeersResponse>, Status> {
         let mut peers = Vec::new();
         for (name, slot) in &self.shared.peers {
             let connected = match slot.link.try_lock() {

@@ -56,9 +56,15 @@ impl Default for Config {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {source}")]
-    Parse { path: PathBuf, source: toml::de::Error },
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("invalid peer {0:?}: expected NAME=ADDR[,ADDR...]")]
     PeerSyntax(String),
     #[error("{0}")]
@@ -79,7 +85,9 @@ impl Config {
 
     /// Parses `NAME=ADDR[,ADDR...]`.
     pub fn parse_peer(spec: &str) -> Result<PeerConfig, ConfigError> {
-        let (name, addrs) = spec.split_once('=').ok_or_else(|| ConfigError::PeerSyntax(spec.into()))?;
+        let (name, addrs) = spec
+            .split_once('=')
+            .ok_or_else(|| ConfigError::PeerSyntax(spec.into()))?;
         let rails = addrs
             .split(',')
             .map(|a| a.trim().parse::<SocketAddr>())
@@ -88,7 +96,10 @@ impl Config {
         if name.is_empty() || rails.is_empty() {
             return Err(ConfigError::PeerSyntax(spec.into()));
         }
-        Ok(PeerConfig { name: name.into(), rails })
+        Ok(PeerConfig {
+            name: name.into(),
+            rails,
+        })
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -99,7 +110,9 @@ impl Config {
         if self.listen.is_empty() {
             return bad("at least one listen address (rail) is required");
         }
-        if self.connections_per_rail == 0 || self.connections_per_rail * self.listen.len().max(1) > 64 {
+        if self.connections_per_rail == 0
+            || self.connections_per_rail * self.listen.len().max(1) > 64
+        {
             return bad("connections_per_rail must be 1..=64 (in total over all rails)");
         }
         if !(4096..=(64 << 20)).contains(&self.slice_bytes) {

@@ -70,9 +70,14 @@ impl Shared {
 
     /// Whether any session still moves bytes of this region.
     pub fn region_in_use(&self, region_id: u64) -> bool {
-        let inbound = self.inbound.iter().any(|l| l.with_session(|s, _| s.uses_region(region_id)));
+        let inbound = self
+            .inbound
+            .iter()
+            .any(|l| l.with_session(|s, _| s.uses_region(region_id)));
         let outbound = self.peers.values().any(|p| match p.link.try_lock() {
-            Ok(guard) => guard.as_ref().is_some_and(|l| l.with_session(|s, _| s.uses_region(region_id))),
+            Ok(guard) => guard
+                .as_ref()
+                .is_some_and(|l| l.with_session(|s, _| s.uses_region(region_id))),
             // Being dialed right now: be conservative.
             Err(_) => true,
         });
@@ -80,8 +85,13 @@ impl Shared {
     }
 
     /// The live outbound link to `peer`, dialing it if needed.
-    pub async fn outbound_link(self: &Arc<Self>, peer: &str) -> Result<Option<Arc<PeerLink>>, DialError> {
-        let Some(slot) = self.peers.get(peer) else { return Ok(None) };
+    pub async fn outbound_link(
+        self: &Arc<Self>,
+        peer: &str,
+    ) -> Result<Option<Arc<PeerLink>>, DialError> {
+        let Some(slot) = self.peers.get(peer) else {
+            return Ok(None);
+        };
         let mut guard = slot.link.lock().await;
         if let Some(link) = guard.as_ref().filter(|l| l.is_alive()) {
             return Ok(Some(link.clone()));
@@ -119,7 +129,10 @@ impl Shared {
                     }
                     Err(DialError::Refused { reason, .. }) => {
                         link.close("handshake refused");
-                        return Err(DialError::Refused { peer: peer.name.clone(), reason });
+                        return Err(DialError::Refused {
+                            peer: peer.name.clone(),
+                            reason,
+                        });
                     }
                     Err(e) => {
                         reasons.push(format!("rail {rail} ({addr}): {e}"));
@@ -141,18 +154,29 @@ impl Shared {
         Ok(link)
     }
 
-    async fn dial_one(&self, local: Option<SocketAddr>, addr: SocketAddr, hello: pb::Hello) -> Result<Connection, DialError> {
+    async fn dial_one(
+        &self,
+        local: Option<SocketAddr>,
+        addr: SocketAddr,
+        hello: pb::Hello,
+    ) -> Result<Connection, DialError> {
         let peer = hello.expected_peer.clone();
         let unreachable = |reason: String| DialError::Unreachable {
             peer: peer.clone(),
             reasons: reason,
         };
-        let mut conn = tokio::time::timeout(self.config.connect_timeout(), self.transport.connect(local, addr))
-            .await
-            .map_err(|_| unreachable("connect timed out".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
+        let mut conn = tokio::time::timeout(
+            self.config.connect_timeout(),
+            self.transport.connect(local, addr),
+        )
+        .await
+        .map_err(|_| unreachable("connect timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
         let frame = wire::encode_control(&wire::message(Body::Hello(hello)));
-        conn.writer.write_control(&frame).await.map_err(|e| unreachable(e.to_string()))?;
+        conn.writer
+            .write_control(&frame)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
         let reply = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut()))
             .await
             .map_err(|_| unreachable("no handshake reply".into()))?
@@ -179,9 +203,22 @@ impl Shared {
         let first = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut())).await;
         let hello = match first {
             Ok(Ok(Frame::Control(Body::Hello(h)))) => h,
-            Ok(Ok(_)) => return self.refuse(conn, from, HandshakeError::NotHello.to_string(), "not_hello").await,
+            Ok(Ok(_)) => {
+                return self
+                    .refuse(
+                        conn,
+                        from,
+                        HandshakeError::NotHello.to_string(),
+                        "not_hello",
+                    )
+                    .await
+            }
             Ok(Err(e)) => return self.refuse(conn, from, e.to_string(), "malformed").await,
-            Err(_) => return self.refuse(conn, from, "no hello in time".into(), "timeout").await,
+            Err(_) => {
+                return self
+                    .refuse(conn, from, "no hello in time".into(), "timeout")
+                    .await
+            }
         };
         let known = |name: &str| self.peers.contains_key(name);
         if let Err(e) = check_hello(&hello, &self.config.node, known, &[self.transport.name()]) {
@@ -220,7 +257,13 @@ impl Shared {
         self.inbound.retain(|_, l| l.is_alive());
     }
 
-    async fn refuse(&self, mut conn: Connection, from: SocketAddr, reason: String, label: &'static str) {
+    async fn refuse(
+        &self,
+        mut conn: Connection,
+        from: SocketAddr,
+        reason: String,
+        label: &'static str,
+    ) {
         warn!(%from, "refused peer handshake: {reason}");
         metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => label).increment(1);
         let abort = wire::message(Body::Abort(pb::Abort {
@@ -228,7 +271,10 @@ impl Shared {
             code: ErrorCode::Protocol as i32,
             message: reason,
         }));
-        let _ = conn.writer.write_control(&wire::encode_control(&abort)).await;
+        let _ = conn
+            .writer
+            .write_control(&wire::encode_control(&abort))
+            .await;
     }
 
     /// Routes a session event to the transfer table and the right worker.
@@ -252,13 +298,16 @@ impl Shared {
                             return;
                         };
                         let elapsed = rec.started.elapsed();
-                        metrics::histogram!(m::TRANSFER_SECONDS, "kind" => m::kind_label(kind)).record(elapsed.as_secs_f64());
+                        metrics::histogram!(m::TRANSFER_SECONDS, "kind" => m::kind_label(kind))
+                            .record(elapsed.as_secs_f64());
                         (rec.worker_id.clone(), elapsed.as_micros() as u64)
                     }
-                    TransferKind::PushReceive | TransferKind::PullServe => match self.registry.get(region_id) {
-                        Some(r) => (r.worker_id.clone(), 0),
-                        None => return,
-                    },
+                    TransferKind::PushReceive | TransferKind::PullServe => {
+                        match self.registry.get(region_id) {
+                            Some(r) => (r.worker_id.clone(), 0),
+                            None => return,
+                        }
+                    }
                 };
                 let nkind = match kind {
                     TransferKind::Push => NotificationKind::PushDone,
@@ -290,7 +339,13 @@ impl Shared {
             } => {
                 metrics::counter!(m::TRANSFERS_FAILED, "kind" => m::kind_label(kind), "reason" => error.code()).increment(1);
                 let failure = failure_of(&error);
-                warn!(peer, transfer_id, request_id, kind = m::kind_label(kind), "transfer failed: {error}");
+                warn!(
+                    peer,
+                    transfer_id,
+                    request_id,
+                    kind = m::kind_label(kind),
+                    "transfer failed: {error}"
+                );
                 let worker = match kind {
                     TransferKind::Push | TransferKind::Pull => {
                         let f = failure.clone();
@@ -302,10 +357,12 @@ impl Shared {
                             None => return,
                         }
                     }
-                    TransferKind::PushReceive | TransferKind::PullServe => match self.registry.get(region_id) {
-                        Some(r) => r.worker_id.clone(),
-                        None => return,
-                    },
+                    TransferKind::PushReceive | TransferKind::PullServe => {
+                        match self.registry.get(region_id) {
+                            Some(r) => r.worker_id.clone(),
+                            None => return,
+                        }
+                    }
                 };
                 self.hub.send(
                     &worker,
@@ -386,7 +443,10 @@ impl Daemon {
         let mut tasks = Vec::new();
         let mut listen = Vec::new();
         for addr in &config.listen {
-            let listener = transport.listen(*addr).await.map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+            let listener = transport
+                .listen(*addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
             listen.push(listener.local_addr()?);
             tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
         }

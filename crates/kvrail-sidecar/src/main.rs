@@ -2,7 +2,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kvrail", version, about = "KV-cache transport sidecar for disaggregated LLM inference")]
+#[command(
+    name = "kvrail",
+    version,
+    about = "KV-cache transport sidecar for disaggregated LLM inference"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -40,7 +40,10 @@ pub fn install(addr: SocketAddr) -> Result<(), BuildError> {
         .with_http_listener(addr)
         .set_buckets_for_metric(
             Matcher::Full(TRANSFER_SECONDS.to_string()),
-            &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+            &[
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0,
+            ],
         )?
         .install()?;
     describe();
@@ -49,16 +52,30 @@ pub fn install(addr: SocketAddr) -> Result<(), BuildError> {
 
 fn describe() {
     describe_counter!(BYTES_SENT, Unit::Bytes, "Payload bytes written to peers");
-    describe_counter!(BYTES_RECEIVED, Unit::Bytes, "Payload bytes placed into local regions");
+    describe_counter!(
+        BYTES_RECEIVED,
+        Unit::Bytes,
+        "Payload bytes placed into local regions"
+    );
     describe_counter!(SLICES_SENT, "Data slices written to peers");
     describe_counter!(SLICES_RECEIVED, "Data slices placed into local regions");
     describe_counter!(TRANSFERS_STARTED, "Transfers started, by kind");
     describe_counter!(TRANSFERS_DONE, "Transfers completed, by kind");
     describe_counter!(TRANSFERS_FAILED, "Transfers failed, by kind and reason");
-    describe_histogram!(TRANSFER_SECONDS, Unit::Seconds, "Transfer time from request to completion, by kind");
+    describe_histogram!(
+        TRANSFER_SECONDS,
+        Unit::Seconds,
+        "Transfer time from request to completion, by kind"
+    );
     describe_gauge!(PEER_CONNECTIONS, "Live connections per peer");
-    describe_counter!(CONNECTIONS_LOST, "Peer connections that broke, by peer and rail");
-    describe_counter!(FRAMES_REJECTED, "Peer frames refused as malformed, by reason");
+    describe_counter!(
+        CONNECTIONS_LOST,
+        "Peer connections that broke, by peer and rail"
+    );
+    describe_counter!(
+        FRAMES_REJECTED,
+        "Peer frames refused as malformed, by reason"
+    );
     describe_counter!(HANDSHAKES_REFUSED, "Peer handshakes refused, by reason");
     describe_gauge!(REGIONS_REGISTERED, "Regions currently registered");
 }

@@ -5,7 +5,9 @@
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
-use kvrail_core::wire::{self, encode_control, encode_data_header, ErrorCode, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
+use kvrail_core::wire::{
+    self, encode_control, encode_data_header, ErrorCode, FRAME_HEADER_LEN, SLICE_HEADER_LEN,
+};
 use kvrail_core::{ConnId, Session, SliceDisposition, Transmit};
 use kvrail_transport::{read_frame, Connection, Frame, FrameReader, FrameWriter, TransportError};
 use tokio::sync::{mpsc, Notify};
@@ -94,7 +96,9 @@ impl PeerLink {
     }
 
     fn pump(&self, st: &mut LinkState) {
-        let Some(shared) = self.shared.upgrade() else { return };
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
         let now = Instant::now();
         while let Some(t) = st.session.poll_transmit(now) {
             let (conn, out) = match t {
@@ -107,7 +111,12 @@ impl PeerLink {
                     pieces,
                 } => {
                     let Some(region) = shared.registry.get(region_id) else {
-                        st.session.fail(header.transfer_id, ErrorCode::RegionGone, "source region was unregistered", now);
+                        st.session.fail(
+                            header.transfer_id,
+                            ErrorCode::RegionGone,
+                            "source region was unregistered",
+                            now,
+                        );
                         continue;
                     };
                     (
@@ -150,7 +159,9 @@ impl PeerLink {
     /// A connection broke: stop its tasks and let the session re-plan.
     pub fn connection_failed(&self, conn: ConnId, reason: &str) {
         let mut st = self.lock();
-        let Some(handle) = st.conns.get_mut(conn) else { return };
+        let Some(handle) = st.conns.get_mut(conn) else {
+            return;
+        };
         if handle.writer.is_none() {
             return;
         }
@@ -180,18 +191,33 @@ impl PeerLink {
     }
 }
 
-async fn writer_task(link: Arc<PeerLink>, conn: ConnId, rail: u32, mut writer: Box<dyn FrameWriter>, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
+async fn writer_task(
+    link: Arc<PeerLink>,
+    conn: ConnId,
+    rail: u32,
+    mut writer: Box<dyn FrameWriter>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+) {
     let rail_label = rail.to_string();
     while let Some(out) = rx.recv().await {
         let result = match out {
             Outgoing::Control(bytes) => writer.write_control(&bytes).await,
-            Outgoing::Slice { header, region, pieces, len } => {
+            Outgoing::Slice {
+                header,
+                region,
+                pieces,
+                len,
+            } => {
                 let r = match region.memory.io_slices(&pieces) {
                     Ok(bufs) => writer.write_slice(&header, &bufs).await,
                     Err(e) => Err(std::io::Error::other(e)),
                 };
                 if r.is_ok() {
-                    let labels = [("peer", link.peer.clone()), ("rail", rail_label.clone()), ("transport", link.transport.to_string())];
+                    let labels = [
+                        ("peer", link.peer.clone()),
+                        ("rail", rail_label.clone()),
+                        ("transport", link.transport.to_string()),
+                    ];
                     metrics::counter!(m::BYTES_SENT, &labels).increment(len);
                     metrics::counter!(m::SLICES_SENT, &labels).increment(1);
                 }
@@ -205,7 +231,12 @@ async fn writer_task(link: Arc<PeerLink>, conn: ConnId, rail: u32, mut writer: B
     }
 }
 
-async fn reader_task(link: Arc<PeerLink>, conn: ConnId, rail: u32, mut reader: Box<dyn FrameReader>) {
+async fn reader_task(
+    link: Arc<PeerLink>,
+    conn: ConnId,
+    rail: u32,
+    mut reader: Box<dyn FrameReader>,
+) {
     let reason = match read_loop(&link, conn, rail, reader.as_mut()).await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
@@ -228,42 +259,54 @@ fn wire_reason(e: &wire::WireError) -> &'static str {
     }
 }
 
-async fn read_loop(link: &Arc<PeerLink>, conn: ConnId, rail: u32, reader: &mut dyn FrameReader) -> Result<(), TransportError> {
+async fn read_loop(
+    link: &Arc<PeerLink>,
+    conn: ConnId,
+    rail: u32,
+    reader: &mut dyn FrameReader,
+) -> Result<(), TransportError> {
     let rail_label = rail.to_string();
     loop {
-        let Some(shared) = link.shared.upgrade() else { return Ok(()) };
+        let Some(shared) = link.shared.upgrade() else {
+            return Ok(());
+        };
         match read_frame(reader).await? {
             Frame::Control(body) => {
                 link.with_session(|s, now| s.handle_control(conn, body, now, &shared.registry));
                 link.rearm_timer();
             }
-            Frame::Data { header, payload_len } => {
-                match link.with_session(|s, now| s.accept_slice(conn, header, payload_len, now)) {
-                    SliceDisposition::Place { region_id, pieces } => {
-                        let Some(region) = shared.registry.get(region_id) else {
-                            reader.discard(u64::from(payload_len)).await?;
-                            link.with_session(|s, _| s.slice_abandoned(header));
-                            continue;
-                        };
-                        let read = match region.memory.io_slices_mut(&pieces) {
-                            Ok(mut bufs) => reader.read_payload(&mut bufs).await,
-                            Err(e) => Err(std::io::Error::other(e)),
-                        };
-                        if let Err(e) = read {
-                            link.with_session(|s, _| s.slice_abandoned(header));
-                            return Err(e.into());
-                        }
-                        let labels = [("peer", link.peer.clone()), ("rail", rail_label.clone()), ("transport", link.transport.to_string())];
-                        metrics::counter!(m::BYTES_RECEIVED, &labels).increment(u64::from(payload_len));
-                        metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
-                        link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
-                    }
-                    SliceDisposition::Discard => {
-                        debug!(peer = %link.peer, transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
+            Frame::Data {
+                header,
+                payload_len,
+            } => match link.with_session(|s, now| s.accept_slice(conn, header, payload_len, now)) {
+                SliceDisposition::Place { region_id, pieces } => {
+                    let Some(region) = shared.registry.get(region_id) else {
                         reader.discard(u64::from(payload_len)).await?;
+                        link.with_session(|s, _| s.slice_abandoned(header));
+                        continue;
+                    };
+                    let read = match region.memory.io_slices_mut(&pieces) {
+                        Ok(mut bufs) => reader.read_payload(&mut bufs).await,
+                        Err(e) => Err(std::io::Error::other(e)),
+                    };
+                    if let Err(e) = read {
+                        link.with_session(|s, _| s.slice_abandoned(header));
+                        return Err(e.into());
                     }
+                    let labels = [
+                        ("peer", link.peer.clone()),
+                        ("rail", rail_label.clone()),
+                        ("transport", link.transport.to_string()),
+                    ];
+                    metrics::counter!(m::BYTES_RECEIVED, &labels).increment(u64::from(payload_len));
+                    metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
+                    link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
                 }
-            }
+                SliceDisposition::Discard => {
+                    debug!(peer = %link.peer, transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
+                    reader.discard(u64::from(payload_len)).await?;
+                }
+            },
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use kvrail_core::{LayoutError, RegionAccess, RegionDirectory, RegionLayout};
-use kvrail_shm::{ShmError, SharedRegion};
+use kvrail_shm::{SharedRegion, ShmError};
 
 /// A region the sidecar has mapped.
 #[derive(Debug)]
@@ -35,7 +35,13 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn register(&self, worker_id: &str, path: &Path, layout: RegionLayout, exposed: bool) -> Result<Arc<Region>, RegisterError> {
+    pub fn register(
+        &self,
+        worker_id: &str,
+        path: &Path,
+        layout: RegionLayout,
+        exposed: bool,
+    ) -> Result<Arc<Region>, RegisterError> {
         let memory = SharedRegion::open(path)?;
         layout.validate(memory.len())?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;

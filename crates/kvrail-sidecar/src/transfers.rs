@@ -45,8 +45,16 @@ pub struct TransferTable {
 
 impl TransferTable {
     /// Claims `(worker, request)` for `transfer_id` until the transfer ends.
-    pub fn reserve(&self, worker_id: &str, request_id: &str, transfer_id: u64) -> Result<(), DuplicateRequest> {
-        match self.live_requests.entry((worker_id.to_string(), request_id.to_string())) {
+    pub fn reserve(
+        &self,
+        worker_id: &str,
+        request_id: &str,
+        transfer_id: u64,
+    ) -> Result<(), DuplicateRequest> {
+        match self
+            .live_requests
+            .entry((worker_id.to_string(), request_id.to_string()))
+        {
             dashmap::Entry::Occupied(_) => Err(DuplicateRequest),
             dashmap::Entry::Vacant(v) => {
                 v.insert(transfer_id);
@@ -56,7 +64,8 @@ impl TransferTable {
     }
 
     pub fn release(&self, worker_id: &str, request_id: &str) {
-        self.live_requests.remove(&(worker_id.to_string(), request_id.to_string()));
+        self.live_requests
+            .remove(&(worker_id.to_string(), request_id.to_string()));
     }
 
     pub fn insert(&self, record: Arc<TransferRecord>) {
@@ -68,11 +77,16 @@ impl TransferTable {
     }
 
     /// Records the final status and frees the request id.
-    pub fn finish(&self, id: u64, update: impl FnOnce(&mut TransferStatus)) -> Option<Arc<TransferRecord>> {
+    pub fn finish(
+        &self,
+        id: u64,
+        update: impl FnOnce(&mut TransferStatus),
+    ) -> Option<Arc<TransferRecord>> {
         let record = self.get(id)?;
         let mut was_final = false;
         record.status.send_modify(|s| {
-            was_final = s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
+            was_final =
+                s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
             if !was_final {
                 update(s);
                 s.elapsed_us = record.started.elapsed().as_micros() as u64;

@@ -33,7 +33,11 @@ pub trait Transport: Send + Sync + 'static {
     /// Starts accepting connections on `addr`.
     async fn listen(&self, addr: SocketAddr) -> io::Result<Box<dyn Listener>>;
     /// Opens one connection to `remote`, from `local` when given (to pin a rail).
-    async fn connect(&self, local: Option<SocketAddr>, remote: SocketAddr) -> io::Result<Connection>;
+    async fn connect(
+        &self,
+        local: Option<SocketAddr>,
+        remote: SocketAddr,
+    ) -> io::Result<Connection>;
 }
 
 /// Accepting side of a transport.
@@ -55,7 +59,11 @@ pub trait FrameWriter: Send {
     /// Writes an encoded control frame (header included).
     async fn write_control(&mut self, frame: &[u8]) -> io::Result<()>;
     /// Writes a data frame: the 24-byte header, then the payload gathered from `payload`.
-    async fn write_slice(&mut self, header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN], payload: &[IoSlice<'_>]) -> io::Result<()>;
+    async fn write_slice(
+        &mut self,
+        header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+        payload: &[IoSlice<'_>],
+    ) -> io::Result<()>;
 }
 
 /// Reading half.
@@ -82,7 +90,10 @@ pub trait FrameReader: Send {
 #[derive(Debug)]
 pub enum Frame {
     Control(wire::Body),
-    Data { header: wire::SliceHeader, payload_len: u32 },
+    Data {
+        header: wire::SliceHeader,
+        payload_len: u32,
+    },
 }
 
 /// Reads the next frame header (and control body or slice header).

@@ -36,8 +36,16 @@ impl Transport for TcpTransport {
         Ok(Box::new(TcpRailListener(TcpListener::bind(addr).await?)))
     }
 
-    async fn connect(&self, local: Option<SocketAddr>, remote: SocketAddr) -> io::Result<Connection> {
-        let socket = if remote.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    async fn connect(
+        &self,
+        local: Option<SocketAddr>,
+        remote: SocketAddr,
+    ) -> io::Result<Connection> {
+        let socket = if remote.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
         if let Some(local) = local {
             socket.bind(local)?;
         }
@@ -86,7 +94,11 @@ impl FrameWriter for TcpFrameWriter {
         self.write_all_vectored(&mut [IoSlice::new(frame)]).await
     }
 
-    async fn write_slice(&mut self, header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN], payload: &[IoSlice<'_>]) -> io::Result<()> {
+    async fn write_slice(
+        &mut self,
+        header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+        payload: &[IoSlice<'_>],
+    ) -> io::Result<()> {
         let mut bufs = Vec::with_capacity(payload.len() + 1);
         bufs.push(IoSlice::new(header));
         bufs.extend_from_slice(payload);
@@ -135,21 +147,54 @@ mod tests {
         let mut server = accept.await.unwrap();
 
         let msg = wire::message(Body::Complete(wire::pb::Complete { transfer_id: 5 }));
-        client.writer.write_control(&wire::encode_control(&msg)).await.unwrap();
+        client
+            .writer
+            .write_control(&wire::encode_control(&msg))
+            .await
+            .unwrap();
         let src: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
-        let hdr = wire::encode_data_header(SliceHeader { transfer_id: 5, offset: 64 }, 300_000);
+        let hdr = wire::encode_data_header(
+            SliceHeader {
+                transfer_id: 5,
+                offset: 64,
+            },
+            300_000,
+        );
         let writer = tokio::spawn(async move {
-            let parts = [IoSlice::new(&src[..1000]), IoSlice::new(&[]), IoSlice::new(&src[1000..])];
+            let parts = [
+                IoSlice::new(&src[..1000]),
+                IoSlice::new(&[]),
+                IoSlice::new(&src[1000..]),
+            ];
             client.writer.write_slice(&hdr, &parts).await.unwrap();
             client
         });
 
-        assert!(matches!(read_frame(server.reader.as_mut()).await.unwrap(), Frame::Control(Body::Complete(_))));
-        let Frame::Data { header, payload_len } = read_frame(server.reader.as_mut()).await.unwrap() else { panic!() };
-        assert_eq!(header, SliceHeader { transfer_id: 5, offset: 64 });
+        assert!(matches!(
+            read_frame(server.reader.as_mut()).await.unwrap(),
+            Frame::Control(Body::Complete(_))
+        ));
+        let Frame::Data {
+            header,
+            payload_len,
+        } = read_frame(server.reader.as_mut()).await.unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            header,
+            SliceHeader {
+                transfer_id: 5,
+                offset: 64
+            }
+        );
         let mut a = vec![0u8; 7];
         let mut b = vec![0u8; payload_len as usize - 7];
-        server.reader.read_payload(&mut [IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)]).await.unwrap();
+        server
+            .reader
+            .read_payload(&mut [IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)])
+            .await
+            .unwrap();
         writer.await.unwrap();
         let expect: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
         assert_eq!(&a[..], &expect[..7]);
