@@ -2,6 +2,7 @@
 //! connection, a timer task, and the pump that turns the session's transmits into
 //! socket writes and its events into worker notifications.
 
+use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
@@ -191,6 +192,10 @@ impl PeerLink {
     }
 }
 
+/// Most frames, and payload bytes, one vectored write gathers from the queue.
+const WRITE_BATCH_FRAMES: usize = 64;
+const WRITE_BATCH_BYTES: u64 = 4 << 20;
+
 async fn writer_task(
     link: Arc<PeerLink>,
     conn: ConnId,
@@ -199,36 +204,65 @@ async fn writer_task(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let rail_label = rail.to_string();
-    while let Some(out) = rx.recv().await {
-        let result = match out {
-            Outgoing::Control(bytes) => writer.write_control(&bytes).await,
-            Outgoing::Slice {
-                header,
-                region,
-                pieces,
-                len,
-            } => {
-                let r = match region.memory.io_slices(&pieces) {
-                    Ok(bufs) => writer.write_slice(&header, &bufs).await,
-                    Err(e) => Err(std::io::Error::other(e)),
-                };
-                if r.is_ok() {
-                    let labels = [
-                        ("peer", link.peer.clone()),
-                        ("rail", rail_label.clone()),
-                        ("transport", link.transport.to_string()),
-                    ];
-                    metrics::counter!(m::BYTES_SENT, &labels).increment(len);
-                    metrics::counter!(m::SLICES_SENT, &labels).increment(1);
+    let mut batch: Vec<Outgoing> = Vec::with_capacity(WRITE_BATCH_FRAMES);
+    while let Some(first) = rx.recv().await {
+        // Whatever else is already queued goes out in the same system call.
+        batch.push(first);
+        let mut payload: u64 = batch.iter().map(Outgoing::payload_len).sum();
+        while batch.len() < WRITE_BATCH_FRAMES && payload < WRITE_BATCH_BYTES {
+            match rx.try_recv() {
+                Ok(o) => {
+                    payload += o.payload_len();
+                    batch.push(o);
                 }
-                r
+                Err(_) => break,
             }
-        };
+        }
+        let result = write_batch(writer.as_mut(), &batch).await;
         if let Err(e) = result {
             link.connection_failed(conn, &format!("write failed: {e}"));
             return;
         }
+        let slices = batch.iter().filter(|o| matches!(o, Outgoing::Slice { .. })).count() as u64;
+        if slices > 0 {
+            let labels = [
+                ("peer", link.peer.clone()),
+                ("rail", rail_label.clone()),
+                ("transport", link.transport.to_string()),
+            ];
+            metrics::counter!(m::BYTES_SENT, &labels).increment(payload);
+            metrics::counter!(m::SLICES_SENT, &labels).increment(slices);
+        }
+        batch.clear();
     }
+}
+
+impl Outgoing {
+    fn payload_len(&self) -> u64 {
+        match self {
+            Outgoing::Control(_) => 0,
+            Outgoing::Slice { len, .. } => *len,
+        }
+    }
+}
+
+async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::io::Result<()> {
+    let mut bufs = Vec::with_capacity(batch.len() * 2);
+    for out in batch {
+        match out {
+            Outgoing::Control(bytes) => bufs.push(IoSlice::new(bytes)),
+            Outgoing::Slice {
+                header,
+                region,
+                pieces,
+                ..
+            } => {
+                bufs.push(IoSlice::new(header));
+                bufs.extend(region.memory.io_slices(pieces).map_err(std::io::Error::other)?);
+            }
+        }
+    }
+    writer.write_all_vectored(&mut bufs).await
 }
 
 async fn reader_task(

@@ -56,14 +56,25 @@ pub struct Connection {
 /// Writing half.
 #[async_trait]
 pub trait FrameWriter: Send {
+    /// Writes every byte of `bufs`, in order, gathering them (frames already encoded).
+    async fn write_all_vectored(&mut self, bufs: &mut [IoSlice<'_>]) -> io::Result<()>;
+
     /// Writes an encoded control frame (header included).
-    async fn write_control(&mut self, frame: &[u8]) -> io::Result<()>;
+    async fn write_control(&mut self, frame: &[u8]) -> io::Result<()> {
+        self.write_all_vectored(&mut [IoSlice::new(frame)]).await
+    }
+
     /// Writes a data frame: the 24-byte header, then the payload gathered from `payload`.
     async fn write_slice(
         &mut self,
         header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
         payload: &[IoSlice<'_>],
-    ) -> io::Result<()>;
+    ) -> io::Result<()> {
+        let mut bufs = Vec::with_capacity(payload.len() + 1);
+        bufs.push(IoSlice::new(header));
+        bufs.extend_from_slice(payload);
+        self.write_all_vectored(&mut bufs).await
+    }
 }
 
 /// Reading half.

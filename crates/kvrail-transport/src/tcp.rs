@@ -6,7 +6,6 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 
 use async_trait::async_trait;
-use kvrail_core::wire::{FRAME_HEADER_LEN, SLICE_HEADER_LEN};
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -71,7 +70,8 @@ struct TcpFrameWriter {
     inner: OwnedWriteHalf,
 }
 
-impl TcpFrameWriter {
+#[async_trait]
+impl FrameWriter for TcpFrameWriter {
     async fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         // Skip empty leading slices so the loop ends exactly when everything is written.
         IoSlice::advance_slices(&mut bufs, 0);
@@ -85,24 +85,6 @@ impl TcpFrameWriter {
             }
         }
         Ok(())
-    }
-}
-
-#[async_trait]
-impl FrameWriter for TcpFrameWriter {
-    async fn write_control(&mut self, frame: &[u8]) -> io::Result<()> {
-        self.write_all_vectored(&mut [IoSlice::new(frame)]).await
-    }
-
-    async fn write_slice(
-        &mut self,
-        header: &[u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
-        payload: &[IoSlice<'_>],
-    ) -> io::Result<()> {
-        let mut bufs = Vec::with_capacity(payload.len() + 1);
-        bufs.push(IoSlice::new(header));
-        bufs.extend_from_slice(payload);
-        self.write_all_vectored(&mut bufs).await
     }
 }
 
