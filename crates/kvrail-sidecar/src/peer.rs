@@ -223,7 +223,10 @@ async fn writer_task(
             link.connection_failed(conn, &format!("write failed: {e}"));
             return;
         }
-        let slices = batch.iter().filter(|o| matches!(o, Outgoing::Slice { .. })).count() as u64;
+        let slices = batch
+            .iter()
+            .filter(|o| matches!(o, Outgoing::Slice { .. }))
+            .count() as u64;
         if slices > 0 {
             let labels = [
                 ("peer", link.peer.clone()),
@@ -258,7 +261,12 @@ async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::i
                 ..
             } => {
                 bufs.push(IoSlice::new(header));
-                bufs.extend(region.memory.io_slices(pieces).map_err(std::io::Error::other)?);
+                bufs.extend(
+                    region
+                        .memory
+                        .io_slices(pieces)
+                        .map_err(std::io::Error::other)?,
+                );
             }
         }
     }
