@@ -176,7 +176,7 @@ impl Bench {
         self.d_mem.fill(0, self.d_mem.len(), 0)?;
         self.transfer(op, src_range.clone(), dst_range.clone())
             .await?; // warm-up: page faults, connections
-        verify_blocks(&self.p_mem, &self.d_mem, &layout, layers, &src, &dst)
+        crate::verify::compare_blocks(&self.p_mem, &self.d_mem, &layout, layers, &src, &dst, false)
             .with_context(|| format!("{name} {op} moved wrong bytes"))?;
         let iterations = (self.args.bytes_per_point / bytes).clamp(3, 2000);
         let mut lat = Latencies::default();
@@ -255,35 +255,6 @@ impl Bench {
 
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
-}
-
-/// Compares every named block of the source region with its destination block.
-fn verify_blocks(
-    src_mem: &SharedRegion,
-    dst_mem: &SharedRegion,
-    layout: &RegionLayout,
-    layers: u32,
-    src: &[u32],
-    dst: &[u32],
-) -> anyhow::Result<()> {
-    let off = |layer: u32, plane: u32, block: u32| {
-        layout.base_offset
-            + u64::from(layer) * layout.layer_stride
-            + u64::from(plane) * layout.plane_stride
-            + u64::from(block) * layout.block_stride
-    };
-    for layer in 0..layers {
-        for plane in 0..layout.planes_per_layer {
-            for (s, d) in src.iter().zip(dst) {
-                let a = src_mem.io_slices(&[(off(layer, plane, *s), layout.block_bytes)])?;
-                let b = dst_mem.io_slices(&[(off(layer, plane, *d), layout.block_bytes)])?;
-                if *a[0] != *b[0] {
-                    bail!("layer {layer} plane {plane}: block {s} -> {d} differs");
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Distinct content in every 4 KiB so that a misplaced block is caught.

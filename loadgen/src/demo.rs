@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvrail_client::proto::{NotificationKind, RegionLayout};
+use kvrail_client::proto::NotificationKind;
 use kvrail_client::{blocks, dense_layout, KvRegion, SharedRegion};
 use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
@@ -136,8 +136,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             if note.kind != NotificationKind::PushReceived as i32 {
                 bail!("request {req} failed: {:?}", note.failure);
             }
-            verify_and_clear(&p_kv.memory, &d_kv.memory, &layout, &src, &dst)
-                .with_context(|| format!("request {req}"))?;
+            crate::verify::compare_blocks(
+                &p_kv.memory,
+                &d_kv.memory,
+                &layout,
+                layout.num_layers,
+                &src,
+                &dst,
+                true,
+            )
+            .with_context(|| format!("request {req}"))?;
             moved += note.bytes;
             outcomes.push(Outcome {
                 transfer,
@@ -179,37 +187,6 @@ fn fill_random(mem: &SharedRegion) -> anyhow::Result<()> {
         rng.fill_bytes(&mut buf[..n]);
         mem.write_at(off, &buf[..n])?;
         off += n as u64;
-    }
-    Ok(())
-}
-
-/// Checks every destination block against its source, then zeroes it so that a
-/// later request cannot pass on stale bytes.
-fn verify_and_clear(
-    src: &SharedRegion,
-    dst: &SharedRegion,
-    l: &RegionLayout,
-    src_ids: &[u32],
-    dst_ids: &[u32],
-) -> anyhow::Result<()> {
-    let off = |layer: u32, plane: u32, b: u32| {
-        l.base_offset
-            + u64::from(layer) * l.layer_stride
-            + u64::from(plane) * l.plane_stride
-            + u64::from(b) * l.block_stride
-    };
-    for layer in 0..l.num_layers {
-        for plane in 0..l.planes_per_layer {
-            for (s, d) in src_ids.iter().zip(dst_ids) {
-                let (so, dof) = (off(layer, plane, *s), off(layer, plane, *d));
-                let a = src.io_slices(&[(so, l.block_bytes)])?;
-                let b = dst.io_slices(&[(dof, l.block_bytes)])?;
-                if *a[0] != *b[0] {
-                    bail!("layer {layer} plane {plane}: block {s} -> {d} differs");
-                }
-                dst.fill(dof, l.block_bytes, 0)?;
-            }
-        }
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ mod demo;
 mod model;
 mod stats;
 mod trace;
+mod verify;
 
 use clap::{Parser, Subcommand};
 

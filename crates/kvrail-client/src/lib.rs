@@ -56,26 +56,17 @@ pub fn dense_layout(
     num_blocks: u32,
     block_bytes: u64,
 ) -> RegionLayout {
-    let plane_stride = u64::from(num_blocks) * block_bytes;
-    RegionLayout {
-        num_layers,
-        planes_per_layer,
-        num_blocks,
-        block_bytes,
-        base_offset: 0,
-        layer_stride: plane_stride * u64::from(planes_per_layer),
-        plane_stride,
-        block_stride: block_bytes,
-    }
+    kvrail_core::RegionLayout::dense(num_layers, planes_per_layer, num_blocks, block_bytes).into()
 }
 
 /// Bytes a layout spans.
 pub fn layout_extent(l: &RegionLayout) -> u64 {
-    l.base_offset
-        + u64::from(l.num_layers.saturating_sub(1)) * l.layer_stride
-        + u64::from(l.planes_per_layer.saturating_sub(1)) * l.plane_stride
-        + u64::from(l.num_blocks.saturating_sub(1)) * l.block_stride
-        + l.block_bytes
+    kvrail_core::RegionLayout::from(l).extent()
+}
+
+/// Byte offset of block `(layer, plane, block)` under `l`.
+pub fn block_offset(l: &RegionLayout, layer: u32, plane: u32, block: u32) -> u64 {
+    kvrail_core::RegionLayout::from(l).block_offset(layer, plane, block)
 }
 
 /// A worker's paged KV cache in shared memory, with the layout that describes it.
@@ -94,11 +85,7 @@ impl KvRegion {
 
     /// Byte offset of one block.
     pub fn block_offset(&self, layer: u32, plane: u32, block: u32) -> u64 {
-        let l = &self.layout;
-        l.base_offset
-            + u64::from(layer) * l.layer_stride
-            + u64::from(plane) * l.plane_stride
-            + u64::from(block) * l.block_stride
+        block_offset(&self.layout, layer, plane, block)
     }
 
     pub fn write_block(

@@ -184,6 +184,18 @@ impl Transfer {
         }
     }
 
+    /// The completion event of a finished transfer.
+    fn into_done(self, transfer_id: u64) -> Event {
+        Event::Done {
+            transfer_id,
+            bytes: self.plan.total_bytes(),
+            request_id: self.request_id,
+            kind: self.kind,
+            region_id: self.selection.region_id,
+            block_ids: self.selection.block_ids,
+        }
+    }
+
     fn has_unsent(&self) -> bool {
         !self.resend.is_empty() || self.next_offset < self.plan.total_bytes()
     }
@@ -499,14 +511,7 @@ impl Session {
         };
         self.release_in_flight(&mut t);
         t.advance(TransferEvent::AllPlaced);
-        self.events.push_back(Event::Done {
-            transfer_id,
-            request_id: t.request_id,
-            kind: t.kind,
-            region_id: t.selection.region_id,
-            block_ids: t.selection.block_ids,
-            bytes: t.plan.total_bytes(),
-        });
+        self.events.push_back(t.into_done(transfer_id));
     }
 
     fn release_in_flight(&mut self, t: &mut Transfer) {
@@ -585,14 +590,7 @@ impl Session {
                 Some(conn),
                 crate::wire::message(Body::Complete(pb::Complete { transfer_id: id })),
             ));
-            self.events.push_back(Event::Done {
-                transfer_id: id,
-                request_id: t.request_id,
-                kind: t.kind,
-                region_id: t.selection.region_id,
-                block_ids: t.selection.block_ids,
-                bytes: t.plan.total_bytes(),
-            });
+            self.events.push_back(t.into_done(id));
         } else {
             self.control.push_back((
                 Some(conn),

@@ -7,3 +7,33 @@ pub mod v1 {
 }
 
 pub use v1::*;
+
+impl From<&v1::RegionLayout> for kvrail_core::RegionLayout {
+    fn from(l: &v1::RegionLayout) -> Self {
+        Self {
+            num_layers: l.num_layers,
+            planes_per_layer: l.planes_per_layer,
+            num_blocks: l.num_blocks,
+            block_bytes: l.block_bytes,
+            base_offset: l.base_offset,
+            layer_stride: l.layer_stride,
+            plane_stride: l.plane_stride,
+            block_stride: l.block_stride,
+        }
+    }
+}
+
+impl From<kvrail_core::RegionLayout> for v1::RegionLayout {
+    fn from(l: kvrail_core::RegionLayout) -> Self {
+        Self {
+            num_layers: l.num_layers,
+            planes_per_layer: l.planes_per_layer,
+            num_blocks: l.num_blocks,
+            block_bytes: l.block_bytes,
+            base_offset: l.base_offset,
+            layer_stride: l.layer_stride,
+            plane_stride: l.plane_stride,
+            block_stride: l.block_stride,
+        }
+    }
+}

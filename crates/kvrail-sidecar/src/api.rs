@@ -55,19 +55,6 @@ struct Api {
     shared: Arc<Shared>,
 }
 
-fn layout_of(l: &kvrail_proto::RegionLayout) -> RegionLayout {
-    RegionLayout {
-        num_layers: l.num_layers,
-        planes_per_layer: l.planes_per_layer,
-        num_blocks: l.num_blocks,
-        block_bytes: l.block_bytes,
-        base_offset: l.base_offset,
-        layer_stride: l.layer_stride,
-        plane_stride: l.plane_stride,
-        block_stride: l.block_stride,
-    }
-}
-
 fn selection_of(b: &BlockRange) -> BlockSelection {
     BlockSelection {
         region_id: b.region_id,
@@ -297,7 +284,7 @@ impl Sidecar for Api {
         if req.shm_path.is_empty() {
             return Err(Status::invalid_argument("shm_path is required"));
         }
-        let layout = layout_of(require(&req.layout, "layout")?);
+        let layout = RegionLayout::from(require(&req.layout, "layout")?);
         let region = self
             .shared
             .registry
