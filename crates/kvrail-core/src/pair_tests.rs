@@ -189,7 +189,7 @@ impl Pair {
             Item::Slice(header, data) => {
                 match side
                     .session
-                    .accept_slice(conn, header, data.len() as u32, self.now)
+                    .accept_slice(header, data.len() as u32, self.now)
                 {
                     SliceDisposition::Place { region_id, pieces } => {
                         let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
@@ -524,12 +524,11 @@ fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
         offset: 50,
     };
     assert_eq!(
-        b.session.accept_slice(0, bad, 100, now),
+        b.session.accept_slice(bad, 100, now),
         SliceDisposition::Discard
     );
     assert_eq!(
         b.session.accept_slice(
-            0,
             SliceHeader {
                 transfer_id: 999,
                 offset: 0
@@ -571,7 +570,7 @@ fn failure_waits_for_slices_still_being_placed() {
         offset: 0,
     };
     assert!(matches!(
-        a.accept_slice(0, h, 100, now),
+        a.accept_slice(h, 100, now),
         SliceDisposition::Place { .. }
     ));
     // The worker cancels while the payload is still being read into its blocks.

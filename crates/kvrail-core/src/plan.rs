@@ -20,6 +20,31 @@ pub struct BlockSelection {
     pub block_ids: Vec<u32>,
 }
 
+impl BlockSelection {
+    /// The checks that need no layout: at least one layer and one block, not too
+    /// many blocks, and (for a destination) no block listed twice. The side that
+    /// does not hold the region runs only these; `Plan::build` runs them first.
+    pub fn check_shape(&self, access: Access) -> Result<(), PlanError> {
+        if self.layer_count == 0 {
+            return Err(PlanError::NoLayers);
+        }
+        if self.block_ids.is_empty() {
+            return Err(PlanError::NoBlocks);
+        }
+        if self.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
+            return Err(PlanError::TooManyBlocks(self.block_ids.len()));
+        }
+        if access == Access::Write {
+            let mut sorted = self.block_ids.clone();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(PlanError::DuplicateBlock(w[0]));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Whether the same block may be listed twice: harmless when reading, never when writing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
@@ -51,9 +76,7 @@ impl Plan {
         selection: &BlockSelection,
         access: Access,
     ) -> Result<Plan, PlanError> {
-        if selection.layer_count == 0 {
-            return Err(PlanError::NoLayers);
-        }
+        selection.check_shape(access)?;
         let layer_end = selection
             .layer_start
             .checked_add(selection.layer_count)
@@ -63,12 +86,6 @@ impl Plan {
                 count: selection.layer_count,
                 num_layers: layout.num_layers,
             })?;
-        if selection.block_ids.is_empty() {
-            return Err(PlanError::NoBlocks);
-        }
-        if selection.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
-            return Err(PlanError::TooManyBlocks(selection.block_ids.len()));
-        }
         if let Some(&bad) = selection
             .block_ids
             .iter()
@@ -78,13 +95,6 @@ impl Plan {
                 block: bad,
                 num_blocks: layout.num_blocks,
             });
-        }
-        if access == Access::Write {
-            let mut sorted = selection.block_ids.clone();
-            sorted.sort_unstable();
-            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-                return Err(PlanError::DuplicateBlock(w[0]));
-            }
         }
         let mut segments: Vec<Segment> = Vec::new();
         let mut logical = 0u64;

@@ -525,7 +525,6 @@ impl Session {
     /// A slice header arrived: where should its payload go?
     pub fn accept_slice(
         &mut self,
-        conn: ConnId,
         header: SliceHeader,
         len: u32,
         now: Instant,
@@ -558,7 +557,6 @@ impl Session {
                     },
                     now,
                 );
-                let _ = conn;
                 SliceDisposition::Discard
             }
         }

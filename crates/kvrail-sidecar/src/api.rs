@@ -7,7 +7,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail_core::plan::MAX_BLOCKS_PER_TRANSFER;
 use kvrail_core::{Access, BlockSelection, LocalTransfer, Plan, RegionLayout};
 use kvrail_proto::sidecar_server::{Sidecar, SidecarServer};
 use kvrail_proto::*;
@@ -86,28 +85,9 @@ fn check_remote(
     local_blocks: usize,
     local_layers: u32,
 ) -> Result<(), Status> {
-    if sel.layer_count == 0 {
-        return Err(Status::invalid_argument("remote selection has no layers"));
-    }
-    if sel.block_ids.is_empty() {
-        return Err(Status::invalid_argument("remote selection has no blocks"));
-    }
-    if sel.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
-        return Err(Status::invalid_argument(format!(
-            "{} blocks exceeds the per-request limit",
-            sel.block_ids.len()
-        )));
-    }
-    if write {
-        let mut sorted = sel.block_ids.clone();
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Status::invalid_argument(format!(
-                "destination block {} is listed more than once (overlapping destination)",
-                w[0]
-            )));
-        }
-    }
+    let access = if write { Access::Write } else { Access::Read };
+    sel.check_shape(access)
+        .map_err(|e| Status::invalid_argument(format!("peer-side selection: {e}")))?;
     if sel.block_ids.len() as u64 * u64::from(sel.layer_count)
         != local_blocks as u64 * u64::from(local_layers)
     {
@@ -207,8 +187,6 @@ impl Api {
             id,
             request_id: request_id.to_string(),
             worker_id: worker_id.to_string(),
-            peer: peer.to_string(),
-            push,
             started: Instant::now(),
             status: tokio::sync::watch::channel(status).0,
             link: Arc::downgrade(&link),
@@ -258,7 +236,7 @@ impl Api {
             s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
         if !final_state {
             if let Some(link) = rec.link.upgrade() {
-                if let Some((state, done, _)) = link.with_session(|sess, _| sess.progress(rec.id)) {
+                if let Some((state, done, _)) = link.inspect(|sess| sess.progress(rec.id)) {
                     s.bytes_done = done;
                     if state != kvrail_core::TransferState::Queued {
                         s.state = TransferState::InFlight as i32;

@@ -73,11 +73,11 @@ impl Shared {
         let inbound = self
             .inbound
             .iter()
-            .any(|l| l.with_session(|s, _| s.uses_region(region_id)));
+            .any(|l| l.inspect(|s| s.uses_region(region_id)));
         let outbound = self.peers.values().any(|p| match p.link.try_lock() {
             Ok(guard) => guard
                 .as_ref()
-                .is_some_and(|l| l.with_session(|s, _| s.uses_region(region_id))),
+                .is_some_and(|l| l.inspect(|s| s.uses_region(region_id))),
             // Being dialed right now: be conservative.
             Err(_) => true,
         });

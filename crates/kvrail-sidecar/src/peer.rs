@@ -83,6 +83,11 @@ impl PeerLink {
         self.lock().session.alive_connections()
     }
 
+    /// Reads the session without changing it (nothing to send or report afterwards).
+    pub fn inspect<R>(&self, f: impl FnOnce(&Session) -> R) -> R {
+        f(&self.lock().session)
+    }
+
     /// Runs `f` on the session, then sends what it queued and reports its events.
     pub fn with_session<R>(&self, f: impl FnOnce(&mut Session, Instant) -> R) -> R {
         let mut st = self.lock();
@@ -320,7 +325,7 @@ async fn read_loop(
             Frame::Data {
                 header,
                 payload_len,
-            } => match link.with_session(|s, now| s.accept_slice(conn, header, payload_len, now)) {
+            } => match link.with_session(|s, now| s.accept_slice(header, payload_len, now)) {
                 SliceDisposition::Place { region_id, pieces } => {
                     let Some(region) = shared.registry.get(region_id) else {
                         reader.discard(u64::from(payload_len)).await?;

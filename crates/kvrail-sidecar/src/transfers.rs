@@ -18,8 +18,6 @@ pub struct TransferRecord {
     pub id: u64,
     pub request_id: String,
     pub worker_id: String,
-    pub peer: String,
-    pub push: bool,
     pub started: Instant,
     pub status: watch::Sender<TransferStatus>,
     pub link: Weak<PeerLink>,
