@@ -94,135 +94,96 @@ async fn warm_up(s: &mut Setup) {
 async fn worker_requests_are_validated_with_specific_codes() {
     let mut s = setup(&[]).await;
     let (pr, dr) = (s.p_region, s.d_region);
-    let call =
-        |src: kvrail_client::proto::BlockRange, dst, peer: &'static str, req: &'static str| {
-            let mut c = s.p.clone();
-            async move {
-                c.push("p0", req, peer, src, dst)
-                    .await
-                    .map_err(|e| e.code().unwrap())
-            }
-        };
-    assert_eq!(
-        call(
+    // (source, destination, peer, request id, expected code, what it checks)
+    let cases = [
+        (
             blocks(999, 0..1, vec![0]),
             blocks(dr, 0..1, vec![0]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::NotFound,
-        "unknown local region"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::NotFound,
+            "unknown local region",
+        ),
+        (
             blocks(pr, 0..1, vec![0]),
             blocks(dr, 0..1, vec![0]),
             "nobody",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::NotFound,
-        "unknown peer"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::NotFound,
+            "unknown peer",
+        ),
+        (
             blocks(pr, 0..1, vec![64]),
             blocks(dr, 0..1, vec![0]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "block out of range"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::InvalidArgument,
+            "block out of range",
+        ),
+        (
             blocks(pr, 2..5, vec![0]),
             blocks(dr, 0..3, vec![0]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "layer out of range"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::InvalidArgument,
+            "layer out of range",
+        ),
+        (
             blocks(pr, 0..1, vec![]),
             blocks(dr, 0..1, vec![]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "zero blocks"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::InvalidArgument,
+            "zero blocks",
+        ),
+        (
             blocks(pr, 0..0, vec![1]),
             blocks(dr, 0..0, vec![1]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "zero layers"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::InvalidArgument,
+            "zero layers",
+        ),
+        (
             blocks(pr, 0..1, vec![1, 2]),
             blocks(dr, 0..1, vec![5, 5]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "overlapping destination"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::InvalidArgument,
+            "overlapping destination",
+        ),
+        (
             blocks(pr, 0..1, vec![1, 2]),
             blocks(dr, 0..1, vec![5]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "size mismatch"
-    );
-    assert_eq!(
-        call(
+            "a",
+            Code::InvalidArgument,
+            "size mismatch",
+        ),
+        (
             blocks(pr, 0..1, vec![1]),
             blocks(dr, 0..1, vec![5]),
             "decode",
-            ""
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "empty request id"
-    );
-    assert_eq!(
-        call(
+            "",
+            Code::InvalidArgument,
+            "empty request id",
+        ),
+        (
             blocks(pr, 0..1, vec![0; 2_000_000]),
             blocks(dr, 0..1, vec![0]),
             "decode",
-            "a"
-        )
-        .await
-        .unwrap_err(),
-        Code::InvalidArgument,
-        "absurd block count"
-    );
+            "a",
+            Code::InvalidArgument,
+            "absurd block count",
+        ),
+    ];
+    for (src, dst, peer, req, code, what) in cases {
+        let got =
+            s.p.push("p0", req, peer, src, dst)
+                .await
+                .map_err(|e| e.code().unwrap());
+        assert_eq!(got.unwrap_err(), code, "{what}");
+    }
 
     // Region registration.
     let layout = dense_layout(4, 2, 64, 4096);

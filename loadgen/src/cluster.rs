@@ -2,7 +2,7 @@
 //! `loadgen sidecar ...`, the same code as `kvrail serve`) and connects to them.
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -109,12 +109,7 @@ impl LocalCluster {
 
     /// A path for a shared-memory file (under /dev/shm when it exists).
     pub fn shm_path(&self, name: &str) -> PathBuf {
-        let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() {
-            base.to_path_buf()
-        } else {
-            self.dir.path().to_path_buf()
-        };
+        let dir = kvrail_client::shm_dir();
         dir.join(format!("kvrail-loadgen-{}-{name}", std::process::id()))
     }
 }

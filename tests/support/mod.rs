@@ -191,13 +191,7 @@ impl Pair {
     }
 
     pub fn shm_path(&self, name: &str) -> PathBuf {
-        // /dev/shm when present (tmpfs, as in production), else the temp dir.
-        let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() {
-            base.to_path_buf()
-        } else {
-            self.dir.path().to_path_buf()
-        };
+        let dir = kvrail_client::shm_dir();
         dir.join(format!(
             "kvrail-test-{}-{}-{name}",
             std::process::id(),

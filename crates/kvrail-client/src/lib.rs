@@ -69,6 +69,17 @@ pub fn block_offset(l: &RegionLayout, layer: u32, plane: u32, block: u32) -> u64
     kvrail_core::RegionLayout::from(l).block_offset(layer, plane, block)
 }
 
+/// Where shared KV files belong: `/dev/shm` (a tmpfs, as in production) when it
+/// exists, else the system temporary directory.
+pub fn shm_dir() -> PathBuf {
+    let dev_shm = Path::new("/dev/shm");
+    if dev_shm.is_dir() {
+        dev_shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
 /// A worker's paged KV cache in shared memory, with the layout that describes it.
 #[derive(Debug)]
 pub struct KvRegion {
