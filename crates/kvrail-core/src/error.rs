@@ -81,7 +81,7 @@ pub enum FailureSide {
     Local,
     /// The peer sidecar rejected or aborted it.
     Peer,
-    /// Every connection (rail) that could carry it was lost.
+    /// Every rail that could carry it stayed down past the deadline.
     Rail,
     /// It made no progress before its deadline.
     Timeout,
@@ -98,9 +98,9 @@ pub enum TransferError {
     /// This sidecar could not go on.
     #[error("local failure ({code:?}): {message}")]
     Local { code: ErrorCode, message: String },
-    /// The connections carrying the transfer are gone.
-    #[error("lost every connection to the peer: {0}")]
-    ConnectionLost(String),
+    /// Every rail to the peer stayed down past the failover deadline.
+    #[error("every rail to the peer was down for {waited:?}: {causes}")]
+    RailsDown { waited: Duration, causes: String },
     /// No progress within the deadline.
     #[error("no progress for {0:?}")]
     Timeout(Duration),
@@ -114,7 +114,7 @@ impl TransferError {
         match self {
             TransferError::Peer { .. } => FailureSide::Peer,
             TransferError::Local { .. } => FailureSide::Local,
-            TransferError::ConnectionLost(_) => FailureSide::Rail,
+            TransferError::RailsDown { .. } => FailureSide::Rail,
             TransferError::Timeout(_) => FailureSide::Timeout,
             TransferError::Cancelled => FailureSide::Cancelled,
         }
@@ -124,7 +124,7 @@ impl TransferError {
     pub fn code(&self) -> &'static str {
         match self {
             TransferError::Peer { code, .. } | TransferError::Local { code, .. } => code.reason(),
-            TransferError::ConnectionLost(_) => "connection_lost",
+            TransferError::RailsDown { .. } => "rails_down",
             TransferError::Timeout(_) => "timeout",
             TransferError::Cancelled => "cancelled",
         }

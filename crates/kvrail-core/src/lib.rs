@@ -9,6 +9,7 @@ pub mod error;
 pub mod handshake;
 pub mod layout;
 pub mod plan;
+pub mod rail;
 pub mod rangeset;
 pub mod session;
 pub mod transfer;
@@ -17,11 +18,16 @@ pub mod wire;
 pub use error::{FailureSide, LayoutError, PlanError, TransferError};
 pub use layout::RegionLayout;
 pub use plan::{Access, BlockSelection, Plan, Segment};
+pub use rail::{RailConfig, RailHealth, RailId, RailStats};
 pub use session::{
-    ConnId, Event, LocalTransfer, RegionAccess, RegionDirectory, Session, SessionConfig,
-    SliceDisposition, TransferKind, Transmit,
+    ConnId, Event, LocalTransfer, RailChange, RegionAccess, RegionDirectory, Session,
+    SessionConfig, SliceDisposition, TransferKind, Transmit,
 };
 pub use transfer::TransferState;
 
 #[cfg(test)]
 mod pair_tests;
+#[cfg(test)]
+mod rail_sim_tests;
+#[cfg(test)]
+mod testkit;

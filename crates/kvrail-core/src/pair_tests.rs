@@ -1,7 +1,7 @@
 //! Two sessions joined in memory, driven deterministically (seeded interleaving,
 //! simulated clock): the behaviour of the protocol without any socket.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -10,26 +10,10 @@ use rand::{Rng, SeedableRng};
 use crate::error::{FailureSide, TransferError};
 use crate::layout::RegionLayout;
 use crate::plan::BlockSelection;
+use crate::rail::{RailConfig, RailHealth};
 use crate::session::*;
+use crate::testkit::{pattern, sel, Region, Regions};
 use crate::wire::{Body, ErrorCode, SliceHeader};
-
-struct Region {
-    layout: RegionLayout,
-    bytes: Vec<u8>,
-    exposed: bool,
-}
-
-#[derive(Default)]
-struct Regions(HashMap<u64, Region>);
-
-impl RegionDirectory for Regions {
-    fn lookup(&self, region_id: u64) -> Option<RegionAccess> {
-        self.0.get(&region_id).map(|r| RegionAccess {
-            layout: r.layout,
-            exposed: r.exposed,
-        })
-    }
-}
 
 enum Item {
     Control(Body),
@@ -52,12 +36,6 @@ struct Pair {
     next_id: u64,
 }
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8 + 1)
-        .collect()
-}
-
 impl Pair {
     fn new(conns: usize, config: SessionConfig, seed: u64) -> Self {
         let mk = || Side {
@@ -77,7 +55,7 @@ impl Pair {
         };
         for c in 0..conns {
             for s in &mut p.sides {
-                s.session.add_connection((c % 2) as u32).unwrap();
+                s.session.add_connection((c % 2) as u32, p.now).unwrap();
             }
         }
         p
@@ -149,6 +127,7 @@ impl Pair {
                         len,
                         region_id,
                         pieces,
+                        ..
                     } => {
                         let src = &self.sides[dir].regions.0[&region_id].bytes;
                         let mut data = Vec::with_capacity(len as usize);
@@ -189,7 +168,7 @@ impl Pair {
             Item::Slice(header, data) => {
                 match side
                     .session
-                    .accept_slice(header, data.len() as u32, self.now)
+                    .accept_slice(conn, header, data.len() as u32, self.now)
                 {
                     SliceDisposition::Place { region_id, pieces } => {
                         let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
@@ -257,20 +236,17 @@ impl Pair {
     }
 }
 
-fn sel(region: u64, layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
-    BlockSelection {
-        region_id: region,
-        layer_start: layers.0,
-        layer_count: layers.1,
-        block_ids: blocks.to_vec(),
-    }
-}
-
 fn small_slices() -> SessionConfig {
     SessionConfig {
         slice_bytes: 1000,
         window_bytes: 4000,
         progress_timeout: Duration::from_secs(5),
+        rails: RailConfig {
+            // Tiny transfers here still stripe; pinning has its own test.
+            stripe_threshold: 2000,
+            ..RailConfig::default()
+        },
+        ..SessionConfig::default()
     }
 }
 
@@ -457,15 +433,27 @@ fn losing_every_connection_fails_both_sides() {
     p.kill(0);
     p.kill(1);
     p.flush();
-    assert!(matches!(
-        &p.failures(0)[..],
-        [TransferError::ConnectionLost(_)]
-    ));
-    assert!(matches!(
-        &p.failures(1)[..],
-        [TransferError::ConnectionLost(_)]
-    ));
-    assert_eq!(p.failures(0)[0].side(), FailureSide::Rail);
+    // Rails may come back: nothing fails before the failover deadline...
+    let deadline = p.sides[0].session.config().rails.all_down_deadline;
+    let before = p.now + deadline - Duration::from_millis(1);
+    for side in 0..2 {
+        p.sides[side].session.handle_timeout(before);
+    }
+    p.flush();
+    assert!(p.failures(0).is_empty() && p.failures(1).is_empty());
+    // ...and everything fails, naming the rails' causes, once it passes.
+    for side in 0..2 {
+        p.sides[side].session.handle_timeout(p.now + deadline);
+    }
+    p.flush();
+    for side in 0..2 {
+        let failures = p.failures(side);
+        let [TransferError::RailsDown { causes, .. }] = &failures[..] else {
+            panic!("side {side}: {failures:?}");
+        };
+        assert!(causes.contains("test cut the connection"), "{causes}");
+        assert_eq!(failures[0].side(), FailureSide::Rail);
+    }
 }
 
 #[test]
@@ -474,16 +462,31 @@ fn a_silent_peer_times_out() {
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 64), true, false);
     p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
     p.flush(); // sent, never delivered
-    let deadline = p.sides[0].session.poll_timeout().unwrap();
-    p.sides[0]
-        .session
-        .handle_timeout(deadline - Duration::from_millis(1));
-    p.flush();
-    assert!(p.failures(0).is_empty());
-    p.sides[0].session.handle_timeout(deadline);
-    p.flush();
+    let start = p.now;
+    // Follow the session's own deadlines until the transfer fails.
+    let mut rail_states = Vec::new();
+    let mut seen = p.sides[0].events.len();
+    while p.failures(0).is_empty() {
+        let at = p.sides[0].session.poll_timeout().unwrap();
+        p.now = at;
+        p.sides[0].session.handle_timeout(at);
+        p.flush();
+        for e in &p.sides[0].events[seen..] {
+            if let Event::Rail(c) = e {
+                rail_states.push((c.to, at - start));
+            }
+        }
+        seen = p.sides[0].events.len();
+    }
+    // The rail is suspected at half the stall deadline and dropped at the deadline;
+    // the transfer itself gives up at its progress deadline.
+    let stall = Duration::from_secs(1);
+    assert_eq!(
+        rail_states[..2],
+        [(RailHealth::Suspect, stall / 2), (RailHealth::Down, stall)]
+    );
     assert!(matches!(&p.failures(0)[..], [TransferError::Timeout(_)]));
-    assert_eq!(p.sides[0].session.poll_timeout(), None);
+    assert_eq!(p.now - start, Duration::from_secs(5));
 }
 
 #[test]
@@ -524,11 +527,12 @@ fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
         offset: 50,
     };
     assert_eq!(
-        b.session.accept_slice(bad, 100, now),
+        b.session.accept_slice(0, bad, 100, now),
         SliceDisposition::Discard
     );
     assert_eq!(
         b.session.accept_slice(
+            0,
             SliceHeader {
                 transfer_id: 999,
                 offset: 0
@@ -570,7 +574,7 @@ fn failure_waits_for_slices_still_being_placed() {
         offset: 0,
     };
     assert!(matches!(
-        a.accept_slice(h, 100, now),
+        a.accept_slice(0, h, 100, now),
         SliceDisposition::Place { .. }
     ));
     // The worker cancels while the payload is still being read into its blocks.

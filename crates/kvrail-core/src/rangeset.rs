@@ -43,6 +43,17 @@ impl RangeSet {
         self.covered == total && (total == 0 || self.ranges == [(0, total)])
     }
 
+    /// Whether `[start, end)` is already fully covered.
+    pub fn contains(&self, start: u64, end: u64) -> bool {
+        if start >= end {
+            return true;
+        }
+        let i = self.ranges.partition_point(|r| r.1 < end);
+        self.ranges
+            .get(i)
+            .is_some_and(|&(s, e)| s <= start && end <= e)
+    }
+
     pub fn ranges(&self) -> &[(u64, u64)] {
         &self.ranges
     }
@@ -58,6 +69,8 @@ mod tests {
         let mut r = RangeSet::default();
         assert_eq!(r.insert(10, 20), 10);
         assert_eq!(r.insert(10, 20), 0);
+        assert!(r.contains(10, 20) && r.contains(12, 15));
+        assert!(!r.contains(5, 15) && !r.contains(15, 25) && !r.contains(30, 40));
         assert_eq!(r.insert(15, 30), 10);
         assert_eq!(r.insert(0, 5), 5);
         assert_eq!(r.ranges(), &[(0, 5), (10, 30)]);

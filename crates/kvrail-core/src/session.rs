@@ -1,6 +1,12 @@
 //! One peer session: the connections (over one or more rails) between two sidecars,
 //! and every transfer travelling over them, in both directions.
 //!
+//! Slices are striped over the rails by estimated delivery rate and outstanding
+//! bytes ([`crate::rail`]); a rail that stalls or loses its connections goes down,
+//! its unacknowledged slices are re-sent on the survivors, and the dialing side
+//! probes it back. Transfers fail only once every rail has been down past the
+//! deadline.
+//!
 //! Sans-IO: the driver feeds it control messages, slice headers and `now`, and drains
 //! [`Transmit`]s (what to write on which connection) and [`Event`]s (what to tell
 //! workers). It never touches sockets, memory or clocks.
@@ -11,6 +17,7 @@ use std::time::{Duration, Instant};
 use crate::error::{PlanError, TransferError};
 use crate::layout::RegionLayout;
 use crate::plan::{Access, BlockSelection, Plan};
+use crate::rail::{Rail, RailConfig, RailHealth, RailId, RailSignal, RailStats};
 use crate::rangeset::RangeSet;
 use crate::transfer::{TransferEvent, TransferState};
 use crate::wire::{pb, Body, ErrorCode, PeerMessage, SliceHeader};
@@ -29,6 +36,10 @@ pub struct SessionConfig {
     pub window_bytes: u64,
     /// A transfer that moves no byte for this long fails with a timeout.
     pub progress_timeout: Duration,
+    /// Rail striping, health and failover.
+    pub rails: RailConfig,
+    /// Whether this side rebuilds down rails (the side that dialed the session).
+    pub probes_rails: bool,
 }
 
 impl Default for SessionConfig {
@@ -37,6 +48,8 @@ impl Default for SessionConfig {
             slice_bytes: 1 << 20,
             window_bytes: 8 << 20,
             progress_timeout: Duration::from_secs(10),
+            rails: RailConfig::default(),
+            probes_rails: true,
         }
     }
 }
@@ -85,6 +98,8 @@ pub enum Transmit {
         len: u32,
         region_id: u64,
         pieces: Vec<(u64, u64)>,
+        /// Re-sent after the rail that first carried it failed.
+        retransmit: bool,
     },
 }
 
@@ -108,6 +123,17 @@ pub enum Event {
         region_id: u64,
         error: TransferError,
     },
+    /// A rail changed state. On `Down` the driver closes the rail's connections.
+    Rail(RailChange),
+}
+
+/// One step of a rail's state machine, with its cause.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RailChange {
+    pub rail: RailId,
+    pub from: RailHealth,
+    pub to: RailHealth,
+    pub reason: String,
 }
 
 /// What to do with an incoming slice's payload.
@@ -124,9 +150,11 @@ pub enum SliceDisposition {
 
 #[derive(Debug)]
 struct Conn {
-    rail: u32,
+    rail: RailId,
     alive: bool,
     outstanding: u64,
+    /// The slice whose payload is being read from this connection right now.
+    placing: Option<SliceHeader>,
 }
 
 #[derive(Debug)]
@@ -140,9 +168,12 @@ struct Transfer {
     // Sender side.
     next_offset: u64,
     resend: VecDeque<(u64, u64)>,
-    in_flight: Vec<(ConnId, u64, u64)>,
+    /// (connection, offset, length, sent at) of unacknowledged slices.
+    in_flight: Vec<(ConnId, u64, u64, Instant)>,
     announced: u64,
     open_msg: Option<PeerMessage>,
+    /// Small transfers stay on one rail.
+    pinned_rail: Option<RailId>,
     // Both: bytes confirmed placed.
     placed: RangeSet,
     // Receiver side: slices being read into memory right now.
@@ -170,6 +201,7 @@ impl Transfer {
             in_flight: Vec::new(),
             announced: 0,
             open_msg: None,
+            pinned_rail: None,
             placed: RangeSet::default(),
             placing: 0,
             pending_failure: None,
@@ -218,6 +250,11 @@ pub struct LocalTransfer {
 pub struct Session {
     config: SessionConfig,
     conns: Vec<Conn>,
+    rails: Vec<Rail>,
+    /// Since when no rail has been able to carry anything.
+    all_down_since: Option<Instant>,
+    /// Rails the driver should rebuild now.
+    probes: VecDeque<RailId>,
     transfers: BTreeMap<u64, Transfer>,
     control: VecDeque<(Option<ConnId>, PeerMessage)>,
     events: VecDeque<Event>,
@@ -233,6 +270,9 @@ impl Session {
         Self {
             config,
             conns: Vec::new(),
+            rails: Vec::new(),
+            all_down_since: None,
+            probes: VecDeque::new(),
             transfers: BTreeMap::new(),
             control: VecDeque::new(),
             events: VecDeque::new(),
@@ -245,17 +285,92 @@ impl Session {
         &self.config
     }
 
-    /// Adds a connection on `rail`; `None` once the session holds [`MAX_CONNECTIONS`].
-    pub fn add_connection(&mut self, rail: u32) -> Option<ConnId> {
-        if self.conns.len() >= MAX_CONNECTIONS {
-            return None;
-        }
-        self.conns.push(Conn {
+    /// Adds a handshaken connection on `rail` (a dead connection's slot is reused);
+    /// `None` once the session holds [`MAX_CONNECTIONS`] live ones. A down or
+    /// probing rail comes back up.
+    pub fn add_connection(&mut self, rail: RailId, now: Instant) -> Option<ConnId> {
+        let conn = Conn {
             rail,
             alive: true,
             outstanding: 0,
-        });
-        Some(self.conns.len() - 1)
+            placing: None,
+        };
+        let id = match self.conns.iter().position(|c| !c.alive) {
+            Some(free) => {
+                self.conns[free] = conn;
+                free
+            }
+            None if self.conns.len() < MAX_CONNECTIONS => {
+                self.conns.push(conn);
+                self.conns.len() - 1
+            }
+            None => return None,
+        };
+        while self.rails.len() <= rail as usize {
+            let next = self.rails.len() as RailId;
+            self.rails.push(Rail::new(next, now, &self.config.rails));
+        }
+        self.rail_signal(rail, RailSignal::Connected, "connected", false, now);
+        self.update_all_down(now);
+        Some(id)
+    }
+
+    /// Closes every live connection of `rail` without judging the rail (the dialer
+    /// is replacing them); their slices go back to be re-sent. Returns them.
+    pub fn retire_rail_connections(&mut self, rail: RailId, _now: Instant) -> Vec<ConnId> {
+        let ids: Vec<ConnId> = (0..self.conns.len())
+            .filter(|&i| self.conns[i].alive && self.conns[i].rail == rail)
+            .collect();
+        for &conn in &ids {
+            self.kill_connection(conn);
+        }
+        ids
+    }
+
+    /// Connections (live or not) that belong to `rail`.
+    pub fn rail_connections(&self, rail: RailId) -> Vec<ConnId> {
+        (0..self.conns.len())
+            .filter(|&i| self.conns[i].rail == rail)
+            .collect()
+    }
+
+    /// Per-rail state and counters.
+    pub fn rail_stats(&self) -> Vec<RailStats> {
+        self.rails
+            .iter()
+            .map(|r| {
+                let live = self
+                    .conns
+                    .iter()
+                    .filter(|c| c.alive && c.rail == r.id)
+                    .count();
+                r.stats(live)
+            })
+            .collect()
+    }
+
+    /// Next rail the driver should rebuild connections for (dialing side only).
+    /// Answer with [`Session::add_connection`] or [`Session::probe_failed`].
+    pub fn poll_probe(&mut self) -> Option<RailId> {
+        self.probes.pop_front()
+    }
+
+    /// Rebuilding `rail` failed; it is probed again after a longer backoff.
+    pub fn probe_failed(&mut self, rail: RailId, reason: &str, now: Instant) {
+        let Some(r) = self.rails.get_mut(rail as usize) else {
+            return;
+        };
+        r.backoff = (r.backoff * 2).min(self.config.rails.probe_backoff_max);
+        r.last_probe_error = Some(reason.to_string());
+        self.rail_signal(rail, RailSignal::ProbeFailed, reason, false, now);
+    }
+
+    /// Whether the session has had no rail for longer than the failover deadline.
+    pub fn is_dead(&self, now: Instant) -> bool {
+        self.alive_connections() == 0
+            && self
+                .all_down_since
+                .is_some_and(|since| now >= since + self.config.rails.all_down_deadline)
     }
 
     pub fn alive_connections(&self) -> usize {
@@ -376,6 +491,10 @@ impl Session {
                 Some(conn),
                 crate::wire::message(Body::Pong(pb::Pong { nonce: p.nonce })),
             )),
+            Body::RailDown(d) => {
+                let reason = format!("peer reported it down: {}", d.reason);
+                self.rail_signal(d.rail_index, RailSignal::Failed, &reason, false, now);
+            }
             // Handshake messages belong to the driver; after it, they are ignored.
             Body::Hello(_) | Body::HelloAck(_) | Body::Pong(_) => {}
         }
@@ -488,14 +607,35 @@ impl Session {
         if let Some(pos) = t
             .in_flight
             .iter()
-            .position(|&(_, o, l)| o == ack.offset && l == ack.length)
+            .position(|&(_, o, l, _)| o == ack.offset && l == ack.length)
         {
-            let (conn, off, len) = t.in_flight.swap_remove(pos);
-            if let Some(c) = self.conns.get_mut(conn) {
-                c.outstanding = c.outstanding.saturating_sub(len);
-            }
+            let (conn, off, len, sent_at) = t.in_flight.swap_remove(pos);
             t.placed.insert(off, off + len);
             t.last_progress = now;
+            self.release_slice(conn, len);
+            if let Some(rail) = self.conns.get(conn).filter(|c| c.alive).map(|c| c.rail) {
+                if let Some(r) = self.rails.get_mut(rail as usize) {
+                    r.last_progress = now;
+                    r.note_rtt(now.saturating_duration_since(sent_at));
+                    let busy = r.outstanding > 0;
+                    r.estimator.on_acked(len, now, busy);
+                }
+                self.rail_signal(rail, RailSignal::Acked, "acknowledged", false, now);
+            }
+        }
+    }
+
+    /// Takes a slice's bytes off its connection's and rail's outstanding count.
+    fn release_slice(&mut self, conn: ConnId, len: u64) {
+        let Some(c) = self.conns.get_mut(conn) else {
+            return;
+        };
+        if !c.alive {
+            return;
+        }
+        c.outstanding = c.outstanding.saturating_sub(len);
+        if let Some(r) = self.rails.get_mut(c.rail as usize) {
+            r.outstanding = r.outstanding.saturating_sub(len);
         }
     }
 
@@ -515,16 +655,15 @@ impl Session {
     }
 
     fn release_in_flight(&mut self, t: &mut Transfer) {
-        for (conn, _, len) in t.in_flight.drain(..) {
-            if let Some(c) = self.conns.get_mut(conn) {
-                c.outstanding = c.outstanding.saturating_sub(len);
-            }
+        for (conn, _, len, _) in t.in_flight.drain(..) {
+            self.release_slice(conn, len);
         }
     }
 
     /// A slice header arrived: where should its payload go?
     pub fn accept_slice(
         &mut self,
+        conn: ConnId,
         header: SliceHeader,
         len: u32,
         now: Instant,
@@ -535,11 +674,20 @@ impl Session {
         if t.kind.sends_data() || t.pending_failure.is_some() {
             return SliceDisposition::Discard;
         }
+        // A slice re-sent after a failover may repeat bytes already placed: each
+        // byte range is applied once.
+        let end = header.offset.saturating_add(u64::from(len));
+        if t.placed.contains(header.offset, end) {
+            return SliceDisposition::Discard;
+        }
         match t.plan.pieces(header.offset, u64::from(len)) {
             Ok(pieces) => {
                 let pieces = pieces.collect();
                 t.placing += 1;
                 t.last_progress = now;
+                if let Some(c) = self.conns.get_mut(conn) {
+                    c.placing = Some(header);
+                }
                 SliceDisposition::Place {
                     region_id: t.selection.region_id,
                     pieces,
@@ -565,31 +713,27 @@ impl Session {
     /// The payload of a slice accepted with [`SliceDisposition::Place`] is now in memory.
     pub fn slice_placed(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) {
         let id = header.transfer_id;
+        let rail = self.conns.get_mut(conn).map(|c| {
+            c.placing = None;
+            c.rail
+        });
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
         t.placing = t.placing.saturating_sub(1);
-        if let Some(error) = t.pending_failure.clone() {
-            if t.placing == 0 {
-                self.finish_failed(id, error);
-            }
+        if t.pending_failure.is_some() {
+            self.settle_received(id, Some(conn));
             return;
         }
         let start = header.offset;
         t.placed.insert(start, start + u64::from(len));
         t.last_progress = now;
         t.advance(TransferEvent::SliceMoved);
-        if t.placed.is_complete(t.plan.total_bytes()) {
-            let Some(mut t) = self.transfers.remove(&id) else {
-                return;
-            };
-            t.advance(TransferEvent::AllPlaced);
-            self.control.push_back((
-                Some(conn),
-                crate::wire::message(Body::Complete(pb::Complete { transfer_id: id })),
-            ));
-            self.events.push_back(t.into_done(id));
-        } else {
+        if let Some(r) = rail.and_then(|r| self.rails.get_mut(r as usize)) {
+            r.bytes_received += u64::from(len);
+        }
+        let complete = t.placed.is_complete(t.plan.total_bytes());
+        if !complete {
             self.control.push_back((
                 Some(conn),
                 crate::wire::message(Body::SliceAck(pb::SliceAck {
@@ -599,66 +743,279 @@ impl Session {
                 })),
             ));
         }
+        self.settle_received(id, Some(conn));
     }
 
     /// A slice accepted for placement could not be read in full (its connection broke).
-    pub fn slice_abandoned(&mut self, header: SliceHeader) {
+    pub fn slice_abandoned(&mut self, conn: ConnId, header: SliceHeader) {
+        if let Some(c) = self.conns.get_mut(conn) {
+            if c.placing != Some(header) {
+                // Already settled when the connection was declared dead.
+                return;
+            }
+            c.placing = None;
+        }
+        self.abandon_placement(header);
+    }
+
+    fn abandon_placement(&mut self, header: SliceHeader) {
         let id = header.transfer_id;
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
         t.placing = t.placing.saturating_sub(1);
-        if let Some(error) = t.pending_failure.clone() {
-            if t.placing == 0 {
-                self.finish_failed(id, error);
-            }
+        self.settle_received(id, None);
+    }
+
+    /// Ends a receiving transfer once nothing is being read into its memory any
+    /// more: failed if a failure waits, done if every byte is placed. Until then a
+    /// slow duplicate on a dying connection could still write into the blocks.
+    fn settle_received(&mut self, id: u64, reply_on: Option<ConnId>) {
+        let Some(t) = self.transfers.get(&id) else {
+            return;
+        };
+        if t.placing > 0 || t.kind.sends_data() {
+            return;
         }
+        if let Some(error) = t.pending_failure.clone() {
+            self.finish_failed(id, error);
+            return;
+        }
+        if !t.placed.is_complete(t.plan.total_bytes()) {
+            return;
+        }
+        let Some(mut t) = self.transfers.remove(&id) else {
+            return;
+        };
+        t.advance(TransferEvent::AllPlaced);
+        self.control.push_back((
+            reply_on,
+            crate::wire::message(Body::Complete(pb::Complete { transfer_id: id })),
+        ));
+        self.events.push_back(t.into_done(id));
     }
 
     /// A connection broke. Its unacknowledged slices go back to be re-sent on the
-    /// survivors; with no survivor, every transfer fails.
-    pub fn connection_lost(&mut self, conn: ConnId, reason: &str, _now: Instant) {
+    /// survivors; a rail left with no connection goes down.
+    pub fn connection_lost(&mut self, conn: ConnId, reason: &str, now: Instant) {
+        let Some(c) = self.conns.get(conn) else {
+            return;
+        };
+        if !c.alive {
+            return;
+        }
+        let rail = c.rail;
+        self.kill_connection(conn);
+        let rail_empty = !self.conns.iter().any(|c| c.alive && c.rail == rail);
+        if rail_empty {
+            self.rail_signal(rail, RailSignal::Failed, reason, true, now);
+        }
+        self.update_all_down(now);
+    }
+
+    /// Marks a connection dead: its in-flight slices are queued for re-sending and
+    /// a slice being read from it is abandoned.
+    fn kill_connection(&mut self, conn: ConnId) {
         let Some(c) = self.conns.get_mut(conn) else {
             return;
         };
         if !c.alive {
             return;
         }
+        let rail = c.rail;
+        let outstanding = c.outstanding;
         c.alive = false;
         c.outstanding = 0;
+        let placing = c.placing.take();
+        if let Some(r) = self.rails.get_mut(rail as usize) {
+            r.outstanding = r.outstanding.saturating_sub(outstanding);
+        }
         let bit = 1u64 << conn;
         for t in self.transfers.values_mut() {
             t.announced &= !bit;
             let mut i = 0;
             while i < t.in_flight.len() {
                 if t.in_flight[i].0 == conn {
-                    let (_, off, len) = t.in_flight.swap_remove(i);
+                    let (_, off, len, _) = t.in_flight.swap_remove(i);
                     t.resend.push_back((off, len));
                 } else {
                     i += 1;
                 }
             }
         }
-        if self.alive_connections() == 0 {
-            let ids: Vec<u64> = self.transfers.keys().copied().collect();
-            for id in ids {
-                self.fail_locally(id, TransferError::ConnectionLost(reason.to_string()));
+        if let Some(header) = placing {
+            self.abandon_placement(header);
+        }
+    }
+
+    /// Feeds `signal` to a rail's state machine and acts on the change: a rail going
+    /// down loses its connections (slices re-sent elsewhere), tells the peer when
+    /// the cause is local, and is probed later; a rail coming up starts afresh.
+    fn rail_signal(
+        &mut self,
+        rail: RailId,
+        signal: RailSignal,
+        reason: &str,
+        tell_peer: bool,
+        now: Instant,
+    ) {
+        let probes = self.config.probes_rails;
+        let Some(r) = self.rails.get_mut(rail as usize) else {
+            return;
+        };
+        let Some((from, to)) = r.apply(signal) else {
+            return;
+        };
+        match to {
+            RailHealth::Down if from.is_connected() => {
+                r.last_failure = Some(reason.to_string());
+                r.last_probe_error = None;
+                r.reset_measurements();
+                r.next_probe = probes.then(|| now + r.backoff);
+                let doomed: Vec<ConnId> = (0..self.conns.len())
+                    .filter(|&i| self.conns[i].alive && self.conns[i].rail == rail)
+                    .collect();
+                for conn in doomed {
+                    self.kill_connection(conn);
+                }
+                if tell_peer && self.alive_connections() > 0 {
+                    self.control.push_back((
+                        None,
+                        crate::wire::message(Body::RailDown(pb::RailDown {
+                            rail_index: rail,
+                            reason: reason.to_string(),
+                        })),
+                    ));
+                }
             }
-            self.control.clear();
+            RailHealth::Down => {
+                // A failed probe: try again after the (grown) backoff.
+                r.next_probe = probes.then(|| now + r.backoff);
+            }
+            RailHealth::Up if matches!(from, RailHealth::Down | RailHealth::Probing) => {
+                r.backoff = self.config.rails.probe_backoff_initial;
+                r.next_probe = None;
+                r.last_progress = now;
+                r.reset_measurements();
+            }
+            _ => {}
+        }
+        self.events.push_back(Event::Rail(RailChange {
+            rail,
+            from,
+            to,
+            reason: reason.to_string(),
+        }));
+        self.update_all_down(now);
+    }
+
+    /// Starts or clears the clock of "no rail can carry anything".
+    fn update_all_down(&mut self, now: Instant) {
+        let usable = self
+            .conns
+            .iter()
+            .any(|c| c.alive && self.rails[c.rail as usize].health.is_connected());
+        if usable {
+            self.all_down_since = None;
+        } else if self.all_down_since.is_none() && !self.rails.is_empty() {
+            self.all_down_since = Some(now);
+        }
+    }
+
+    /// "rail 0: stalled ...; rail 1: ..." for the failure every worker hears.
+    fn rail_causes(&self) -> String {
+        self.rails
+            .iter()
+            .map(|r| {
+                let cause = r.last_failure.as_deref().unwrap_or("no connection");
+                match &r.last_probe_error {
+                    Some(p) => format!("rail {}: {cause} (reconnecting failed: {p})", r.id),
+                    None => format!("rail {}: {cause}", r.id),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// When the next stall check of a busy rail is due.
+    fn rail_stall_deadline(&self, r: &Rail) -> Option<Instant> {
+        if r.outstanding == 0 {
+            return None;
+        }
+        let stall = r.stall_limit(&self.config.rails);
+        match r.health {
+            RailHealth::Up => Some(r.last_progress + stall / 2),
+            RailHealth::Suspect => Some(r.last_progress + stall),
+            _ => None,
         }
     }
 
     /// Earliest moment [`Session::handle_timeout`] has work.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.transfers
+        let transfers = self
+            .transfers
             .values()
             .filter(|t| t.pending_failure.is_none())
-            .map(|t| t.last_progress + self.config.progress_timeout)
-            .min()
+            .map(|t| t.last_progress + self.config.progress_timeout);
+        let stalls = self
+            .rails
+            .iter()
+            .filter_map(|r| self.rail_stall_deadline(r));
+        let probes = self.rails.iter().filter_map(|r| r.next_probe);
+        let all_down = self
+            .all_down_since
+            .filter(|_| !self.transfers.is_empty())
+            .map(|since| since + self.config.rails.all_down_deadline);
+        transfers.chain(stalls).chain(probes).chain(all_down).min()
     }
 
-    /// Fails transfers that made no progress within the deadline.
+    /// Marks stalled rails, queues due probes, and fails transfers that ran out of
+    /// rails or made no progress within their deadlines.
     pub fn handle_timeout(&mut self, now: Instant) {
+        for i in 0..self.rails.len() {
+            let r = &self.rails[i];
+            if r.outstanding == 0 || !r.health.is_connected() {
+                continue;
+            }
+            let stall = r.stall_limit(&self.config.rails);
+            let quiet = now.saturating_duration_since(r.last_progress);
+            let rail = r.id;
+            let health = r.health;
+            let reason = format!("no acknowledgement for {} ms", quiet.as_millis());
+            if quiet >= stall {
+                if health == RailHealth::Up {
+                    self.rail_signal(rail, RailSignal::Stalled, &reason, true, now);
+                }
+                self.rail_signal(rail, RailSignal::Stalled, &reason, true, now);
+            } else if quiet >= stall / 2 && health == RailHealth::Up {
+                self.rail_signal(rail, RailSignal::Stalled, &reason, true, now);
+            }
+        }
+        for i in 0..self.rails.len() {
+            if self.rails[i].next_probe.is_some_and(|at| now >= at) {
+                self.rails[i].next_probe = None;
+                let rail = self.rails[i].id;
+                self.rail_signal(rail, RailSignal::ProbeDue, "probe due", false, now);
+                self.probes.push_back(rail);
+            }
+        }
+        let deadline = self.config.rails.all_down_deadline;
+        if self
+            .all_down_since
+            .is_some_and(|since| now >= since + deadline)
+        {
+            let causes = self.rail_causes();
+            let ids: Vec<u64> = self.transfers.keys().copied().collect();
+            for id in ids {
+                self.fail_locally(
+                    id,
+                    TransferError::RailsDown {
+                        waited: deadline,
+                        causes: causes.clone(),
+                    },
+                );
+            }
+        }
         let timeout = self.config.progress_timeout;
         let expired: Vec<u64> = self
             .transfers
@@ -733,9 +1090,11 @@ impl Session {
     }
 
     /// Next thing to write: control messages first, then slices of the oldest
-    /// transfer with unsent bytes, each on the connection with the fewest
-    /// unacknowledged bytes that still has window.
-    pub fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
+    /// transfer with unsent bytes, each on the rail where it would be acknowledged
+    /// soonest (outstanding bytes over estimated rate) among those with window left.
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
+        // With no live connection, control messages wait for a rail to return.
+        self.any_alive()?;
         while let Some((target, msg)) = self.control.pop_front() {
             if let Some(conn) = target
                 .filter(|c| self.conns.get(*c).is_some_and(|c| c.alive))
@@ -744,20 +1103,42 @@ impl Session {
                 return Some(Transmit::Control { conn, msg });
             }
         }
-        let slice_bytes = self.config.slice_bytes;
-        let window = self.config.window_bytes;
-        for (&id, t) in self.transfers.iter_mut() {
+        let fallback_rate = self
+            .rails
+            .iter()
+            .filter_map(|r| r.estimator.rate())
+            .fold(1.0, f64::max);
+        let ids: Vec<u64> = self.transfers.keys().copied().collect();
+        for id in ids {
+            let Some(t) = self.transfers.get_mut(&id) else {
+                continue;
+            };
             if !t.kind.sends_data() || t.pending_failure.is_some() || !t.has_unsent() {
                 continue;
             }
-            let (off, len) = match t.resend.front() {
+            let (off, avail) = match t.resend.front() {
                 Some(&r) => r,
-                None => (
-                    t.next_offset,
-                    slice_bytes.min(t.plan.total_bytes() - t.next_offset),
-                ),
+                None => (t.next_offset, t.plan.total_bytes() - t.next_offset),
             };
-            let conn = pick_connection(&self.conns, len, window)?;
+            if let Some(p) = t.pinned_rail {
+                if self.rails.get(p as usize).map(|r| r.health) != Some(RailHealth::Up) {
+                    t.pinned_rail = None;
+                }
+            }
+            let pinned = t.pinned_rail;
+            let Some((rail, conn, len)) = self.choose_slot(pinned, avail, fallback_rate) else {
+                if pinned.is_some() {
+                    // Only its own rail is full; later transfers may use the others.
+                    continue;
+                }
+                return None;
+            };
+            let Some(t) = self.transfers.get_mut(&id) else {
+                continue;
+            };
+            if t.plan.total_bytes() <= self.config.rails.stripe_threshold {
+                t.pinned_rail = Some(rail);
+            }
             // A push announces itself on each connection before that connection's first slice.
             let bit = 1u64 << conn;
             if t.announced & bit == 0 {
@@ -769,8 +1150,17 @@ impl Session {
                     });
                 }
             }
-            if t.resend.front().is_some() {
-                t.resend.pop_front();
+            let retransmit = t.resend.front().is_some();
+            if retransmit {
+                if let Some(front) = t.resend.front_mut() {
+                    // A re-sent range larger than this rail's slices goes out in parts.
+                    if front.1 > len {
+                        front.0 += len;
+                        front.1 -= len;
+                    } else {
+                        t.resend.pop_front();
+                    }
+                }
             } else {
                 t.next_offset += len;
             }
@@ -779,9 +1169,21 @@ impl Session {
                 .pieces(off, len)
                 .map(|p| p.collect())
                 .unwrap_or_default();
-            t.in_flight.push((conn, off, len));
+            t.in_flight.push((conn, off, len, now));
             t.advance(TransferEvent::SliceMoved);
+            let region_id = t.selection.region_id;
             self.conns[conn].outstanding += len;
+            let r = &mut self.rails[rail as usize];
+            if r.outstanding == 0 {
+                r.last_progress = now;
+                r.estimator.on_busy(now);
+            }
+            r.outstanding += len;
+            r.bytes_sent += len;
+            r.slices_sent += 1;
+            if retransmit {
+                r.slices_retransmitted += 1;
+            }
             return Some(Transmit::Slice {
                 conn,
                 header: SliceHeader {
@@ -789,15 +1191,60 @@ impl Session {
                     offset: off,
                 },
                 len: len as u32,
-                region_id: t.selection.region_id,
+                region_id,
                 pieces,
+                retransmit,
             });
         }
         None
     }
 
+    /// The rail, connection and slice length for the next `avail` bytes: among up
+    /// rails (only `pinned` if set) with window left, the one that would finish
+    /// the slice soonest at its estimated rate.
+    fn choose_slot(
+        &self,
+        pinned: Option<RailId>,
+        avail: u64,
+        fallback_rate: f64,
+    ) -> Option<(RailId, ConnId, u64)> {
+        let cfg = &self.config.rails;
+        let conn_window = self.config.window_bytes;
+        let mut best: Option<(f64, RailId, ConnId, u64)> = None;
+        for r in &self.rails {
+            if r.health != RailHealth::Up || pinned.is_some_and(|p| p != r.id) {
+                continue;
+            }
+            let len = avail.min(r.slice_len(cfg, self.config.slice_bytes));
+            let live = self
+                .conns
+                .iter()
+                .filter(|c| c.alive && c.rail == r.id)
+                .count() as u64;
+            if live == 0 {
+                continue;
+            }
+            let window = r.window(cfg, live * conn_window, len);
+            if r.outstanding > 0 && r.outstanding + len > window {
+                continue;
+            }
+            let Some(conn) = pick_connection(&self.conns, r.id, len, conn_window) else {
+                continue;
+            };
+            let finish = (r.outstanding + len) as f64 / r.assumed_rate(fallback_rate);
+            if best.is_none_or(|(f, ..)| finish < f) {
+                best = Some((finish, r.id, conn, len));
+            }
+        }
+        best.map(|(_, rail, conn, len)| (rail, conn, len))
+    }
+
+    /// A live connection for control messages, preferring rails that are up.
     fn any_alive(&self) -> Option<ConnId> {
-        self.conns.iter().position(|c| c.alive)
+        self.conns
+            .iter()
+            .position(|c| c.alive && self.rails[c.rail as usize].health == RailHealth::Up)
+            .or_else(|| self.conns.iter().position(|c| c.alive))
     }
 
     /// Next thing to tell workers.
@@ -813,13 +1260,15 @@ impl Session {
     }
 }
 
-/// Least-loaded live connection whose window still takes `len` more bytes
-/// (an idle connection always takes one slice, however large).
-fn pick_connection(conns: &[Conn], len: u64, window: u64) -> Option<ConnId> {
+/// Least-loaded live connection of `rail` whose window still takes `len` more
+/// bytes (an idle connection always takes one slice, however large).
+fn pick_connection(conns: &[Conn], rail: RailId, len: u64, window: u64) -> Option<ConnId> {
     conns
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.alive && (c.outstanding == 0 || c.outstanding + len <= window))
+        .filter(|(_, c)| {
+            c.alive && c.rail == rail && (c.outstanding == 0 || c.outstanding + len <= window)
+        })
         .min_by_key(|(i, c)| (c.outstanding, *i))
         .map(|(i, _)| i)
 }

@@ -1,0 +1,774 @@
+//! Two sessions joined by simulated rails, each with a rate, a latency, loss and
+//! scripted cuts, on a simulated clock: striping ratios and every failover path,
+//! deterministic and in milliseconds. Side 0 dialed the session (it probes down
+//! rails back); side 1 accepted it.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::error::{FailureSide, TransferError};
+use crate::layout::RegionLayout;
+use crate::rail::{RailConfig, RailHealth, RailId};
+use crate::session::*;
+use crate::testkit::{pattern, sel, Region, Regions};
+use crate::wire::{Body, SliceHeader};
+
+const MB: f64 = 1e6;
+
+/// One simulated path between the nodes (the same in both directions).
+#[derive(Debug, Clone, Copy)]
+struct RailSpec {
+    /// Bytes per second.
+    rate: f64,
+    latency: Duration,
+    /// Chance that an item is lost once and arrives a retransmission timeout late.
+    loss: f64,
+}
+
+fn rail(rate_mb: f64) -> RailSpec {
+    RailSpec {
+        rate: rate_mb * MB,
+        latency: Duration::from_micros(50),
+        loss: 0.0,
+    }
+}
+
+/// How a rail dies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// Everything on it vanishes and nobody is told (a 100% drop qdisc, a cable pulled).
+    BlackHole,
+    /// Its connections break with an error on both sides (a reset, a port flap).
+    Reset,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    Cut(Fault),
+    Restore,
+}
+
+enum Item {
+    Control(Body),
+    Slice(SliceHeader, Vec<u8>),
+}
+
+impl Item {
+    fn wire_len(&self) -> usize {
+        match self {
+            Item::Control(_) => 64,
+            Item::Slice(_, d) => d.len() + 24,
+        }
+    }
+}
+
+struct Side {
+    session: Session,
+    regions: Regions,
+    events: Vec<(Duration, Event)>,
+}
+
+/// A connection: its id and whether it is open, on each side (a side that closed
+/// its end over a dead rail leaves the other end open and unaware).
+struct Link {
+    rail: RailId,
+    ids: [ConnId; 2],
+    open: [bool; 2],
+}
+
+/// A retransmission timeout, for items the loss model drops once.
+const RTO: Duration = Duration::from_millis(200);
+
+struct Sim {
+    sides: [Side; 2],
+    specs: Vec<RailSpec>,
+    rail_up: Vec<bool>,
+    conns_per_rail: usize,
+    links: Vec<Link>,
+    /// (arrival, sequence) -> (link, direction, item)
+    queue: BinaryHeap<Reverse<(Instant, u64)>>,
+    items: HashMap<u64, (usize, usize, Item)>,
+    seq: u64,
+    /// When each rail's sender, per direction, finishes its current item.
+    rail_free: Vec<[Instant; 2]>,
+    /// Last arrival per link and direction: a connection delivers in order.
+    link_last: Vec<[Instant; 2]>,
+    script: VecDeque<(Instant, RailId, Action)>,
+    start: Instant,
+    now: Instant,
+    rng: StdRng,
+    next_id: u64,
+}
+
+fn config() -> SessionConfig {
+    SessionConfig {
+        slice_bytes: 1 << 20,
+        window_bytes: 8 << 20,
+        progress_timeout: Duration::from_secs(10),
+        rails: RailConfig::default(),
+        probes_rails: true,
+    }
+}
+
+impl Sim {
+    fn new(specs: &[RailSpec], conns_per_rail: usize, seed: u64) -> Self {
+        let start = Instant::now();
+        let mk = |probes| Side {
+            session: Session::new(SessionConfig {
+                probes_rails: probes,
+                ..config()
+            }),
+            regions: Regions::default(),
+            events: Vec::new(),
+        };
+        let mut sim = Sim {
+            sides: [mk(true), mk(false)],
+            specs: specs.to_vec(),
+            rail_up: vec![true; specs.len()],
+            conns_per_rail,
+            links: Vec::new(),
+            queue: BinaryHeap::new(),
+            items: HashMap::new(),
+            seq: 0,
+            rail_free: vec![[start; 2]; specs.len()],
+            link_last: Vec::new(),
+            script: VecDeque::new(),
+            start,
+            now: start,
+            rng: StdRng::seed_from_u64(seed),
+            next_id: 1,
+        };
+        for r in 0..specs.len() {
+            sim.connect(r as RailId);
+        }
+        sim
+    }
+
+    /// Opens `conns_per_rail` connections on `rail`, as the dialer does.
+    fn connect(&mut self, rail: RailId) {
+        for _ in 0..self.conns_per_rail {
+            let a = self.sides[0]
+                .session
+                .add_connection(rail, self.now)
+                .unwrap();
+            let b = self.sides[1]
+                .session
+                .add_connection(rail, self.now)
+                .unwrap();
+            self.links.push(Link {
+                rail,
+                ids: [a, b],
+                open: [true; 2],
+            });
+            self.link_last.push([self.now; 2]);
+        }
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.now - self.start
+    }
+
+    fn at(&mut self, after: Duration, rail: RailId, action: Action) {
+        self.script.push_back((self.start + after, rail, action));
+        self.script.make_contiguous().sort_by_key(|s| s.0);
+    }
+
+    fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool) {
+        let len = layout.extent() as usize;
+        let bytes = if fill { pattern(id, len) } else { vec![0; len] };
+        self.sides[side].regions.0.insert(
+            id,
+            Region {
+                layout,
+                bytes,
+                exposed: true,
+            },
+        );
+    }
+
+    fn request(&mut self, side: usize, local: u64, remote: u64, blocks: &[u32]) -> LocalTransfer {
+        let layout = self.sides[side].regions.0[&local].layout;
+        let id = self.next_id;
+        self.next_id += 1;
+        LocalTransfer {
+            transfer_id: id,
+            request_id: format!("req-{id}"),
+            local: sel(local, (0, layout.num_layers), blocks),
+            local_layout: layout,
+            remote: sel(remote, (0, layout.num_layers), blocks),
+        }
+    }
+
+    fn push(&mut self, src: u64, dst: u64, blocks: &[u32]) -> u64 {
+        let req = self.request(0, src, dst, blocks);
+        let id = req.transfer_id;
+        self.sides[0].session.start_push(req, self.now).unwrap();
+        id
+    }
+
+    fn pull(&mut self, dst: u64, src: u64, blocks: &[u32]) -> u64 {
+        let req = self.request(0, dst, src, blocks);
+        let id = req.transfer_id;
+        self.sides[0].session.start_pull(req, self.now).unwrap();
+        id
+    }
+
+    fn link_of(&self, side: usize, conn: ConnId) -> usize {
+        self.links
+            .iter()
+            .position(|l| l.open[side] && l.ids[side] == conn)
+            .unwrap_or_else(|| panic!("side {side} wrote on closed connection {conn}"))
+    }
+
+    fn send(&mut self, link: usize, dir: usize, item: Item) {
+        let rail = self.links[link].rail as usize;
+        if !self.rail_up[rail] || !self.links[link].open[1 - dir] {
+            return; // into the void
+        }
+        let spec = self.specs[rail];
+        let wire = Duration::from_secs_f64(item.wire_len() as f64 / spec.rate);
+        let done = self.rail_free[rail][dir].max(self.now) + wire;
+        self.rail_free[rail][dir] = done;
+        let mut arrival = done + spec.latency;
+        if spec.loss > 0.0 && self.rng.random_bool(spec.loss) {
+            arrival += RTO;
+        }
+        let arrival = arrival.max(self.link_last[link][dir]);
+        self.link_last[link][dir] = arrival;
+        self.seq += 1;
+        self.queue.push(Reverse((arrival, self.seq)));
+        self.items.insert(self.seq, (link, dir, item));
+    }
+
+    /// Drains both sessions until quiet: transmits onto the rails, events into the
+    /// logs, probes into new connections.
+    fn flush(&mut self) {
+        while self.flush_once() {}
+    }
+
+    fn flush_once(&mut self) -> bool {
+        let mut busy = false;
+        for dir in 0..2 {
+            while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
+                busy = true;
+                match t {
+                    Transmit::Control { conn, msg } => {
+                        let link = self.link_of(dir, conn);
+                        self.send(link, dir, Item::Control(msg.body.unwrap()));
+                    }
+                    Transmit::Slice {
+                        conn,
+                        header,
+                        len,
+                        region_id,
+                        pieces,
+                        ..
+                    } => {
+                        let src = &self.sides[dir].regions.0[&region_id].bytes;
+                        let mut data = Vec::with_capacity(len as usize);
+                        for (off, l) in pieces {
+                            data.extend_from_slice(&src[off as usize..(off + l) as usize]);
+                        }
+                        let link = self.link_of(dir, conn);
+                        self.send(link, dir, Item::Slice(header, data));
+                    }
+                }
+            }
+            while let Some(e) = self.sides[dir].session.poll_event() {
+                busy = true;
+                if let Event::Rail(c) = &e {
+                    if c.to == RailHealth::Down {
+                        self.close_rail(dir, c.rail);
+                    }
+                }
+                let at = self.elapsed();
+                self.sides[dir].events.push((at, e));
+            }
+        }
+        while let Some(rail) = self.sides[0].session.poll_probe() {
+            busy = true;
+            if self.rail_up[rail as usize] {
+                // The acceptor replaces whatever it still holds on that rail.
+                let now = self.now;
+                for conn in self.sides[1].session.retire_rail_connections(rail, now) {
+                    let link = self.link_of(1, conn);
+                    self.links[link].open[1] = false;
+                }
+                self.connect(rail);
+            } else {
+                self.sides[0]
+                    .session
+                    .probe_failed(rail, "connection refused", self.now);
+            }
+        }
+        busy
+    }
+
+    /// Side `side` closed its connections on `rail`; the other side hears of it
+    /// only if the rail still carries packets.
+    fn close_rail(&mut self, side: usize, rail: RailId) {
+        for i in 0..self.links.len() {
+            let l = &mut self.links[i];
+            if l.open[side] && l.rail == rail {
+                l.open[side] = false;
+                if self.rail_up[rail as usize] && l.open[1 - side] {
+                    l.open[1 - side] = false;
+                    let other = l.ids[1 - side];
+                    let now = self.now;
+                    self.sides[1 - side]
+                        .session
+                        .connection_lost(other, "peer closed", now);
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, rail: RailId, action: Action) {
+        match action {
+            Action::Cut(fault) => {
+                self.rail_up[rail as usize] = false;
+                if fault == Fault::Reset {
+                    for i in 0..self.links.len() {
+                        if self.links[i].rail == rail {
+                            let now = self.now;
+                            for side in 0..2 {
+                                if !self.links[i].open[side] {
+                                    continue;
+                                }
+                                self.links[i].open[side] = false;
+                                let id = self.links[i].ids[side];
+                                self.sides[side].session.connection_lost(
+                                    id,
+                                    "connection reset",
+                                    now,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            Action::Restore => self.rail_up[rail as usize] = true,
+        }
+    }
+
+    fn deliver(&mut self, link: usize, dir: usize, item: Item) {
+        let l = &self.links[link];
+        if !l.open[1 - dir] || !self.rail_up[l.rail as usize] {
+            return;
+        }
+        let to = 1 - dir;
+        let conn = l.ids[to];
+        let now = self.now;
+        let side = &mut self.sides[to];
+        match item {
+            Item::Control(body) => side.session.handle_control(conn, body, now, &side.regions),
+            Item::Slice(header, data) => {
+                let len = data.len() as u32;
+                if let SliceDisposition::Place { region_id, pieces } =
+                    side.session.accept_slice(conn, header, len, now)
+                {
+                    let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
+                    let mut cursor = 0usize;
+                    for (off, l) in pieces {
+                        dst[off as usize..(off + l) as usize]
+                            .copy_from_slice(&data[cursor..cursor + l as usize]);
+                        cursor += l as usize;
+                    }
+                    side.session.slice_placed(conn, header, len, now);
+                }
+            }
+        }
+    }
+
+    /// Runs until `done` holds or `limit` of simulated time passes.
+    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Sim) -> bool) {
+        let end = self.start + limit;
+        loop {
+            self.flush();
+            if done(self) {
+                return;
+            }
+            let next = [
+                self.queue.peek().map(|Reverse((t, _))| *t),
+                self.sides[0].session.poll_timeout(),
+                self.sides[1].session.poll_timeout(),
+                self.script.front().map(|s| s.0),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            let Some(next) = next else {
+                return;
+            };
+            if next > end {
+                return;
+            }
+            self.now = self.now.max(next);
+            while self.script.front().is_some_and(|s| s.0 <= self.now) {
+                let (_, rail, action) = self.script.pop_front().unwrap();
+                self.apply(rail, action);
+            }
+            while let Some(Reverse((t, seq))) = self.queue.peek().copied() {
+                if t > self.now {
+                    break;
+                }
+                self.queue.pop();
+                let (link, dir, item) = self.items.remove(&seq).unwrap();
+                self.deliver(link, dir, item);
+                self.flush();
+            }
+            for side in 0..2 {
+                if self.sides[side]
+                    .session
+                    .poll_timeout()
+                    .is_some_and(|t| t <= self.now)
+                {
+                    let now = self.now;
+                    self.sides[side].session.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    /// When transfer `id` ended on side `side`: its time and outcome.
+    fn outcome(&self, side: usize, id: u64) -> Option<(Duration, Result<u64, TransferError>)> {
+        self.sides[side].events.iter().find_map(|(at, e)| match e {
+            Event::Done {
+                transfer_id, bytes, ..
+            } if *transfer_id == id => Some((*at, Ok(*bytes))),
+            Event::Failed {
+                transfer_id, error, ..
+            } if *transfer_id == id => Some((*at, Err(error.clone()))),
+            _ => None,
+        })
+    }
+
+    fn run_transfer(&mut self, id: u64, limit: Duration) -> (Duration, Result<u64, TransferError>) {
+        self.run_until(limit, |s| s.outcome(0, id).is_some());
+        self.outcome(0, id).expect("transfer did not end in time")
+    }
+
+    fn rail_bytes_sent(&self, side: usize) -> Vec<u64> {
+        self.sides[side]
+            .session
+            .rail_stats()
+            .iter()
+            .map(|r| r.bytes_sent)
+            .collect()
+    }
+
+    fn rail_changes(&self, side: usize, rail: RailId) -> Vec<(Duration, RailHealth)> {
+        self.sides[side]
+            .events
+            .iter()
+            .filter_map(|(at, e)| match e {
+                Event::Rail(c) if c.rail == rail => Some((*at, c.to)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn assert_copied(&self, src: (usize, u64), dst: (usize, u64)) {
+        let a = &self.sides[src.0].regions.0[&src.1].bytes;
+        let b = &self.sides[dst.0].regions.0[&dst.1].bytes;
+        assert!(a == b, "destination differs from source");
+    }
+}
+
+/// 32 MiB in 1 KiB... no: 256 blocks of 128 KiB, a realistic KV block size.
+const BLOCKS: u32 = 256;
+const BLOCK_BYTES: u64 = 128 << 10;
+const TOTAL: u64 = BLOCKS as u64 * BLOCK_BYTES;
+
+fn bulk(specs: &[RailSpec], seed: u64) -> (Sim, Vec<u32>) {
+    let mut sim = Sim::new(specs, 2, seed);
+    let layout = RegionLayout::dense(1, 1, BLOCKS, BLOCK_BYTES);
+    sim.add_region(0, 1, layout, true);
+    sim.add_region(1, 2, layout, false);
+    // Scattered order: nothing coalesces, so slices gather many pieces.
+    let blocks: Vec<u32> = (0..BLOCKS).map(|i| (i * 37) % BLOCKS).collect();
+    (sim, blocks)
+}
+
+/// Seconds a 32 MiB push takes over `specs`, and the bytes each rail carried.
+fn push_time(specs: &[RailSpec]) -> (f64, Vec<u64>) {
+    let (mut sim, blocks) = bulk(specs, 1);
+    let id = sim.push(1, 2, &blocks);
+    let (at, result) = sim.run_transfer(id, Duration::from_secs(30));
+    assert_eq!(result, Ok(TOTAL));
+    sim.assert_copied((0, 1), (1, 2));
+    (at.as_secs_f64(), sim.rail_bytes_sent(0))
+}
+
+#[test]
+fn equal_rails_double_the_throughput_and_split_evenly() {
+    let (single, _) = push_time(&[rail(100.0)]);
+    let (dual, split) = push_time(&[rail(100.0), rail(100.0)]);
+    let speedup = single / dual;
+    assert!(
+        speedup >= 1.9,
+        "dual-rail speedup {speedup:.2} (single {single:.3}s, dual {dual:.3}s)"
+    );
+    let share = split[0] as f64 / TOTAL as f64;
+    assert!(
+        (0.45..=0.55).contains(&share),
+        "rail 0 carried {share:.2} of the bytes"
+    );
+    assert_eq!(split.iter().sum::<u64>(), TOTAL, "nothing re-sent");
+}
+
+#[test]
+fn unequal_rails_are_both_kept_full() {
+    // 1:3 rates: the pair should reach >= 0.9 of the sum, split about 1:3.
+    let (dual, split) = push_time(&[rail(50.0), rail(150.0)]);
+    let ideal = TOTAL as f64 / (200.0 * MB);
+    let efficiency = ideal / dual;
+    assert!(
+        efficiency >= 0.9,
+        "{efficiency:.2} of the summed rate ({dual:.3}s vs ideal {ideal:.3}s)"
+    );
+    let slow_share = split[0] as f64 / TOTAL as f64;
+    assert!(
+        (0.2..=0.3).contains(&slow_share),
+        "slow rail carried {slow_share:.2}"
+    );
+}
+
+#[test]
+fn latency_does_not_starve_a_rail() {
+    // 20 ms each way: the windows must cover the round trip.
+    let slow = |r| RailSpec {
+        latency: Duration::from_millis(20),
+        ..rail(r)
+    };
+    let (dual, split) = push_time(&[slow(100.0), slow(100.0)]);
+    // Ideal: the bytes at the summed rate, plus a round trip for the last ack.
+    let ideal = TOTAL as f64 / (200.0 * MB) + 0.040;
+    assert!(dual <= ideal * 1.15, "{dual:.3}s vs ideal {ideal:.3}s");
+    assert!(split.iter().all(|&b| b > TOTAL / 3), "{split:?}");
+}
+
+#[test]
+fn a_small_transfer_stays_on_one_rail() {
+    let (mut sim, _) = bulk(&[rail(100.0), rail(100.0)], 1);
+    // Keep rail 0 busy so the small transfer should pick rail 1.
+    let big: Vec<u32> = (0..64).collect();
+    let first = sim.push(1, 2, &big);
+    let small = sim.push(1, 2, &[200, 201, 202, 203]); // 512 KiB
+    sim.flush();
+    let before = sim.rail_bytes_sent(0);
+    let (_, r) = sim.run_transfer(small, Duration::from_secs(5));
+    assert_eq!(r, Ok(4 * BLOCK_BYTES));
+    sim.run_transfer(first, Duration::from_secs(5)).1.unwrap();
+    // The small transfer's slices all went over one rail: replay it alone to see which.
+    let (mut alone, _) = bulk(&[rail(100.0), rail(100.0)], 1);
+    let id = alone.push(1, 2, &[200, 201, 202, 203]);
+    alone.run_transfer(id, Duration::from_secs(5)).1.unwrap();
+    let split = alone.rail_bytes_sent(0);
+    assert!(
+        split.contains(&0) && split.contains(&(4 * BLOCK_BYTES)),
+        "{split:?}"
+    );
+    assert!(
+        before.iter().all(|&b| b > 0),
+        "the big transfer used both rails: {before:?}"
+    );
+}
+
+fn cut_midway(fault: Fault, seed: u64) -> (Sim, f64, f64) {
+    let (single, _) = push_time(&[rail(100.0)]);
+    let (mut sim, blocks) = bulk(&[rail(100.0), rail(100.0)], seed);
+    sim.at(Duration::from_millis(80), 1, Action::Cut(fault));
+    let id = sim.push(1, 2, &blocks);
+    let (at, result) = sim.run_transfer(id, Duration::from_secs(30));
+    assert_eq!(result, Ok(TOTAL), "{fault:?}");
+    sim.assert_copied((0, 1), (1, 2));
+    (sim, at.as_secs_f64(), single)
+}
+
+#[test]
+fn a_black_holed_rail_fails_over_without_loss() {
+    let (sim, took, single) = cut_midway(Fault::BlackHole, 3);
+    // Noticed by the stall deadline: suspect at half of it, down at it.
+    let changes = sim.rail_changes(0, 1);
+    assert_eq!(changes[0].1, RailHealth::Suspect, "{changes:?}");
+    assert_eq!(changes[1].1, RailHealth::Down, "{changes:?}");
+    let stall = config().rails.stall_timeout.as_secs_f64();
+    assert!(
+        changes[1].0.as_secs_f64() <= 0.08 + stall + 0.01,
+        "{changes:?}"
+    );
+    // The accepting side heard it from the peer over the surviving rail.
+    assert!(sim
+        .rail_changes(1, 1)
+        .iter()
+        .any(|c| c.1 == RailHealth::Down));
+    let stats = &sim.sides[0].session.rail_stats();
+    assert!(stats[0].slices_retransmitted > 0, "{stats:?}");
+    assert_eq!(stats[1].slices_retransmitted, 0);
+    assert!(
+        took <= 2.0 * single,
+        "took {took:.3}s vs single rail {single:.3}s"
+    );
+}
+
+#[test]
+fn a_reset_rail_fails_over_at_once() {
+    let (sim, took, single) = cut_midway(Fault::Reset, 4);
+    let changes = sim.rail_changes(0, 1);
+    // An error needs no stall deadline: straight down at the cut.
+    assert_eq!(changes[0], (Duration::from_millis(80), RailHealth::Down));
+    assert!(
+        took <= single * 1.1,
+        "took {took:.3}s vs single rail {single:.3}s"
+    );
+}
+
+#[test]
+fn a_rail_that_returns_carries_traffic_again() {
+    let (mut sim, blocks) = bulk(&[rail(100.0), rail(100.0)], 5);
+    sim.at(Duration::from_millis(50), 1, Action::Cut(Fault::BlackHole));
+    sim.at(Duration::from_millis(1500), 1, Action::Restore);
+    let first = sim.push(1, 2, &blocks);
+    sim.run_transfer(first, Duration::from_secs(30)).1.unwrap();
+    sim.assert_copied((0, 1), (1, 2));
+    // Probing finds the rail again once it is back.
+    let restored = Duration::from_millis(1500);
+    sim.run_until(Duration::from_secs(20), |s| {
+        s.elapsed() > restored && s.rail_changes(0, 1).last().map(|c| c.1) == Some(RailHealth::Up)
+    });
+    let changes = sim.rail_changes(0, 1);
+    let (up_again, _) = *changes
+        .iter()
+        .find(|(at, h)| *h == RailHealth::Up && *at >= restored)
+        .unwrap_or_else(|| panic!("rail 1 never came back: {changes:?}"));
+    // Probes back off to at most 2 s: re-admitted within that of returning.
+    assert!(up_again <= restored + Duration::from_secs(2), "{changes:?}");
+    assert!(changes.iter().any(|c| c.1 == RailHealth::Probing));
+    // The acceptor replaced its stale connections and sees the rail up too.
+    assert_eq!(
+        sim.rail_changes(1, 1).last().map(|c| c.1),
+        Some(RailHealth::Up)
+    );
+    // And the next transfer uses it.
+    sim.sides[1].regions.0.get_mut(&2).unwrap().bytes.fill(0);
+    let before = sim.rail_bytes_sent(0)[1];
+    let second = sim.push(1, 2, &blocks);
+    sim.run_transfer(second, Duration::from_secs(30)).1.unwrap();
+    sim.assert_copied((0, 1), (1, 2));
+    let carried = sim.rail_bytes_sent(0)[1] - before;
+    assert!(
+        carried > TOTAL / 3,
+        "rail 1 carried {carried} of {TOTAL} after returning"
+    );
+}
+
+#[test]
+fn both_rails_cut_fails_within_the_deadline_then_recovers() {
+    let (mut sim, blocks) = bulk(&[rail(100.0), rail(100.0)], 6);
+    let cut = Duration::from_millis(60);
+    sim.at(cut, 0, Action::Cut(Fault::BlackHole));
+    sim.at(cut, 1, Action::Cut(Fault::BlackHole));
+    let id = sim.push(1, 2, &blocks);
+    let (at, result) = sim.run_transfer(id, Duration::from_secs(30));
+    let Err(error) = result else {
+        panic!("transfer succeeded over dead rails")
+    };
+    assert_eq!(error.side(), FailureSide::Rail);
+    assert!(matches!(error, TransferError::RailsDown { .. }), "{error}");
+    assert!(error.to_string().contains("no acknowledgement"), "{error}");
+    let rails = config().rails;
+    assert!(
+        at <= cut + rails.stall_timeout + rails.all_down_deadline + Duration::from_millis(10),
+        "failed at {at:?}"
+    );
+    // The receiver hears nothing on dead rails: its own progress deadline ends it.
+    sim.run_until(Duration::from_secs(30), |s| s.outcome(1, id).is_some());
+    assert!(sim.outcome(1, id).unwrap().1.is_err());
+    // A rail comes back: once probed up, the next transfer goes through.
+    let back = sim.elapsed() + Duration::from_millis(100);
+    sim.at(back, 0, Action::Restore);
+    sim.run_until(back + Duration::from_secs(5), |s| {
+        s.sides[0].session.rail_stats()[0].health == RailHealth::Up
+    });
+    sim.sides[1].regions.0.get_mut(&2).unwrap().bytes.fill(0);
+    let next = sim.push(1, 2, &blocks);
+    let (_, result) = sim.run_transfer(next, Duration::from_secs(60));
+    assert_eq!(result, Ok(TOTAL));
+    sim.assert_copied((0, 1), (1, 2));
+}
+
+#[test]
+fn a_pull_survives_the_serving_side_losing_a_rail() {
+    // Here the accepting side sends the data and sees the stall; the dialer learns
+    // of it from a RailDown message and probes the rail back.
+    let (mut sim, blocks) = bulk(&[rail(100.0), rail(100.0)], 7);
+    let layout = RegionLayout::dense(1, 1, BLOCKS, BLOCK_BYTES);
+    sim.add_region(1, 3, layout, true);
+    sim.add_region(0, 4, layout, false);
+    sim.at(Duration::from_millis(80), 0, Action::Cut(Fault::BlackHole));
+    sim.at(Duration::from_millis(600), 0, Action::Restore);
+    let id = sim.pull(4, 3, &blocks);
+    let (_, result) = sim.run_transfer(id, Duration::from_secs(30));
+    assert_eq!(result, Ok(TOTAL));
+    sim.assert_copied((1, 3), (0, 4));
+    assert!(sim.sides[1].session.rail_stats()[1].slices_retransmitted > 0);
+    sim.run_until(Duration::from_secs(10), |s| {
+        s.rail_changes(0, 0).last().map(|c| c.1) == Some(RailHealth::Up)
+    });
+    let changes = sim.rail_changes(0, 0);
+    assert!(
+        changes.iter().any(|c| c.1 == RailHealth::Down),
+        "{changes:?}"
+    );
+    assert_eq!(
+        changes.last().map(|c| c.1),
+        Some(RailHealth::Up),
+        "{changes:?}"
+    );
+}
+
+#[test]
+fn a_lossy_rail_still_delivers_every_byte() {
+    let lossy = RailSpec {
+        loss: 0.05,
+        ..rail(100.0)
+    };
+    let (mut sim, blocks) = bulk(&[lossy, rail(100.0)], 8);
+    let id = sim.push(1, 2, &blocks);
+    let (_, result) = sim.run_transfer(id, Duration::from_secs(30));
+    assert_eq!(result, Ok(TOTAL));
+    sim.assert_copied((0, 1), (1, 2));
+}
+
+#[test]
+fn a_flapping_rail_never_loses_bytes_or_connection_slots() {
+    let (mut sim, blocks) = bulk(&[rail(100.0), rail(100.0)], 9);
+    for k in 0..12u64 {
+        let base = Duration::from_millis(400 * k);
+        let fault = if k % 2 == 0 {
+            Fault::Reset
+        } else {
+            Fault::BlackHole
+        };
+        sim.at(base + Duration::from_millis(30), 1, Action::Cut(fault));
+        sim.at(base + Duration::from_millis(200), 1, Action::Restore);
+    }
+    for round in 0..8 {
+        sim.sides[1].regions.0.get_mut(&2).unwrap().bytes.fill(0);
+        let id = sim.push(1, 2, &blocks);
+        let (_, result) = sim.run_transfer(id, Duration::from_secs(120));
+        assert_eq!(result, Ok(TOTAL), "round {round}");
+        sim.assert_copied((0, 1), (1, 2));
+    }
+    let flaps = sim
+        .rail_changes(0, 1)
+        .iter()
+        .filter(|c| c.1 == RailHealth::Down)
+        .count();
+    assert!(flaps >= 3, "rail 1 went down only {flaps} times");
+}
