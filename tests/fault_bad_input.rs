@@ -377,7 +377,7 @@ async fn a_stalled_peer_times_out_and_cancel_is_reported() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_peer_dying_mid_transfer_fails_it_and_the_daemon_stays_up() {
-    let mut s = setup(&[]).await;
+    let mut s = setup(&["--rail-deadline-ms", "1000"]).await;
     warm_up(&mut s).await;
     s.pair.decode.signal("STOP");
     let all: Vec<u32> = (0..64).collect();
@@ -389,7 +389,7 @@ async fn a_peer_dying_mid_transfer_fails_it_and_the_daemon_stays_up() {
     let f = st.failure.expect("must fail");
     assert_eq!(
         (f.side, f.code.as_str()),
-        (FailureSide::Rail as i32, "connection_lost"),
+        (FailureSide::Rail as i32, "rails_down"),
         "{}",
         f.message
     );

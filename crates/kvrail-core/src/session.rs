@@ -306,13 +306,23 @@ impl Session {
             }
             None => return None,
         };
+        self.ensure_rail(rail, now);
+        self.rail_signal(rail, RailSignal::Connected, "connected", false, now);
+        self.update_all_down(now);
+        Some(id)
+    }
+
+    fn ensure_rail(&mut self, rail: RailId, now: Instant) {
         while self.rails.len() <= rail as usize {
             let next = self.rails.len() as RailId;
             self.rails.push(Rail::new(next, now, &self.config.rails));
         }
-        self.rail_signal(rail, RailSignal::Connected, "connected", false, now);
-        self.update_all_down(now);
-        Some(id)
+    }
+
+    /// A rail whose first connection could not be made: down, and probed later.
+    pub fn rail_unreachable(&mut self, rail: RailId, reason: &str, now: Instant) {
+        self.ensure_rail(rail, now);
+        self.rail_signal(rail, RailSignal::Failed, reason, false, now);
     }
 
     /// Closes every live connection of `rail` without judging the rail (the dialer
@@ -923,7 +933,7 @@ impl Session {
     }
 
     /// "rail 0: stalled ...; rail 1: ..." for the failure every worker hears.
-    fn rail_causes(&self) -> String {
+    pub fn rail_causes(&self) -> String {
         self.rails
             .iter()
             .map(|r| {

@@ -378,15 +378,42 @@ impl Sidecar for Api {
     ) -> Result<Response<ListPeersResponse>, Status> {
         let mut peers = Vec::new();
         for (name, slot) in &self.shared.peers {
-            let connected = match slot.link.try_lock() {
-                Ok(g) => g.as_ref().is_some_and(|l| l.is_alive()),
-                Err(_) => false,
+            let outbound = match slot.link.try_lock() {
+                Ok(g) => g.as_ref().filter(|l| l.is_alive()).cloned(),
+                Err(_) => None,
             };
+            let mut links: Vec<_> = outbound.into_iter().collect();
+            links.extend(
+                self.shared
+                    .inbound
+                    .iter()
+                    .filter(|e| e.key().0 == *name && e.value().is_alive())
+                    .map(|e| e.value().clone()),
+            );
+            let rail_status: Vec<RailStatus> = links
+                .iter()
+                .flat_map(|l| {
+                    l.rail_stats().into_iter().map(|r| RailStatus {
+                        rail: r.rail,
+                        direction: l.direction.to_string(),
+                        state: r.health.as_str().to_string(),
+                        connections: r.connections as u32,
+                        bytes_sent: r.bytes_sent,
+                        bytes_received: r.bytes_received,
+                        slices_sent: r.slices_sent,
+                        slices_retransmitted: r.slices_retransmitted,
+                        transitions: r.transitions,
+                        rate_bytes_per_sec: r.rate_bytes_per_sec.unwrap_or(0.0),
+                        last_failure: r.last_failure.unwrap_or_default(),
+                    })
+                })
+                .collect();
             peers.push(PeerInfo {
                 name: name.clone(),
                 rails: slot.config.rails.iter().map(|a| a.to_string()).collect(),
-                connected,
+                connected: rail_status.iter().any(|r| r.connections > 0),
                 transport: self.shared.transport.name().to_string(),
+                rail_status,
             });
         }
         peers.sort_by(|a, b| a.name.cmp(&b.name));

@@ -31,6 +31,13 @@ pub struct Config {
     pub window_bytes: u64,
     pub progress_timeout_ms: u64,
     pub connect_timeout_ms: u64,
+    /// A rail whose bytes go unacknowledged this long is declared down (sooner once
+    /// its rate is known, never under 300 ms); half of it makes the rail suspect.
+    pub rail_stall_ms: u64,
+    /// Transfers fail once every rail to their peer has been down this long.
+    pub rail_deadline_ms: u64,
+    /// Longest wait between attempts to rebuild a down rail.
+    pub rail_probe_max_ms: u64,
     /// Prometheus `/metrics` listener, if any.
     pub metrics_addr: Option<SocketAddr>,
 }
@@ -47,6 +54,9 @@ impl Default for Config {
             window_bytes: 8 << 20,
             progress_timeout_ms: 10_000,
             connect_timeout_ms: 3_000,
+            rail_stall_ms: 1_000,
+            rail_deadline_ms: 5_000,
+            rail_probe_max_ms: 2_000,
             metrics_addr: None,
         }
     }
@@ -118,6 +128,12 @@ impl Config {
         if !(4096..=(64 << 20)).contains(&self.slice_bytes) {
             return bad("slice_bytes must be between 4 KiB and 64 MiB");
         }
+        if !(100..=60_000).contains(&self.rail_stall_ms)
+            || !(100..=600_000).contains(&self.rail_deadline_ms)
+            || !(50..=60_000).contains(&self.rail_probe_max_ms)
+        {
+            return bad("rail_stall_ms must be 100..=60000, rail_deadline_ms 100..=600000, rail_probe_max_ms 50..=60000");
+        }
         if self.window_bytes < self.slice_bytes {
             return bad("window_bytes must be at least slice_bytes");
         }
@@ -138,6 +154,23 @@ impl Config {
 
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    /// Rail scheduling and failover settings for the core.
+    pub fn rail_config(&self) -> kvrail_core::RailConfig {
+        let stall = Duration::from_millis(self.rail_stall_ms);
+        let defaults = kvrail_core::RailConfig::default();
+        kvrail_core::RailConfig {
+            stall_timeout: stall,
+            stall_floor: defaults.stall_floor.min(stall),
+            all_down_deadline: Duration::from_millis(self.rail_deadline_ms),
+            probe_backoff_max: Duration::from_millis(self.rail_probe_max_ms),
+            probe_backoff_initial: defaults
+                .probe_backoff_initial
+                .min(Duration::from_millis(self.rail_probe_max_ms)),
+            stripe_threshold: self.slice_bytes,
+            ..defaults
+        }
     }
 }
 

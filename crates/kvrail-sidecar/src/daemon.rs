@@ -10,7 +10,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 use kvrail_core::handshake::{check_hello, HandshakeError};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
-use kvrail_core::{Event, SessionConfig, TransferKind};
+use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
 use kvrail_transport::tcp::TcpTransport;
 use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport};
@@ -21,12 +21,14 @@ use tracing::{info, warn};
 use crate::config::{Config, PeerConfig};
 use crate::metrics as m;
 use crate::notify::NotificationHub;
-use crate::peer::PeerLink;
+use crate::peer::{DialInfo, PeerLink};
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
 
 /// How long a new connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest connect attempt of a probe rebuilding a down rail.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Why a peer could not be reached.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +37,8 @@ pub enum DialError {
     Unreachable { peer: String, reasons: String },
     #[error("peer {peer} refused the handshake: {reason}")]
     Refused { peer: String, reason: String },
+    #[error("every rail to peer {peer} has been down past the failover deadline ({causes}); still probing")]
+    RailsDown { peer: String, causes: String },
 }
 
 /// An outbound peer: its configuration and the link we dialed, if any.
@@ -56,11 +60,14 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn session_config(&self) -> SessionConfig {
+    /// Session settings; `dialer` sessions rebuild down rails themselves.
+    pub fn session_config(&self, dialer: bool) -> SessionConfig {
         SessionConfig {
             slice_bytes: self.config.slice_bytes,
             window_bytes: self.config.window_bytes,
             progress_timeout: self.config.progress_timeout(),
+            rails: self.config.rail_config(),
+            probes_rails: dialer,
         }
     }
 
@@ -94,6 +101,13 @@ impl Shared {
         };
         let mut guard = slot.link.lock().await;
         if let Some(link) = guard.as_ref().filter(|l| l.is_alive()) {
+            // Fail fast rather than queue behind rails that stayed dead past the deadline.
+            if link.is_dead() {
+                return Err(DialError::RailsDown {
+                    peer: peer.to_string(),
+                    causes: link.rail_causes(),
+                });
+            }
             return Ok(Some(link.clone()));
         }
         let link = self.dial(&slot.config).await?;
@@ -102,46 +116,32 @@ impl Shared {
     }
 
     async fn dial(self: &Arc<Self>, peer: &PeerConfig) -> Result<Arc<PeerLink>, DialError> {
-        let link = PeerLink::new(&peer.name, self.transport.name(), self);
         let session_id: u64 = rand::random();
+        let dial = DialInfo {
+            peer: peer.clone(),
+            session_id,
+        };
+        let link = PeerLink::new(&peer.name, self.transport.name(), self, Some(dial));
         let mut reasons = Vec::new();
-        for (rail, &addr) in peer.rails.iter().enumerate() {
-            let local = self
-                .config
-                .listen
-                .get(rail)
-                .filter(|a| !a.ip().is_unspecified() && !a.ip().is_loopback())
-                .map(|a| SocketAddr::new(a.ip(), 0));
-            for index in 0..self.config.connections_per_rail {
-                let hello = pb::Hello {
-                    protocol_version: u32::from(PROTOCOL_VERSION),
-                    node_name: self.config.node.clone(),
-                    session_id,
-                    rail_index: rail as u32,
-                    connection_index: index as u32,
-                    transports: vec![self.transport.name().to_string()],
-                    rail_count: peer.rails.len() as u32,
-                    expected_peer: peer.name.clone(),
-                };
-                match self.dial_one(local, addr, hello).await {
-                    Ok(conn) => {
-                        link.attach(conn, rail as u32);
-                    }
-                    Err(DialError::Refused { reason, .. }) => {
-                        link.close("handshake refused");
-                        return Err(DialError::Refused {
-                            peer: peer.name.clone(),
-                            reason,
-                        });
-                    }
-                    Err(e) => {
-                        reasons.push(format!("rail {rail} ({addr}): {e}"));
-                        break;
-                    }
+        for rail in 0..peer.rails.len() as RailId {
+            match self.dial_rail(&link, peer, session_id, rail, false).await {
+                Ok(()) => {}
+                Err(DialError::Refused { reason, .. }) => {
+                    link.close("handshake refused");
+                    return Err(DialError::Refused {
+                        peer: peer.name.clone(),
+                        reason,
+                    });
+                }
+                Err(e) => {
+                    // Probing brings the rail in later.
+                    link.rail_unreachable(rail, &e.to_string());
+                    reasons.push(format!("rail {rail}: {e}"));
                 }
             }
         }
         if link.alive_connections() == 0 {
+            link.close("no rail reachable");
             return Err(DialError::Unreachable {
                 peer: peer.name.clone(),
                 reasons: reasons.join("; "),
@@ -154,24 +154,83 @@ impl Shared {
         Ok(link)
     }
 
+    /// Opens `connections_per_rail` connections on one rail of an outbound link. The
+    /// first one (connection index 0) tells the acceptor to drop whatever it still
+    /// holds on that rail. Fails if not even the first connection comes up.
+    pub async fn dial_rail(
+        &self,
+        link: &Arc<PeerLink>,
+        peer: &PeerConfig,
+        session_id: u64,
+        rail: RailId,
+        probing: bool,
+    ) -> Result<(), DialError> {
+        let unreachable = |reasons: String| DialError::Unreachable {
+            peer: peer.name.clone(),
+            reasons,
+        };
+        let addr = *peer
+            .rails
+            .get(rail as usize)
+            .ok_or_else(|| unreachable(format!("no rail {rail} configured")))?;
+        let local = self
+            .config
+            .listen
+            .get(rail as usize)
+            .filter(|a| !a.ip().is_unspecified() && !a.ip().is_loopback())
+            .map(|a| SocketAddr::new(a.ip(), 0));
+        // A probe must not hold a rail hostage for the full connect timeout.
+        let timeout = if probing {
+            self.config.connect_timeout().min(PROBE_TIMEOUT)
+        } else {
+            self.config.connect_timeout()
+        };
+        for index in 0..self.config.connections_per_rail {
+            let hello = pb::Hello {
+                protocol_version: u32::from(PROTOCOL_VERSION),
+                node_name: self.config.node.clone(),
+                session_id,
+                rail_index: rail,
+                connection_index: index as u32,
+                transports: vec![self.transport.name().to_string()],
+                rail_count: peer.rails.len() as u32,
+                expected_peer: peer.name.clone(),
+                rail_local_addr: local.map(|a| a.ip().to_string()).unwrap_or_default(),
+                rail_peer_addr: addr.to_string(),
+            };
+            match self.dial_one(local, addr, hello, timeout).await {
+                Ok(conn) => {
+                    if link.attach(conn, rail).is_none() {
+                        return Err(unreachable("session is closed or full".into()));
+                    }
+                }
+                Err(e) if index == 0 => return Err(e),
+                Err(e) => {
+                    // Fewer connections on this rail is still a working rail.
+                    warn!(peer = %peer.name, rail, "extra connection failed: {e}");
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn dial_one(
         &self,
         local: Option<SocketAddr>,
         addr: SocketAddr,
         hello: pb::Hello,
+        connect_timeout: Duration,
     ) -> Result<Connection, DialError> {
         let peer = hello.expected_peer.clone();
         let unreachable = |reason: String| DialError::Unreachable {
             peer: peer.clone(),
             reasons: reason,
         };
-        let mut conn = tokio::time::timeout(
-            self.config.connect_timeout(),
-            self.transport.connect(local, addr),
-        )
-        .await
-        .map_err(|_| unreachable("connect timed out".into()))?
-        .map_err(|e| unreachable(e.to_string()))?;
+        let mut conn = tokio::time::timeout(connect_timeout, self.transport.connect(local, addr))
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
         let frame = wire::encode_control(&wire::message(Body::Hello(hello)));
         conn.writer
             .write_control(&frame)
@@ -220,6 +279,14 @@ impl Shared {
                     .await
             }
         };
+        if hello.rail_index as usize >= self.config.listen.len() {
+            let reason = format!(
+                "rail {} does not exist here (this node has {} rails)",
+                hello.rail_index,
+                self.config.listen.len()
+            );
+            return self.refuse(conn, from, reason, "unknown_rail").await;
+        }
         let known = |name: &str| self.peers.contains_key(name);
         if let Err(e) = check_hello(&hello, &self.config.node, known, &[self.transport.name()]) {
             let label = match e {
@@ -236,6 +303,7 @@ impl Shared {
             node_name: self.config.node.clone(),
             transports: vec![self.transport.name().to_string()],
             rail_count: self.config.listen.len() as u32,
+            rail_index: hello.rail_index,
         };
         if conn
             .writer
@@ -249,12 +317,16 @@ impl Shared {
         let link = self
             .inbound
             .entry(key)
-            .or_insert_with(|| PeerLink::new(&hello.node_name, self.transport.name(), &self))
+            .or_insert_with(|| PeerLink::new(&hello.node_name, self.transport.name(), &self, None))
             .clone();
+        if hello.connection_index == 0 {
+            // The dialer is (re)building this rail: what we still hold on it is stale.
+            link.retire_rail(hello.rail_index);
+        }
         if link.attach(conn, hello.rail_index).is_none() {
             warn!(peer = %hello.node_name, "too many connections in one session; dropping one");
         }
-        self.inbound.retain(|_, l| l.is_alive());
+        self.inbound.retain(|_, l| !l.is_dead());
     }
 
     async fn refuse(
@@ -280,6 +352,8 @@ impl Shared {
     /// Routes a session event to the transfer table and the right worker.
     pub fn on_event(&self, peer: &str, event: Event) {
         match event {
+            // Rail changes are the link's business (see `PeerLink::on_rail_change`).
+            Event::Rail(_) => {}
             Event::Done {
                 transfer_id,
                 request_id,
@@ -468,6 +542,13 @@ impl Daemon {
         }
         for l in self.shared.inbound.iter() {
             l.close("daemon shutting down");
+        }
+        for slot in self.shared.peers.values() {
+            if let Ok(guard) = slot.link.try_lock() {
+                if let Some(l) = guard.as_ref() {
+                    l.close("daemon shutting down");
+                }
+            }
         }
         let _ = std::fs::remove_file(&self.socket);
     }

@@ -49,6 +49,12 @@ pub struct ServeArgs {
     /// Fail a transfer after this long without progress.
     #[arg(long)]
     pub progress_timeout_ms: Option<u64>,
+    /// Declare a rail down after its bytes go unacknowledged this long.
+    #[arg(long)]
+    pub rail_stall_ms: Option<u64>,
+    /// Fail transfers once every rail to the peer has been down this long.
+    #[arg(long)]
+    pub rail_deadline_ms: Option<u64>,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
@@ -86,6 +92,12 @@ impl ServeArgs {
         }
         if let Some(v) = self.progress_timeout_ms {
             c.progress_timeout_ms = v;
+        }
+        if let Some(v) = self.rail_stall_ms {
+            c.rail_stall_ms = v;
+        }
+        if let Some(v) = self.rail_deadline_ms {
+            c.rail_deadline_ms = v;
         }
         if self.metrics_addr.is_some() {
             c.metrics_addr = self.metrics_addr;

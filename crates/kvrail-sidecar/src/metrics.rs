@@ -1,6 +1,7 @@
 //! Every metric kvrail exports, named in one place.
 //!
 //! Labels: `peer` (node name), `rail` (rail index), `transport` (`tcp`, ...),
+//! `direction` (`out`: the session this node dialed, `in`: one the peer dialed),
 //! `kind` (`push`, `push_receive`, `pull`, `pull_serve`), `reason` (failure code).
 
 use std::net::SocketAddr;
@@ -22,6 +23,11 @@ pub const CONNECTIONS_LOST: &str = "kvrail_connections_lost_total";
 pub const FRAMES_REJECTED: &str = "kvrail_frames_rejected_total";
 pub const HANDSHAKES_REFUSED: &str = "kvrail_handshakes_refused_total";
 pub const REGIONS_REGISTERED: &str = "kvrail_regions_registered";
+pub const RAIL_STATE: &str = "kvrail_rail_state";
+pub const RAIL_TRANSITIONS: &str = "kvrail_rail_transitions_total";
+pub const RAIL_SLICES_RETRANSMITTED: &str = "kvrail_rail_slices_retransmitted_total";
+pub const RAIL_THROUGHPUT: &str = "kvrail_rail_throughput_bytes_per_second";
+pub const RAIL_PROBES_FAILED: &str = "kvrail_rail_probes_failed_total";
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -78,4 +84,24 @@ fn describe() {
     );
     describe_counter!(HANDSHAKES_REFUSED, "Peer handshakes refused, by reason");
     describe_gauge!(REGIONS_REGISTERED, "Regions currently registered");
+    describe_gauge!(
+        RAIL_STATE,
+        "Rail health by peer, rail and direction (0 up, 1 suspect, 2 down, 3 probing)"
+    );
+    describe_counter!(
+        RAIL_TRANSITIONS,
+        "Rail state changes, by peer, rail, from and to"
+    );
+    describe_counter!(
+        RAIL_SLICES_RETRANSMITTED,
+        "Slices re-sent on a rail after another rail failed"
+    );
+    describe_gauge!(
+        RAIL_THROUGHPUT,
+        "Estimated delivery rate of a rail (what striping weighs it by)"
+    );
+    describe_counter!(
+        RAIL_PROBES_FAILED,
+        "Attempts to rebuild a down rail that failed"
+    );
 }

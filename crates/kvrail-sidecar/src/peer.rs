@@ -1,20 +1,25 @@
 //! The I/O shell around one core [`Session`]: a reader and a writer task per
-//! connection, a timer task, and the pump that turns the session's transmits into
-//! socket writes and its events into worker notifications.
+//! connection, a timer task (deadlines, and probes that rebuild down rails on the
+//! dialing side), and the pump that turns the session's transmits into socket
+//! writes, its rail changes into closed connections and metrics, and its transfer
+//! events into worker notifications.
 
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvrail_core::wire::{
     self, encode_control, encode_data_header, ErrorCode, FRAME_HEADER_LEN, SLICE_HEADER_LEN,
 };
-use kvrail_core::{ConnId, Session, SliceDisposition, Transmit};
+use kvrail_core::{
+    ConnId, Event, RailChange, RailHealth, RailId, Session, SliceDisposition, Transmit,
+};
 use kvrail_transport::{read_frame, Connection, Frame, FrameReader, FrameWriter, TransportError};
 use tokio::sync::{mpsc, Notify};
 use tokio::task::AbortHandle;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
+use crate::config::PeerConfig;
 use crate::daemon::Shared;
 use crate::metrics as m;
 use crate::regions::Region;
@@ -33,34 +38,77 @@ enum Outgoing {
 struct ConnHandle {
     writer: Option<mpsc::UnboundedSender<Outgoing>>,
     reader: Option<AbortHandle>,
-    rail: u32,
+    writer_task: Option<AbortHandle>,
+    rail: RailId,
+    /// Tells a dead connection's late reports from those of the one reusing its slot.
+    generation: u64,
+}
+
+impl ConnHandle {
+    /// Stops both tasks (dropping the socket); false if it was already stopped.
+    fn stop(&mut self) -> bool {
+        if self.writer.take().is_none() {
+            return false;
+        }
+        for task in [self.reader.take(), self.writer_task.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
+        }
+        true
+    }
 }
 
 struct LinkState {
     session: Session,
     conns: Vec<ConnHandle>,
     closed: bool,
+    next_generation: u64,
+    gauges_at: Option<Instant>,
+}
+
+/// How an outbound session rebuilds its rails.
+pub struct DialInfo {
+    pub peer: PeerConfig,
+    pub session_id: u64,
 }
 
 /// One session with a peer: the connections we dialed (outbound) or accepted (inbound).
 pub struct PeerLink {
     pub peer: String,
     pub transport: &'static str,
+    /// "out" for a session this node dialed, "in" for one the peer dialed.
+    pub direction: &'static str,
+    /// Present on outbound links: what probing dials.
+    pub dial: Option<DialInfo>,
     state: Mutex<LinkState>,
     timer: Notify,
     shared: Weak<Shared>,
 }
 
+/// How often the estimated-throughput gauges are refreshed.
+const GAUGE_PERIOD: Duration = Duration::from_millis(250);
+
 impl PeerLink {
-    pub fn new(peer: &str, transport: &'static str, shared: &Arc<Shared>) -> Arc<Self> {
+    pub fn new(
+        peer: &str,
+        transport: &'static str,
+        shared: &Arc<Shared>,
+        dial: Option<DialInfo>,
+    ) -> Arc<Self> {
         let link = Arc::new(Self {
             peer: peer.to_string(),
             transport,
+            direction: if dial.is_some() { "out" } else { "in" },
             state: Mutex::new(LinkState {
-                session: Session::new(shared.session_config()),
+                session: Session::new(shared.session_config(dial.is_some())),
                 conns: Vec::new(),
                 closed: false,
+                next_generation: 0,
+                gauges_at: None,
             }),
+            dial,
             timer: Notify::new(),
             shared: Arc::downgrade(shared),
         });
@@ -73,10 +121,15 @@ impl PeerLink {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether the link still has a live connection.
+    /// Whether the link is still in service (its rails may be down for now).
     pub fn is_alive(&self) -> bool {
+        !self.lock().closed
+    }
+
+    /// Closed, or without a rail for longer than the failover deadline.
+    pub fn is_dead(&self) -> bool {
         let st = self.lock();
-        !st.closed && st.session.alive_connections() > 0
+        st.closed || st.session.is_dead(Instant::now())
     }
 
     pub fn alive_connections(&self) -> usize {
@@ -107,6 +160,15 @@ impl PeerLink {
         };
         let now = Instant::now();
         while let Some(t) = st.session.poll_transmit(now) {
+            if let Transmit::Slice {
+                conn,
+                retransmit: true,
+                ..
+            } = &t
+            {
+                let rail = st.conns.get(*conn).map_or(0, |c| c.rail);
+                metrics::counter!(m::RAIL_SLICES_RETRANSMITTED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+            }
             let (conn, out) = match t {
                 Transmit::Control { conn, msg } => (conn, Outgoing::Control(encode_control(&msg))),
                 Transmit::Slice {
@@ -115,6 +177,7 @@ impl PeerLink {
                     len,
                     region_id,
                     pieces,
+                    ..
                 } => {
                     let Some(region) = shared.registry.get(region_id) else {
                         st.session.fail(
@@ -142,58 +205,192 @@ impl PeerLink {
             }
         }
         while let Some(ev) = st.session.poll_event() {
-            shared.on_event(&self.peer, ev);
+            match ev {
+                Event::Rail(change) => self.on_rail_change(st, change),
+                ev => shared.on_event(&self.peer, ev),
+            }
+        }
+        if st
+            .gauges_at
+            .is_none_or(|t| now.duration_since(t) >= GAUGE_PERIOD)
+        {
+            st.gauges_at = Some(now);
+            for r in st.session.rail_stats() {
+                let labels = [
+                    ("peer", self.peer.clone()),
+                    ("rail", r.rail.to_string()),
+                    ("direction", self.direction.to_string()),
+                ];
+                metrics::gauge!(m::RAIL_THROUGHPUT, &labels)
+                    .set(r.rate_bytes_per_sec.unwrap_or(0.0));
+            }
         }
     }
 
-    /// Adds a handshaken connection on `rail` and starts its tasks.
-    pub fn attach(self: &Arc<Self>, conn: Connection, rail: u32) -> Option<ConnId> {
+    /// Logs and counts a rail change; a rail gone down loses its connections.
+    fn on_rail_change(&self, st: &mut LinkState, c: RailChange) {
+        let labels = [
+            ("peer", self.peer.clone()),
+            ("rail", c.rail.to_string()),
+            ("direction", self.direction.to_string()),
+        ];
+        metrics::gauge!(m::RAIL_STATE, &labels).set(c.to.gauge());
+        metrics::counter!(
+            m::RAIL_TRANSITIONS,
+            "peer" => self.peer.clone(),
+            "rail" => c.rail.to_string(),
+            "from" => c.from.as_str(),
+            "to" => c.to.as_str()
+        )
+        .increment(1);
+        match c.to {
+            RailHealth::Down => {
+                warn!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail down: {}", c.reason);
+                for conn in st.session.rail_connections(c.rail) {
+                    if let Some(h) = st.conns.get_mut(conn) {
+                        if h.stop() {
+                            metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone())
+                                .decrement(1.0);
+                        }
+                    }
+                }
+            }
+            RailHealth::Up => {
+                info!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail up");
+            }
+            to => {
+                info!(peer = %self.peer, rail = c.rail, direction = self.direction, "rail {}: {}", to.as_str(), c.reason);
+            }
+        }
+    }
+
+    /// Why each rail is down, for errors that name the cause.
+    pub fn rail_causes(&self) -> String {
+        self.lock().session.rail_causes()
+    }
+
+    /// Per-rail state and counters of this session.
+    pub fn rail_stats(&self) -> Vec<kvrail_core::RailStats> {
+        self.lock().session.rail_stats()
+    }
+
+    /// Marks a rail whose first dial failed as down (to be probed).
+    pub fn rail_unreachable(&self, rail: RailId, reason: &str) {
         let mut st = self.lock();
-        let id = st.session.add_connection(rail)?;
+        st.session.rail_unreachable(rail, reason, Instant::now());
+        self.pump(&mut st);
+        drop(st);
+        self.timer.notify_one();
+    }
+
+    /// Rebuilding `rail` failed; the session backs off before the next probe.
+    pub fn probe_failed(&self, rail: RailId, reason: &str) {
+        metrics::counter!(m::RAIL_PROBES_FAILED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+        debug!(peer = %self.peer, rail, "probe failed: {reason}");
+        let mut st = self.lock();
+        st.session.probe_failed(rail, reason, Instant::now());
+        self.pump(&mut st);
+        drop(st);
+        self.timer.notify_one();
+    }
+
+    /// The dialer is rebuilding `rail`: drop what this side still holds on it,
+    /// without judging the rail (its new connections follow at once).
+    pub fn retire_rail(&self, rail: RailId) {
+        let mut st = self.lock();
+        let ids = st.session.retire_rail_connections(rail, Instant::now());
+        for conn in ids {
+            if let Some(h) = st.conns.get_mut(conn) {
+                if h.stop() {
+                    metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone())
+                        .decrement(1.0);
+                }
+            }
+        }
+        self.pump(&mut st);
+    }
+
+    /// Adds a handshaken connection on `rail` and starts its tasks.
+    pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
+        let mut st = self.lock();
+        if st.closed {
+            return None;
+        }
+        let id = st.session.add_connection(rail, Instant::now())?;
+        st.next_generation += 1;
+        let generation = st.next_generation;
         let (tx, rx) = mpsc::unbounded_channel();
-        let reader = tokio::spawn(reader_task(self.clone(), id, rail, conn.reader)).abort_handle();
-        tokio::spawn(writer_task(self.clone(), id, rail, conn.writer, rx));
-        st.conns.push(ConnHandle {
+        let reader = tokio::spawn(reader_task(
+            self.clone(),
+            (id, generation),
+            rail,
+            conn.reader,
+        ))
+        .abort_handle();
+        let writer = tokio::spawn(writer_task(
+            self.clone(),
+            (id, generation),
+            rail,
+            conn.writer,
+            rx,
+        ))
+        .abort_handle();
+        let handle = ConnHandle {
             writer: Some(tx),
             reader: Some(reader),
+            writer_task: Some(writer),
             rail,
-        });
+            generation,
+        };
+        match st.conns.get_mut(id) {
+            // The session reused a dead connection's slot.
+            Some(old) => {
+                old.stop();
+                *old = handle;
+            }
+            None => st.conns.push(handle),
+        }
         metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).increment(1.0);
+        self.pump(&mut st);
+        drop(st);
+        self.timer.notify_one();
         Some(id)
     }
 
     /// A connection broke: stop its tasks and let the session re-plan.
-    pub fn connection_failed(&self, conn: ConnId, reason: &str) {
+    pub fn connection_failed(&self, (conn, generation): (ConnId, u64), reason: &str) {
         let mut st = self.lock();
         let Some(handle) = st.conns.get_mut(conn) else {
             return;
         };
-        if handle.writer.is_none() {
+        if handle.generation != generation || !handle.stop() {
             return;
-        }
-        handle.writer = None;
-        if let Some(r) = handle.reader.take() {
-            r.abort();
         }
         let rail = handle.rail;
         warn!(peer = %self.peer, conn, rail, "peer connection lost: {reason}");
         metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).decrement(1.0);
         metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
         st.session.connection_lost(conn, reason, Instant::now());
-        if st.session.alive_connections() == 0 {
-            st.closed = true;
-        }
         self.pump(&mut st);
         drop(st);
         self.timer.notify_one();
     }
 
-    /// Closes every connection (daemon shutdown or peer gone).
+    /// Closes every connection and stops probing (daemon shutdown, dial refused).
     pub fn close(&self, reason: &str) {
-        let n = self.lock().conns.len();
-        for conn in 0..n {
-            self.connection_failed(conn, reason);
+        let handles: Vec<(ConnId, u64)> = {
+            let mut st = self.lock();
+            st.closed = true;
+            st.conns
+                .iter()
+                .enumerate()
+                .map(|(i, h)| (i, h.generation))
+                .collect()
+        };
+        for h in handles {
+            self.connection_failed(h, reason);
         }
+        self.timer.notify_one();
     }
 }
 
@@ -201,9 +398,12 @@ impl PeerLink {
 const WRITE_BATCH_FRAMES: usize = 64;
 const WRITE_BATCH_BYTES: u64 = 4 << 20;
 
+/// A connection's slot and generation.
+type ConnKey = (ConnId, u64);
+
 async fn writer_task(
     link: Arc<PeerLink>,
-    conn: ConnId,
+    key: ConnKey,
     rail: u32,
     mut writer: Box<dyn FrameWriter>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
@@ -225,7 +425,7 @@ async fn writer_task(
         }
         let result = write_batch(writer.as_mut(), &batch).await;
         if let Err(e) = result {
-            link.connection_failed(conn, &format!("write failed: {e}"));
+            link.connection_failed(key, &format!("write failed: {e}"));
             return;
         }
         let slices = batch
@@ -280,11 +480,11 @@ async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::i
 
 async fn reader_task(
     link: Arc<PeerLink>,
-    conn: ConnId,
+    key: ConnKey,
     rail: u32,
     mut reader: Box<dyn FrameReader>,
 ) {
-    let reason = match read_loop(&link, conn, rail, reader.as_mut()).await {
+    let reason = match read_loop(&link, key.0, rail, reader.as_mut()).await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
             metrics::counter!(m::FRAMES_REJECTED, "reason" => wire_reason(&e)).increment(1);
@@ -292,7 +492,7 @@ async fn reader_task(
         }
         Err(e) => e.to_string(),
     };
-    link.connection_failed(conn, &reason);
+    link.connection_failed(key, &reason);
 }
 
 fn wire_reason(e: &wire::WireError) -> &'static str {
@@ -325,11 +525,11 @@ async fn read_loop(
             Frame::Data {
                 header,
                 payload_len,
-            } => match link.with_session(|s, now| s.accept_slice(header, payload_len, now)) {
+            } => match link.with_session(|s, now| s.accept_slice(conn, header, payload_len, now)) {
                 SliceDisposition::Place { region_id, pieces } => {
                     let Some(region) = shared.registry.get(region_id) else {
                         reader.discard(u64::from(payload_len)).await?;
-                        link.with_session(|s, _| s.slice_abandoned(header));
+                        link.with_session(|s, _| s.slice_abandoned(conn, header));
                         continue;
                     };
                     let read = match region.memory.io_slices_mut(&pieces) {
@@ -337,7 +537,7 @@ async fn read_loop(
                         Err(e) => Err(std::io::Error::other(e)),
                     };
                     if let Err(e) = read {
-                        link.with_session(|s, _| s.slice_abandoned(header));
+                        link.with_session(|s, _| s.slice_abandoned(conn, header));
                         return Err(e.into());
                     }
                     let labels = [
@@ -372,12 +572,32 @@ async fn timer_task(link: Weak<PeerLink>) {
             Some(d) => {
                 tokio::select! {
                     _ = tokio::time::sleep_until(tokio::time::Instant::from_std(d)) => {
-                        l.with_session(|s, now| s.handle_timeout(now));
+                        let probes = l.with_session(|s, now| {
+                            s.handle_timeout(now);
+                            std::iter::from_fn(|| s.poll_probe()).collect::<Vec<_>>()
+                        });
+                        for rail in probes {
+                            tokio::spawn(probe_rail(l.clone(), rail));
+                        }
                     }
                     _ = l.timer.notified() => {}
                 }
             }
             None => l.timer.notified().await,
         }
+    }
+}
+
+/// Rebuilds the connections of a down rail (outbound links only).
+async fn probe_rail(link: Arc<PeerLink>, rail: RailId) {
+    let (Some(shared), Some(dial)) = (link.shared.upgrade(), link.dial.as_ref()) else {
+        return;
+    };
+    debug!(peer = %link.peer, rail, "probing rail");
+    if let Err(e) = shared
+        .dial_rail(&link, &dial.peer, dial.session_id, rail, true)
+        .await
+    {
+        link.probe_failed(rail, &e.to_string());
     }
 }
