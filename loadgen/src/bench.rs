@@ -13,8 +13,8 @@ use rand::SeedableRng;
 use serde_json::json;
 use tokio_stream::StreamExt;
 
-use crate::cluster::{ClusterOptions, LocalCluster};
 use crate::stats::{gbps, human_bytes, parse_size, Latencies};
+use loadgen::cluster::{ClusterOptions, LocalCluster};
 
 /// Flags of `loadgen bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -56,22 +56,32 @@ pub struct BenchArgs {
     /// iperf3 duration in seconds.
     #[arg(long, default_value_t = 3)]
     pub iperf3_seconds: u32,
+    /// Rail benchmark instead: one `tc` rate per rail (e.g. `2gbit,2gbit`); the two
+    /// sidecars run in network namespaces joined by one veth pair per rail (root).
+    #[arg(long, value_delimiter = ',')]
+    pub rails: Vec<String>,
+    /// netem delay on every rail (e.g. `1ms`).
+    #[arg(long)]
+    pub rail_delay: Option<String>,
+    /// How the failover case cuts rail 1 mid-transfer: drop (100% loss), down (link down), none.
+    #[arg(long, default_value = "drop")]
+    pub rail_cut: String,
 }
 
-fn parse_x(spec: &str) -> anyhow::Result<Vec<u64>> {
+pub(crate) fn parse_x(spec: &str) -> anyhow::Result<Vec<u64>> {
     spec.split('x')
         .map(|p| parse_size(p).map_err(anyhow::Error::msg))
         .collect()
 }
 
 /// Both workers: the prefill side's region and the decode side's, on one file each.
-struct Bench {
+pub(crate) struct Bench {
     // Keeps the sidecar processes alive for the whole run.
     _cluster: LocalCluster,
-    p: Client,
-    d: Client,
-    p_mem: SharedRegion,
-    d_mem: SharedRegion,
+    pub(crate) p: Client,
+    pub(crate) d: Client,
+    pub(crate) p_mem: SharedRegion,
+    pub(crate) d_mem: SharedRegion,
     args: BenchArgs,
     results: Vec<serde_json::Value>,
     iperf3_gbps: Option<f64>,
@@ -85,19 +95,54 @@ struct Bench {
 }
 
 /// What one throughput point measured.
-struct Point {
+pub(crate) struct Point {
     name: &'static str,
     op: String,
-    bytes: u64,
+    pub(crate) bytes: u64,
     blocks: u64,
     segments: u64,
-    lat: Latencies,
-    total: Duration,
-    iterations: u64,
+    pub(crate) lat: Latencies,
+    pub(crate) total: Duration,
+    pub(crate) iterations: u64,
 }
 
 impl Bench {
-    async fn register(&mut self, layout: RegionLayout) -> anyhow::Result<(u64, u64)> {
+    /// Connects to both sidecars of `cluster` and maps a source and a destination file.
+    pub(crate) async fn start(
+        cluster: LocalCluster,
+        args: &BenchArgs,
+        file_bytes: u64,
+    ) -> anyhow::Result<Bench> {
+        let mut p = cluster.client(&cluster.prefill).await?;
+        let p_notes = p.subscribe("bench-p").await?;
+        let d = cluster.client(&cluster.decode).await?;
+        let p_kv = KvRegion::create(cluster.shm_path("p"), dense_layout(1, 1, 1, file_bytes))?;
+        let d_kv = KvRegion::create(cluster.shm_path("d"), dense_layout(1, 1, 1, file_bytes))?;
+        fill_source(&p_kv.memory)?;
+        Ok(Bench {
+            _cluster: cluster,
+            p,
+            d,
+            p_mem: p_kv.memory,
+            d_mem: d_kv.memory,
+            args: args.clone(),
+            results: Vec::new(),
+            iperf3_gbps: None,
+            iperf3_procs_gbps: None,
+            contiguous_push_gbps: None,
+            next_request: 0,
+            p_notes,
+            awaiting_served: Default::default(),
+        })
+    }
+
+    /// Removes the two shared-memory files.
+    pub(crate) fn remove_files(&self) {
+        let _ = std::fs::remove_file(self.p_mem.path());
+        let _ = std::fs::remove_file(self.d_mem.path());
+    }
+
+    pub(crate) async fn register(&mut self, layout: RegionLayout) -> anyhow::Result<(u64, u64)> {
         let p = self
             .p
             .register_path("bench-p", self.p_mem.path(), layout, true)
@@ -109,7 +154,7 @@ impl Bench {
         Ok((p, d))
     }
 
-    async fn unregister(&mut self, (p, d): (u64, u64)) -> anyhow::Result<()> {
+    pub(crate) async fn unregister(&mut self, (p, d): (u64, u64)) -> anyhow::Result<()> {
         // As a prefill worker would: free pulled blocks only after PULL_SERVED.
         while !self.awaiting_served.is_empty() {
             let n = tokio::time::timeout(Duration::from_secs(30), self.p_notes.next())
@@ -124,7 +169,7 @@ impl Bench {
     }
 
     /// One transfer, call to completion as the initiator sees it.
-    async fn transfer(
+    pub(crate) async fn transfer(
         &mut self,
         op: &str,
         src: BlockRange,
@@ -155,7 +200,7 @@ impl Bench {
     }
 
     /// Repeats a transfer (after one warm-up) until `bytes_per_point` moved, verifies, reports.
-    async fn point(
+    pub(crate) async fn point(
         &mut self,
         name: &'static str,
         op: &str,
@@ -253,7 +298,7 @@ impl Bench {
     }
 }
 
-fn round3(x: f64) -> f64 {
+pub(crate) fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
@@ -443,33 +488,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .max(layout_extent(&vllm_layout))
         .max(4 << 20);
 
-    let opts = ClusterOptions {
-        connections_per_rail: args.connections,
-        slice_bytes: args.slice_bytes,
-        window_bytes: args.window_bytes,
-    };
+    if !args.rails.is_empty() {
+        return crate::rails::run(args, scattered).await;
+    }
+    let opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
     let cluster = LocalCluster::start(&opts).await?;
-    let mut p = cluster.client(&cluster.prefill).await?;
-    let p_notes = p.subscribe("bench-p").await?;
-    let d = cluster.client(&cluster.decode).await?;
-    let p_kv = KvRegion::create(cluster.shm_path("p"), dense_layout(1, 1, 1, file_bytes))?;
-    let d_kv = KvRegion::create(cluster.shm_path("d"), dense_layout(1, 1, 1, file_bytes))?;
-    fill_source(&p_kv.memory)?;
-    let mut bench = Bench {
-        _cluster: cluster,
-        p,
-        d,
-        p_mem: p_kv.memory,
-        d_mem: d_kv.memory,
-        args: args.clone(),
-        results: Vec::new(),
-        iperf3_gbps: None,
-        iperf3_procs_gbps: None,
-        contiguous_push_gbps: None,
-        next_request: 0,
-        p_notes,
-        awaiting_served: Default::default(),
-    };
+    let mut bench = Bench::start(cluster, &args, file_bytes).await?;
     eprintln!(
         "kvrail bench: 2 sidecars on loopback, tcp, {} connections, slices of {}, window {}",
         args.connections,
@@ -485,8 +509,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         vllm_layout,
     )
     .await;
-    let _ = std::fs::remove_file(bench.p_mem.path());
-    let _ = std::fs::remove_file(bench.d_mem.path());
+    bench.remove_files();
     result
 }
 

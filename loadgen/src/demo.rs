@@ -15,10 +15,10 @@ use rand::{RngCore, SeedableRng};
 use serde_json::json;
 use tokio_stream::StreamExt;
 
-use crate::cluster::{ClusterOptions, LocalCluster};
 use crate::model::Model;
 use crate::stats::{gbps, human_bytes, parse_size, Latencies};
 use crate::trace;
+use loadgen::cluster::{ClusterOptions, LocalCluster};
 
 /// Flags of `loadgen demo`.
 #[derive(Debug, Clone, clap::Args)]
@@ -67,11 +67,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         max_blocks * 2,
         model.block_bytes(),
     );
-    let opts = ClusterOptions {
-        connections_per_rail: args.connections,
-        slice_bytes: args.slice_bytes,
-        window_bytes: (args.slice_bytes * 8).max(8 << 20),
-    };
+    let opts = ClusterOptions::new(
+        args.connections,
+        args.slice_bytes,
+        (args.slice_bytes * 8).max(8 << 20),
+    );
     eprintln!(
         "kvrail demo: {} requests of {} on {} ({} KiB of KV per token, prompts clipped at {} tokens), 2 sidecars on loopback over tcp",
         requests.len(),

@@ -2,9 +2,9 @@
 //! that one binary can start real sidecar processes.
 
 mod bench;
-mod cluster;
 mod demo;
 mod model;
+mod rails;
 mod stats;
 mod trace;
 mod verify;

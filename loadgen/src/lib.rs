@@ -1,0 +1,5 @@
+//! loadgen's reusable parts: starting real sidecar processes (on loopback or in a
+//! namespaced multi-rail lab), shared with the end-to-end tests.
+
+pub mod cluster;
+pub mod netlab;
