@@ -222,6 +222,8 @@ async fn push_and_pull_both_directions_with_notifications() {
         "kvrail_transfers_done_total",
         "kvrail_transfer_duration_seconds_bucket",
         "kvrail_bytes_received_total",
+        "kvrail_rail_state",
+        "kvrail_rail_throughput_bytes_per_second",
     ] {
         assert!(text.contains(name), "{name} missing from metrics:\n{text}");
     }

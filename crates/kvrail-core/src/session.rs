@@ -344,6 +344,11 @@ impl Session {
             .collect()
     }
 
+    /// Rails the session knows (connected once, or declared unreachable).
+    pub fn rail_count(&self) -> usize {
+        self.rails.len()
+    }
+
     /// Per-rail state and counters.
     pub fn rail_stats(&self) -> Vec<RailStats> {
         self.rails

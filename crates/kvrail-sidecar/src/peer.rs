@@ -66,6 +66,7 @@ struct LinkState {
     closed: bool,
     next_generation: u64,
     gauges_at: Option<Instant>,
+    gauged_rails: usize,
 }
 
 /// How an outbound session rebuilds its rails.
@@ -107,6 +108,7 @@ impl PeerLink {
                 closed: false,
                 next_generation: 0,
                 gauges_at: None,
+                gauged_rails: 0,
             }),
             dial,
             timer: Notify::new(),
@@ -210,11 +212,15 @@ impl PeerLink {
                 ev => shared.on_event(&self.peer, ev),
             }
         }
-        if st
-            .gauges_at
-            .is_none_or(|t| now.duration_since(t) >= GAUGE_PERIOD)
+        // Refresh periodically, and at once when a rail appears.
+        let rails = st.session.rail_count();
+        if rails != st.gauged_rails
+            || st
+                .gauges_at
+                .is_none_or(|t| now.duration_since(t) >= GAUGE_PERIOD)
         {
             st.gauges_at = Some(now);
+            st.gauged_rails = rails;
             for r in st.session.rail_stats() {
                 let labels = [
                     ("peer", self.peer.clone()),
@@ -223,6 +229,7 @@ impl PeerLink {
                 ];
                 metrics::gauge!(m::RAIL_THROUGHPUT, &labels)
                     .set(r.rate_bytes_per_sec.unwrap_or(0.0));
+                metrics::gauge!(m::RAIL_STATE, &labels).set(r.health.gauge());
             }
         }
     }
