@@ -12,13 +12,8 @@ use crate::layout::RegionLayout;
 use crate::plan::BlockSelection;
 use crate::rail::{RailConfig, RailHealth};
 use crate::session::*;
-use crate::testkit::{pattern, sel, Region, Regions};
-use crate::wire::{Body, ErrorCode, SliceHeader};
-
-enum Item {
-    Control(Body),
-    Slice(SliceHeader, Vec<u8>),
-}
+use crate::testkit::{deliver, sel, Item, Regions};
+use crate::wire::{ErrorCode, SliceHeader};
 
 struct Side {
     session: Session,
@@ -69,16 +64,7 @@ impl Pair {
         fill: bool,
         exposed: bool,
     ) {
-        let len = layout.extent() as usize;
-        let bytes = if fill { pattern(id, len) } else { vec![0; len] };
-        self.sides[side].regions.0.insert(
-            id,
-            Region {
-                layout,
-                bytes,
-                exposed,
-            },
-        );
+        self.sides[side].regions.add(id, layout, fill, exposed);
     }
 
     fn local(
@@ -117,28 +103,11 @@ impl Pair {
     fn flush(&mut self) {
         for dir in 0..2 {
             while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
-                match t {
-                    Transmit::Control { conn, msg } => {
-                        self.wires[conn][dir].push_back(Item::Control(msg.body.unwrap()));
-                    }
-                    Transmit::Slice {
-                        conn,
-                        header,
-                        len,
-                        region_id,
-                        pieces,
-                        ..
-                    } => {
-                        let src = &self.sides[dir].regions.0[&region_id].bytes;
-                        let mut data = Vec::with_capacity(len as usize);
-                        for (off, l) in pieces {
-                            data.extend_from_slice(&src[off as usize..(off + l) as usize]);
-                        }
-                        assert_eq!(data.len(), len as usize);
-                        self.slices_per_conn[conn] += 1;
-                        self.wires[conn][dir].push_back(Item::Slice(header, data));
-                    }
+                let (conn, item) = self.sides[dir].regions.wire_item(t);
+                if let Item::Slice(..) = item {
+                    self.slices_per_conn[conn] += 1;
                 }
+                self.wires[conn][dir].push_back(item);
             }
             while let Some(e) = self.sides[dir].session.poll_event() {
                 self.sides[dir].events.push(e);
@@ -159,33 +128,8 @@ impl Pair {
         let (conn, dir) = busy[self.rng.random_range(0..busy.len())];
         let item = self.wires[conn][dir].pop_front().unwrap();
         self.now += Duration::from_micros(1);
-        let to = 1 - dir;
-        let side = &mut self.sides[to];
-        match item {
-            Item::Control(body) => side
-                .session
-                .handle_control(conn, body, self.now, &side.regions),
-            Item::Slice(header, data) => {
-                match side
-                    .session
-                    .accept_slice(conn, header, data.len() as u32, self.now)
-                {
-                    SliceDisposition::Place { region_id, pieces } => {
-                        let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
-                        let mut cursor = 0usize;
-                        for (off, l) in pieces {
-                            dst[off as usize..(off + l) as usize]
-                                .copy_from_slice(&data[cursor..cursor + l as usize]);
-                            cursor += l as usize;
-                        }
-                        assert_eq!(cursor, data.len());
-                        side.session
-                            .slice_placed(conn, header, data.len() as u32, self.now);
-                    }
-                    SliceDisposition::Discard => {}
-                }
-            }
-        }
+        let side = &mut self.sides[1 - dir];
+        deliver(&mut side.session, &mut side.regions, conn, item, self.now);
         self.flush();
         true
     }

@@ -14,8 +14,7 @@ use crate::error::{FailureSide, TransferError};
 use crate::layout::RegionLayout;
 use crate::rail::{RailConfig, RailHealth, RailId};
 use crate::session::*;
-use crate::testkit::{pattern, sel, Region, Regions};
-use crate::wire::{Body, SliceHeader};
+use crate::testkit::{deliver, sel, Item, Regions};
 
 const MB: f64 = 1e6;
 
@@ -50,11 +49,6 @@ enum Fault {
 enum Action {
     Cut(Fault),
     Restore,
-}
-
-enum Item {
-    Control(Body),
-    Slice(SliceHeader, Vec<u8>),
 }
 
 impl Item {
@@ -178,16 +172,7 @@ impl Sim {
     }
 
     fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool) {
-        let len = layout.extent() as usize;
-        let bytes = if fill { pattern(id, len) } else { vec![0; len] };
-        self.sides[side].regions.0.insert(
-            id,
-            Region {
-                layout,
-                bytes,
-                exposed: true,
-            },
-        );
+        self.sides[side].regions.add(id, layout, fill, true);
     }
 
     fn request(&mut self, side: usize, local: u64, remote: u64, blocks: &[u32]) -> LocalTransfer {
@@ -255,28 +240,9 @@ impl Sim {
         for dir in 0..2 {
             while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
                 busy = true;
-                match t {
-                    Transmit::Control { conn, msg } => {
-                        let link = self.link_of(dir, conn);
-                        self.send(link, dir, Item::Control(msg.body.unwrap()));
-                    }
-                    Transmit::Slice {
-                        conn,
-                        header,
-                        len,
-                        region_id,
-                        pieces,
-                        ..
-                    } => {
-                        let src = &self.sides[dir].regions.0[&region_id].bytes;
-                        let mut data = Vec::with_capacity(len as usize);
-                        for (off, l) in pieces {
-                            data.extend_from_slice(&src[off as usize..(off + l) as usize]);
-                        }
-                        let link = self.link_of(dir, conn);
-                        self.send(link, dir, Item::Slice(header, data));
-                    }
-                }
+                let (conn, item) = self.sides[dir].regions.wire_item(t);
+                let link = self.link_of(dir, conn);
+                self.send(link, dir, item);
             }
             while let Some(e) = self.sides[dir].session.poll_event() {
                 busy = true;
@@ -293,8 +259,7 @@ impl Sim {
             busy = true;
             if self.rail_up[rail as usize] {
                 // The acceptor replaces whatever it still holds on that rail.
-                let now = self.now;
-                for conn in self.sides[1].session.retire_rail_connections(rail, now) {
+                for conn in self.sides[1].session.retire_rail_connections(rail) {
                     let link = self.link_of(1, conn);
                     self.links[link].open[1] = false;
                 }
@@ -362,26 +327,8 @@ impl Sim {
         }
         let to = 1 - dir;
         let conn = l.ids[to];
-        let now = self.now;
         let side = &mut self.sides[to];
-        match item {
-            Item::Control(body) => side.session.handle_control(conn, body, now, &side.regions),
-            Item::Slice(header, data) => {
-                let len = data.len() as u32;
-                if let SliceDisposition::Place { region_id, pieces } =
-                    side.session.accept_slice(conn, header, len, now)
-                {
-                    let dst = &mut side.regions.0.get_mut(&region_id).unwrap().bytes;
-                    let mut cursor = 0usize;
-                    for (off, l) in pieces {
-                        dst[off as usize..(off + l) as usize]
-                            .copy_from_slice(&data[cursor..cursor + l as usize]);
-                        cursor += l as usize;
-                    }
-                    side.session.slice_placed(conn, header, len, now);
-                }
-            }
-        }
+        deliver(&mut side.session, &mut side.regions, conn, item, self.now);
     }
 
     /// Runs until `done` holds or `limit` of simulated time passes.

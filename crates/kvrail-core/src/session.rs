@@ -327,10 +327,8 @@ impl Session {
 
     /// Closes every live connection of `rail` without judging the rail (the dialer
     /// is replacing them); their slices go back to be re-sent. Returns them.
-    pub fn retire_rail_connections(&mut self, rail: RailId, _now: Instant) -> Vec<ConnId> {
-        let ids: Vec<ConnId> = (0..self.conns.len())
-            .filter(|&i| self.conns[i].alive && self.conns[i].rail == rail)
-            .collect();
+    pub fn retire_rail_connections(&mut self, rail: RailId) -> Vec<ConnId> {
+        let ids: Vec<ConnId> = live_on(&self.conns, rail).collect();
         for &conn in &ids {
             self.kill_connection(conn);
         }
@@ -353,14 +351,7 @@ impl Session {
     pub fn rail_stats(&self) -> Vec<RailStats> {
         self.rails
             .iter()
-            .map(|r| {
-                let live = self
-                    .conns
-                    .iter()
-                    .filter(|c| c.alive && c.rail == r.id)
-                    .count();
-                r.stats(live)
-            })
+            .map(|r| r.stats(live_on(&self.conns, r.id).count()))
             .collect()
     }
 
@@ -821,8 +812,7 @@ impl Session {
         }
         let rail = c.rail;
         self.kill_connection(conn);
-        let rail_empty = !self.conns.iter().any(|c| c.alive && c.rail == rail);
-        if rail_empty {
+        if live_on(&self.conns, rail).next().is_none() {
             self.rail_signal(rail, RailSignal::Failed, reason, true, now);
         }
         self.update_all_down(now);
@@ -887,12 +877,7 @@ impl Session {
                 r.last_probe_error = None;
                 r.reset_measurements();
                 r.next_probe = probes.then(|| now + r.backoff);
-                let doomed: Vec<ConnId> = (0..self.conns.len())
-                    .filter(|&i| self.conns[i].alive && self.conns[i].rail == rail)
-                    .collect();
-                for conn in doomed {
-                    self.kill_connection(conn);
-                }
+                self.retire_rail_connections(rail);
                 if tell_peer && self.alive_connections() > 0 {
                     self.control.push_back((
                         None,
@@ -1123,11 +1108,7 @@ impl Session {
             .iter()
             .filter_map(|r| r.estimator.rate())
             .fold(1.0, f64::max);
-        let ids: Vec<u64> = self.transfers.keys().copied().collect();
-        for id in ids {
-            let Some(t) = self.transfers.get_mut(&id) else {
-                continue;
-            };
+        for (&id, t) in self.transfers.iter_mut() {
             if !t.kind.sends_data() || t.pending_failure.is_some() || !t.has_unsent() {
                 continue;
             }
@@ -1141,15 +1122,20 @@ impl Session {
                 }
             }
             let pinned = t.pinned_rail;
-            let Some((rail, conn, len)) = self.choose_slot(pinned, avail, fallback_rate) else {
+            let slot = choose_slot(
+                &self.config,
+                &self.rails,
+                &self.conns,
+                pinned,
+                avail,
+                fallback_rate,
+            );
+            let Some((rail, conn, len)) = slot else {
                 if pinned.is_some() {
                     // Only its own rail is full; later transfers may use the others.
                     continue;
                 }
                 return None;
-            };
-            let Some(t) = self.transfers.get_mut(&id) else {
-                continue;
             };
             if t.plan.total_bytes() <= self.config.rails.stripe_threshold {
                 t.pinned_rail = Some(rail);
@@ -1214,46 +1200,6 @@ impl Session {
         None
     }
 
-    /// The rail, connection and slice length for the next `avail` bytes: among up
-    /// rails (only `pinned` if set) with window left, the one that would finish
-    /// the slice soonest at its estimated rate.
-    fn choose_slot(
-        &self,
-        pinned: Option<RailId>,
-        avail: u64,
-        fallback_rate: f64,
-    ) -> Option<(RailId, ConnId, u64)> {
-        let cfg = &self.config.rails;
-        let conn_window = self.config.window_bytes;
-        let mut best: Option<(f64, RailId, ConnId, u64)> = None;
-        for r in &self.rails {
-            if r.health != RailHealth::Up || pinned.is_some_and(|p| p != r.id) {
-                continue;
-            }
-            let len = avail.min(r.slice_len(cfg, self.config.slice_bytes));
-            let live = self
-                .conns
-                .iter()
-                .filter(|c| c.alive && c.rail == r.id)
-                .count() as u64;
-            if live == 0 {
-                continue;
-            }
-            let window = r.window(cfg, live * conn_window, len);
-            if r.outstanding > 0 && r.outstanding + len > window {
-                continue;
-            }
-            let Some(conn) = pick_connection(&self.conns, r.id, len, conn_window) else {
-                continue;
-            };
-            let finish = (r.outstanding + len) as f64 / r.assumed_rate(fallback_rate);
-            if best.is_none_or(|(f, ..)| finish < f) {
-                best = Some((finish, r.id, conn, len));
-            }
-        }
-        best.map(|(_, rail, conn, len)| (rail, conn, len))
-    }
-
     /// A live connection for control messages, preferring rails that are up.
     fn any_alive(&self) -> Option<ConnId> {
         self.conns
@@ -1275,17 +1221,59 @@ impl Session {
     }
 }
 
-/// Least-loaded live connection of `rail` whose window still takes `len` more
-/// bytes (an idle connection always takes one slice, however large).
-fn pick_connection(conns: &[Conn], rail: RailId, len: u64, window: u64) -> Option<ConnId> {
+/// The rail, connection and slice length for the next `avail` bytes: among up
+/// rails (only `pinned` if set) with window left, the one that would finish
+/// the slice soonest at its estimated rate.
+fn choose_slot(
+    config: &SessionConfig,
+    rails: &[Rail],
+    conns: &[Conn],
+    pinned: Option<RailId>,
+    avail: u64,
+    fallback_rate: f64,
+) -> Option<(RailId, ConnId, u64)> {
+    let cfg = &config.rails;
+    let conn_window = config.window_bytes;
+    let mut best: Option<(f64, RailId, ConnId, u64)> = None;
+    for r in rails {
+        if r.health != RailHealth::Up || pinned.is_some_and(|p| p != r.id) {
+            continue;
+        }
+        let len = avail.min(r.slice_len(cfg, config.slice_bytes));
+        let live = live_on(conns, r.id).count() as u64;
+        if live == 0 {
+            continue;
+        }
+        let window = r.window(cfg, live * conn_window, len);
+        if r.outstanding > 0 && r.outstanding + len > window {
+            continue;
+        }
+        let Some(conn) = pick_connection(conns, r.id, len, conn_window) else {
+            continue;
+        };
+        let finish = (r.outstanding + len) as f64 / r.assumed_rate(fallback_rate);
+        if best.is_none_or(|(f, ..)| finish < f) {
+            best = Some((finish, r.id, conn, len));
+        }
+    }
+    best.map(|(_, rail, conn, len)| (rail, conn, len))
+}
+
+/// Live connections of `rail`.
+fn live_on(conns: &[Conn], rail: RailId) -> impl Iterator<Item = ConnId> + '_ {
     conns
         .iter()
         .enumerate()
-        .filter(|(_, c)| {
-            c.alive && c.rail == rail && (c.outstanding == 0 || c.outstanding + len <= window)
-        })
-        .min_by_key(|(i, c)| (c.outstanding, *i))
+        .filter(move |(_, c)| c.alive && c.rail == rail)
         .map(|(i, _)| i)
+}
+
+/// Least-loaded live connection of `rail` whose window still takes `len` more
+/// bytes (an idle connection always takes one slice, however large).
+fn pick_connection(conns: &[Conn], rail: RailId, len: u64, window: u64) -> Option<ConnId> {
+    live_on(conns, rail)
+        .filter(|&i| conns[i].outstanding == 0 || conns[i].outstanding + len <= window)
+        .min_by_key(|&i| (conns[i].outstanding, i))
 }
 
 fn block_set(sel: &BlockSelection) -> pb::BlockSet {

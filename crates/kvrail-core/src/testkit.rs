@@ -2,9 +2,18 @@
 
 use std::collections::HashMap;
 
+use std::time::Instant;
+
 use crate::layout::RegionLayout;
 use crate::plan::BlockSelection;
-use crate::session::{RegionAccess, RegionDirectory};
+use crate::session::{ConnId, RegionAccess, RegionDirectory, Session, SliceDisposition, Transmit};
+use crate::wire::{Body, SliceHeader};
+
+/// What a test wire carries: a control message, or a slice with its payload.
+pub enum Item {
+    Control(Body),
+    Slice(SliceHeader, Vec<u8>),
+}
 
 pub struct Region {
     pub layout: RegionLayout,
@@ -14,6 +23,76 @@ pub struct Region {
 
 #[derive(Default)]
 pub struct Regions(pub HashMap<u64, Region>);
+
+impl Regions {
+    /// A region filled with [`pattern`] (a source) or zeros (a destination).
+    pub fn add(&mut self, id: u64, layout: RegionLayout, fill: bool, exposed: bool) {
+        let len = layout.extent() as usize;
+        let bytes = if fill { pattern(id, len) } else { vec![0; len] };
+        self.0.insert(
+            id,
+            Region {
+                layout,
+                bytes,
+                exposed,
+            },
+        );
+    }
+
+    /// A transmit as it goes on the wire: its connection, and the item with the
+    /// slice's pieces gathered from the source region.
+    pub fn wire_item(&self, t: Transmit) -> (ConnId, Item) {
+        match t {
+            Transmit::Control { conn, msg } => (conn, Item::Control(msg.body.unwrap())),
+            Transmit::Slice {
+                conn,
+                header,
+                len,
+                region_id,
+                pieces,
+                ..
+            } => {
+                let src = &self.0[&region_id].bytes;
+                let mut data = Vec::with_capacity(len as usize);
+                for (off, l) in pieces {
+                    data.extend_from_slice(&src[off as usize..(off + l) as usize]);
+                }
+                assert_eq!(data.len(), len as usize);
+                (conn, Item::Slice(header, data))
+            }
+        }
+    }
+}
+
+/// Hands an item that arrived on `conn` to `session`, as a driver does: control
+/// messages go in, slice payloads are scattered where the session says.
+pub fn deliver(
+    session: &mut Session,
+    regions: &mut Regions,
+    conn: ConnId,
+    item: Item,
+    now: Instant,
+) {
+    match item {
+        Item::Control(body) => session.handle_control(conn, body, now, regions),
+        Item::Slice(header, data) => {
+            let len = data.len() as u32;
+            if let SliceDisposition::Place { region_id, pieces } =
+                session.accept_slice(conn, header, len, now)
+            {
+                let dst = &mut regions.0.get_mut(&region_id).unwrap().bytes;
+                let mut cursor = 0usize;
+                for (off, l) in pieces {
+                    dst[off as usize..(off + l) as usize]
+                        .copy_from_slice(&data[cursor..cursor + l as usize]);
+                    cursor += l as usize;
+                }
+                assert_eq!(cursor, data.len());
+                session.slice_placed(conn, header, len, now);
+            }
+        }
+    }
+}
 
 impl RegionDirectory for Regions {
     fn lookup(&self, region_id: u64) -> Option<RegionAccess> {

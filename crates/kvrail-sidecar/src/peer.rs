@@ -305,7 +305,7 @@ impl PeerLink {
     /// without judging the rail (its new connections follow at once).
     pub fn retire_rail(&self, rail: RailId) {
         let mut st = self.lock();
-        let ids = st.session.retire_rail_connections(rail, Instant::now());
+        let ids = st.session.retire_rail_connections(rail);
         for conn in ids {
             if let Some(h) = st.conns.get_mut(conn) {
                 if h.stop() {
