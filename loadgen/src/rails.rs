@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvrail_client::proto::TransferState;
+use kvrail_client::proto::{RegionLayout, TransferState};
 use kvrail_client::{blocks, dense_layout, layout_extent, Client};
 use serde_json::json;
 
@@ -33,6 +33,15 @@ async fn rail_status(p: &mut Client) -> anyhow::Result<Vec<(String, u64, u64)>> 
         .iter()
         .map(|r| (r.state.clone(), r.bytes_sent, r.slices_retransmitted))
         .collect())
+}
+
+/// Bytes of the contiguous push (1 MiB blocks).
+const BIG: u64 = 256 << 20;
+
+/// The contiguous push: 1 MiB blocks over the whole file, and the first `BIG` of them.
+fn contiguous(bench: &Bench) -> (RegionLayout, Vec<u32>) {
+    let layout = dense_layout(1, 1, (bench.p_mem.len() >> 20) as u32, 1 << 20);
+    (layout, (0..(BIG >> 20) as u32).collect())
 }
 
 fn bytes_of(s: &[(String, u64, u64)]) -> Vec<u64> {
@@ -68,9 +77,8 @@ pub async fn run(args: BenchArgs, scattered: Vec<u64>) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let sum_rate: f64 = rates.iter().sum();
     let lab = NetLab::create(&shapes)?;
-    let big: u64 = 256 << 20;
     let scattered_layout = dense_layout(1, 1, (scattered[0] * 2) as u32, scattered[1]);
-    let file_bytes = big.max(layout_extent(&scattered_layout));
+    let file_bytes = BIG.max(layout_extent(&scattered_layout));
     eprintln!(
         "kvrail rail bench: 2 sidecars in network namespaces, rails {:?} (delay {:?}), {} connections per rail",
         args.rails, args.rail_delay, args.connections
@@ -101,13 +109,11 @@ async fn measure(
     scattered: &[u64],
     single: &mut Option<(f64, f64, Duration)>,
 ) -> anyhow::Result<()> {
-    let big: u64 = 256 << 20;
-    let contiguous = dense_layout(1, 1, (bench.p_mem.len() / (1 << 20)) as u32, 1 << 20);
+    let (contiguous, ids) = contiguous(bench);
     let count = scattered[0] as u32;
     let scattered_layout = dense_layout(1, 1, count * 2, scattered[1]);
     let src: Vec<u32> = (0..count).map(|i| i * 2).collect();
     let dst: Vec<u32> = (0..count).rev().map(|i| i * 2 + 1).collect();
-    let ids: Vec<u32> = (0..(big >> 20) as u32).collect();
     let mut measured = Vec::new();
     for (case, layout, s, d) in [
         ("push_256M", contiguous, ids.clone(), ids.clone()),
@@ -162,9 +168,7 @@ async fn failover(
     how: Cut,
     single: &Option<(f64, f64, Duration)>,
 ) -> anyhow::Result<()> {
-    let big: u64 = 256 << 20;
-    let layout = dense_layout(1, 1, (bench.p_mem.len() / (1 << 20)) as u32, 1 << 20);
-    let ids: Vec<u32> = (0..(big >> 20) as u32).collect();
+    let (layout, ids) = contiguous(bench);
     let regions = bench.register(layout).await?;
     bench.d_mem.fill(0, bench.d_mem.len(), 0)?;
     let before = rail_status(&mut bench.p).await?;
@@ -182,7 +186,7 @@ async fn failover(
     // Cut rail 1 once it has carried an eighth of the transfer.
     loop {
         let now = rail_status(&mut bench.p).await?;
-        if now.get(1).map_or(0, |r| r.1) - before.get(1).map_or(0, |r| r.1) >= big / 8 {
+        if now.get(1).map_or(0, |r| r.1) - before.get(1).map_or(0, |r| r.1) >= BIG / 8 {
             break;
         }
         if start.elapsed() > Duration::from_secs(60) {
@@ -235,7 +239,7 @@ async fn failover(
         "transport": "tcp",
         "case": "failover",
         "cut": match how { Cut::DropAll => "drop", Cut::LinkDown => "down" },
-        "bytes": big,
+        "bytes": BIG,
         "cut_after_ms": cut_at.as_millis() as u64,
         "seconds": round3(took.as_secs_f64()),
         "slices_retransmitted": resent,

@@ -116,15 +116,14 @@ impl Shared {
     }
 
     async fn dial(self: &Arc<Self>, peer: &PeerConfig) -> Result<Arc<PeerLink>, DialError> {
-        let session_id: u64 = rand::random();
         let dial = DialInfo {
             peer: peer.clone(),
-            session_id,
+            session_id: rand::random(),
         };
-        let link = PeerLink::new(&peer.name, self.transport.name(), self, Some(dial));
+        let link = PeerLink::new(&peer.name, self.transport.name(), self, Some(dial.clone()));
         let mut reasons = Vec::new();
         for rail in 0..peer.rails.len() as RailId {
-            match self.dial_rail(&link, peer, session_id, rail, false).await {
+            match self.dial_rail(&link, &dial, rail, false).await {
                 Ok(()) => {}
                 Err(DialError::Refused { reason, .. }) => {
                     link.close("handshake refused");
@@ -160,11 +159,11 @@ impl Shared {
     pub async fn dial_rail(
         &self,
         link: &Arc<PeerLink>,
-        peer: &PeerConfig,
-        session_id: u64,
+        dial: &DialInfo,
         rail: RailId,
         probing: bool,
     ) -> Result<(), DialError> {
+        let (peer, session_id) = (&dial.peer, dial.session_id);
         let unreachable = |reasons: String| DialError::Unreachable {
             peer: peer.name.clone(),
             reasons,

@@ -70,6 +70,7 @@ struct LinkState {
 }
 
 /// How an outbound session rebuilds its rails.
+#[derive(Clone)]
 pub struct DialInfo {
     pub peer: PeerConfig,
     pub session_id: u64,
@@ -222,11 +223,7 @@ impl PeerLink {
             st.gauges_at = Some(now);
             st.gauged_rails = rails;
             for r in st.session.rail_stats() {
-                let labels = [
-                    ("peer", self.peer.clone()),
-                    ("rail", r.rail.to_string()),
-                    ("direction", self.direction.to_string()),
-                ];
+                let labels = self.rail_labels(r.rail);
                 metrics::gauge!(m::RAIL_THROUGHPUT, &labels)
                     .set(r.rate_bytes_per_sec.unwrap_or(0.0));
                 metrics::gauge!(m::RAIL_STATE, &labels).set(r.health.gauge());
@@ -236,12 +233,7 @@ impl PeerLink {
 
     /// Logs and counts a rail change; a rail gone down loses its connections.
     fn on_rail_change(&self, st: &mut LinkState, c: RailChange) {
-        let labels = [
-            ("peer", self.peer.clone()),
-            ("rail", c.rail.to_string()),
-            ("direction", self.direction.to_string()),
-        ];
-        metrics::gauge!(m::RAIL_STATE, &labels).set(c.to.gauge());
+        metrics::gauge!(m::RAIL_STATE, &self.rail_labels(c.rail)).set(c.to.gauge());
         metrics::counter!(
             m::RAIL_TRANSITIONS,
             "peer" => self.peer.clone(),
@@ -253,20 +245,32 @@ impl PeerLink {
         match c.to {
             RailHealth::Down => {
                 warn!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail down: {}", c.reason);
-                for conn in st.session.rail_connections(c.rail) {
-                    if let Some(h) = st.conns.get_mut(conn) {
-                        if h.stop() {
-                            metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone())
-                                .decrement(1.0);
-                        }
-                    }
-                }
+                let conns = st.session.rail_connections(c.rail);
+                self.stop_connections(st, conns);
             }
             RailHealth::Up => {
                 info!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail up");
             }
             to => {
                 info!(peer = %self.peer, rail = c.rail, direction = self.direction, "rail {}: {}", to.as_str(), c.reason);
+            }
+        }
+    }
+
+    /// Labels of the per-rail series of this session.
+    fn rail_labels(&self, rail: RailId) -> [(&'static str, String); 3] {
+        [
+            ("peer", self.peer.clone()),
+            ("rail", rail.to_string()),
+            ("direction", self.direction.to_string()),
+        ]
+    }
+
+    /// Stops the tasks of these connections (those still running) and counts them gone.
+    fn stop_connections(&self, st: &mut LinkState, conns: impl IntoIterator<Item = ConnId>) {
+        for conn in conns {
+            if st.conns.get_mut(conn).is_some_and(ConnHandle::stop) {
+                metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).decrement(1.0);
             }
         }
     }
@@ -283,22 +287,16 @@ impl PeerLink {
 
     /// Marks a rail whose first dial failed as down (to be probed).
     pub fn rail_unreachable(&self, rail: RailId, reason: &str) {
-        let mut st = self.lock();
-        st.session.rail_unreachable(rail, reason, Instant::now());
-        self.pump(&mut st);
-        drop(st);
-        self.timer.notify_one();
+        self.with_session(|s, now| s.rail_unreachable(rail, reason, now));
+        self.rearm_timer();
     }
 
     /// Rebuilding `rail` failed; the session backs off before the next probe.
     pub fn probe_failed(&self, rail: RailId, reason: &str) {
         metrics::counter!(m::RAIL_PROBES_FAILED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
         debug!(peer = %self.peer, rail, "probe failed: {reason}");
-        let mut st = self.lock();
-        st.session.probe_failed(rail, reason, Instant::now());
-        self.pump(&mut st);
-        drop(st);
-        self.timer.notify_one();
+        self.with_session(|s, now| s.probe_failed(rail, reason, now));
+        self.rearm_timer();
     }
 
     /// The dialer is rebuilding `rail`: drop what this side still holds on it,
@@ -306,14 +304,7 @@ impl PeerLink {
     pub fn retire_rail(&self, rail: RailId) {
         let mut st = self.lock();
         let ids = st.session.retire_rail_connections(rail);
-        for conn in ids {
-            if let Some(h) = st.conns.get_mut(conn) {
-                if h.stop() {
-                    metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone())
-                        .decrement(1.0);
-                }
-            }
-        }
+        self.stop_connections(&mut st, ids);
         self.pump(&mut st);
     }
 
@@ -349,12 +340,10 @@ impl PeerLink {
             rail,
             generation,
         };
+        // The session may reuse a dead connection's slot.
+        self.stop_connections(&mut st, [id]);
         match st.conns.get_mut(id) {
-            // The session reused a dead connection's slot.
-            Some(old) => {
-                old.stop();
-                *old = handle;
-            }
+            Some(old) => *old = handle,
             None => st.conns.push(handle),
         }
         metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).increment(1.0);
@@ -370,12 +359,12 @@ impl PeerLink {
         let Some(handle) = st.conns.get_mut(conn) else {
             return;
         };
-        if handle.generation != generation || !handle.stop() {
+        if handle.generation != generation || handle.writer.is_none() {
             return;
         }
         let rail = handle.rail;
+        self.stop_connections(&mut st, [conn]);
         warn!(peer = %self.peer, conn, rail, "peer connection lost: {reason}");
-        metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).decrement(1.0);
         metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
         st.session.connection_lost(conn, reason, Instant::now());
         self.pump(&mut st);
@@ -601,10 +590,7 @@ async fn probe_rail(link: Arc<PeerLink>, rail: RailId) {
         return;
     };
     debug!(peer = %link.peer, rail, "probing rail");
-    if let Err(e) = shared
-        .dial_rail(&link, &dial.peer, dial.session_id, rail, true)
-        .await
-    {
+    if let Err(e) = shared.dial_rail(&link, dial, rail, true).await {
         link.probe_failed(rail, &e.to_string());
     }
 }
