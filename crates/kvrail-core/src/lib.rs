@@ -20,11 +20,13 @@ pub use layout::RegionLayout;
 pub use plan::{Access, BlockSelection, Plan, Segment};
 pub use rail::{RailConfig, RailHealth, RailId, RailStats};
 pub use session::{
-    ConnId, Event, LocalTransfer, RailChange, RegionAccess, RegionDirectory, Session,
-    SessionConfig, SliceDisposition, TransferKind, Transmit,
+    ConnId, Event, LocalTransfer, OneSidedOp, RailChange, RegionAccess, RegionDirectory,
+    RemoteSlice, Session, SessionConfig, SliceDisposition, TransferKind, Transmit,
 };
 pub use transfer::TransferState;
 
+#[cfg(test)]
+mod one_sided_tests;
 #[cfg(test)]
 mod pair_tests;
 #[cfg(test)]

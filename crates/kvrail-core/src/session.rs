@@ -61,10 +61,38 @@ pub trait RegionDirectory {
 }
 
 /// A region as the session sees it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RegionAccess {
     pub layout: RegionLayout,
     pub exposed: bool,
+    /// Where peers may reach the region one-sided (RDMA), per rail; empty if nowhere.
+    pub keys: Vec<pb::MemoryKey>,
+}
+
+/// The peer's answer to a one-sided transfer: where its blocks are, per rail.
+#[derive(Debug, Clone)]
+struct RemoteGrant {
+    /// The peer's side of the transfer: logical offset to peer region offsets.
+    plan: Plan,
+    keys: Vec<pb::MemoryKey>,
+}
+
+/// What a one-sided slice does at the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OneSidedOp {
+    /// Write our pieces into the peer's (push).
+    Write,
+    /// Read the peer's pieces into ours (pull).
+    Read,
+}
+
+/// The peer's half of a one-sided slice: its key on the slice's rail and the
+/// (offset, len) ranges of its region, in the same logical order as ours.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteSlice {
+    pub op: OneSidedOp,
+    pub key: pb::MemoryKey,
+    pub pieces: Vec<(u64, u64)>,
 }
 
 /// What a transfer is from this side's point of view.
@@ -100,6 +128,8 @@ pub enum Transmit {
         pieces: Vec<(u64, u64)>,
         /// Re-sent after the rail that first carried it failed.
         retransmit: bool,
+        /// Set on one-sided connections: the peer memory the slice writes or reads.
+        remote: Option<RemoteSlice>,
     },
 }
 
@@ -152,6 +182,8 @@ pub enum SliceDisposition {
 struct Conn {
     rail: RailId,
     alive: bool,
+    /// Carries one-sided slices only (an RDMA queue pair); never control.
+    one_sided: bool,
     outstanding: u64,
     /// The slice whose payload is being read from this connection right now.
     placing: Option<SliceHeader>,
@@ -174,6 +206,14 @@ struct Transfer {
     open_msg: Option<PeerMessage>,
     /// Small transfers stay on one rail.
     pinned_rail: Option<RailId>,
+    /// The peer's blocks (for one-sided grants).
+    remote_selection: BlockSelection,
+    /// Asked for a grant; nothing moves until it (or a refusal) arrives.
+    awaiting_grant: bool,
+    /// Granted: this side moves the bytes one-sided.
+    remote: Option<RemoteGrant>,
+    /// A pull served by granting: the reader moves the bytes, we wait for Complete.
+    passive: bool,
     // Both: bytes confirmed placed.
     placed: RangeSet,
     // Receiver side: slices being read into memory right now.
@@ -202,6 +242,10 @@ impl Transfer {
             announced: 0,
             open_msg: None,
             pinned_rail: None,
+            remote_selection: BlockSelection::default(),
+            awaiting_grant: false,
+            remote: None,
+            passive: false,
             placed: RangeSet::default(),
             placing: 0,
             pending_failure: None,
@@ -225,6 +269,19 @@ impl Transfer {
             kind: self.kind,
             region_id: self.selection.region_id,
             block_ids: self.selection.block_ids,
+        }
+    }
+
+    /// Whether this side puts the transfer's slices on connections.
+    fn schedules(&self) -> bool {
+        if self.awaiting_grant {
+            return false;
+        }
+        match self.kind {
+            TransferKind::Push => true,
+            TransferKind::PullServe => !self.passive,
+            TransferKind::Pull => self.remote.is_some(),
+            TransferKind::PushReceive => false,
         }
     }
 
@@ -289,9 +346,34 @@ impl Session {
     /// `None` once the session holds [`MAX_CONNECTIONS`] live ones. A down or
     /// probing rail comes back up.
     pub fn add_connection(&mut self, rail: RailId, now: Instant) -> Option<ConnId> {
+        self.add_conn(rail, false, now)
+    }
+
+    /// Adds a one-sided connection (an RDMA queue pair) on `rail`: it carries the
+    /// slices of granted transfers, never control messages.
+    pub fn add_one_sided_connection(&mut self, rail: RailId, now: Instant) -> Option<ConnId> {
+        self.add_conn(rail, true, now)
+    }
+
+    /// Whether a one-sided connection is alive on a rail that carries traffic.
+    pub fn has_one_sided(&self) -> bool {
+        self.conns
+            .iter()
+            .any(|c| c.alive && c.one_sided && self.rails[c.rail as usize].health == RailHealth::Up)
+    }
+
+    /// Live one-sided connections of `rail`.
+    pub fn one_sided_connections(&self, rail: RailId) -> usize {
+        live_on(&self.conns, rail)
+            .filter(|&i| self.conns[i].one_sided)
+            .count()
+    }
+
+    fn add_conn(&mut self, rail: RailId, one_sided: bool, now: Instant) -> Option<ConnId> {
         let conn = Conn {
             rail,
             alive: true,
+            one_sided,
             outstanding: 0,
             placing: None,
         };
@@ -402,15 +484,23 @@ impl Session {
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
+        let one_sided = self.has_one_sided();
         let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
             destination: Some(block_set(&req.remote)),
             block_bytes: plan.block_bytes(),
             total_bytes: plan.total_bytes(),
+            one_sided,
         }));
         let total = plan.total_bytes();
         let mut t = Transfer::new(req.request_id, TransferKind::Push, req.local, plan, now);
+        t.remote_selection = req.remote;
+        if one_sided {
+            // The grant names where to write; two-sided slices announce themselves.
+            t.awaiting_grant = true;
+            self.control.push_back((None, open.clone()));
+        }
         t.open_msg = Some(open);
         self.transfers.insert(req.transfer_id, t);
         Ok(total)
@@ -420,20 +510,21 @@ impl Session {
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
         let total = plan.total_bytes();
-        self.control.push_back((
-            None,
-            crate::wire::message(Body::PullOpen(pb::PullOpen {
-                transfer_id: req.transfer_id,
-                request_id: req.request_id.clone(),
-                source: Some(block_set(&req.remote)),
-                block_bytes: plan.block_bytes(),
-                total_bytes: total,
-            })),
-        ));
-        self.transfers.insert(
-            req.transfer_id,
-            Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now),
-        );
+        let one_sided = self.has_one_sided();
+        let open = crate::wire::message(Body::PullOpen(pb::PullOpen {
+            transfer_id: req.transfer_id,
+            request_id: req.request_id.clone(),
+            source: Some(block_set(&req.remote)),
+            block_bytes: plan.block_bytes(),
+            total_bytes: total,
+            one_sided,
+        }));
+        self.control.push_back((None, open.clone()));
+        let mut t = Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now);
+        t.remote_selection = req.remote;
+        t.awaiting_grant = one_sided;
+        t.open_msg = Some(open);
+        self.transfers.insert(req.transfer_id, t);
         Ok(total)
     }
 
@@ -477,7 +568,9 @@ impl Session {
         match body {
             Body::PushOpen(open) => self.on_push_open(conn, open, now, regions),
             Body::PullOpen(open) => self.on_pull_open(conn, open, now, regions),
-            Body::SliceAck(ack) => self.on_slice_ack(ack, now),
+            Body::SliceAck(ack) => {
+                self.on_slice_ack(ack, now);
+            }
             Body::Complete(c) => self.on_complete(c.transfer_id, now),
             Body::Abort(a) => {
                 let code = ErrorCode::try_from(a.code).unwrap_or(ErrorCode::Unspecified);
@@ -497,12 +590,17 @@ impl Session {
                 Some(conn),
                 crate::wire::message(Body::Pong(pb::Pong { nonce: p.nonce })),
             )),
+            Body::Grant(g) => self.on_grant(g, now),
             Body::RailDown(d) => {
                 let reason = format!("peer reported it down: {}", d.reason);
                 self.rail_signal(d.rail_index, RailSignal::Failed, &reason, false, now);
             }
             // Handshake messages belong to the driver; after it, they are ignored.
-            Body::Hello(_) | Body::HelloAck(_) | Body::Pong(_) => {}
+            Body::Hello(_)
+            | Body::HelloAck(_)
+            | Body::Pong(_)
+            | Body::RdmaConnect(_)
+            | Body::RdmaAccept(_) => {}
         }
     }
 
@@ -549,7 +647,11 @@ impl Session {
             Access::Write,
             regions,
         ) {
-            Ok(plan) => {
+            Ok((plan, region)) => {
+                if open.one_sided {
+                    self.control
+                        .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
+                }
                 self.transfers.insert(
                     id,
                     Transfer::new(
@@ -573,7 +675,16 @@ impl Session {
         regions: &dyn RegionDirectory,
     ) {
         let id = open.transfer_id;
-        if self.transfers.contains_key(&id) {
+        if let Some(t) = self.transfers.get_mut(&id) {
+            if t.kind == TransferKind::PullServe && t.passive && !open.one_sided {
+                // The reader lost its one-sided paths: send everything after all
+                // (it discards what it already has).
+                t.passive = false;
+                t.next_offset = 0;
+                t.resend.clear();
+                t.last_progress = now;
+                return;
+            }
             self.reject(
                 conn,
                 id,
@@ -590,25 +701,116 @@ impl Session {
             Access::Read,
             regions,
         ) {
-            Ok(plan) => {
-                self.transfers.insert(
-                    id,
-                    Transfer::new(
-                        open.request_id,
-                        TransferKind::PullServe,
-                        selection,
-                        plan,
-                        now,
-                    ),
+            Ok((plan, region)) => {
+                let mut t = Transfer::new(
+                    open.request_id,
+                    TransferKind::PullServe,
+                    selection,
+                    plan,
+                    now,
                 );
+                if open.one_sided {
+                    t.passive = !region.keys.is_empty();
+                    self.control
+                        .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
+                }
+                self.transfers.insert(id, t);
             }
             Err((code, message)) => self.reject(conn, id, code, message),
         }
     }
 
-    fn on_slice_ack(&mut self, ack: pb::SliceAck, now: Instant) {
-        let Some(t) = self.transfers.get_mut(&ack.transfer_id) else {
+    /// The peer granted (or declined) one-sided access for a transfer we started.
+    fn on_grant(&mut self, g: pb::Grant, now: Instant) {
+        let id = g.transfer_id;
+        let Some(t) = self.transfers.get_mut(&id) else {
             return;
+        };
+        if !t.awaiting_grant {
+            return;
+        }
+        t.awaiting_grant = false;
+        t.last_progress = now;
+        if g.keys.is_empty() {
+            // Declined: the bytes travel as two-sided slices.
+            return;
+        }
+        let access = match t.kind {
+            TransferKind::Push => Access::Write,
+            _ => Access::Read,
+        };
+        let layout = g.layout.as_ref().map(layout_of).unwrap_or_default();
+        let checked = Plan::build(&layout, &t.remote_selection, access)
+            .map_err(|e| e.to_string())
+            .and_then(|plan| {
+                if plan.total_bytes() != t.plan.total_bytes()
+                    || plan.block_bytes() != t.plan.block_bytes()
+                {
+                    return Err(format!(
+                        "granted blocks hold {} bytes in blocks of {}, the transfer moves {} in blocks of {}",
+                        plan.total_bytes(),
+                        plan.block_bytes(),
+                        t.plan.total_bytes(),
+                        t.plan.block_bytes()
+                    ));
+                }
+                match g.keys.iter().find(|k| k.length < layout.extent()) {
+                    Some(k) => Err(format!(
+                        "rail {} key covers {} bytes, the granted layout spans {}",
+                        k.rail_index,
+                        k.length,
+                        layout.extent()
+                    )),
+                    None => Ok(plan),
+                }
+            });
+        match checked {
+            Ok(plan) => {
+                t.remote = Some(RemoteGrant { plan, keys: g.keys });
+            }
+            Err(e) => self.abort(
+                id,
+                ErrorCode::Protocol,
+                &format!("grant does not fit the transfer: {e}"),
+                TransferError::Peer {
+                    code: ErrorCode::Protocol,
+                    message: format!("peer granted memory that does not fit the transfer: {e}"),
+                },
+                now,
+            ),
+        }
+    }
+
+    /// A one-sided slice completed at this side (the RDMA completion of its
+    /// WRITEs and trailer, or of its READs): the bytes are in the destination.
+    pub fn one_sided_done(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) {
+        let id = header.transfer_id;
+        let ack = pb::SliceAck {
+            transfer_id: id,
+            offset: header.offset,
+            length: u64::from(len),
+        };
+        if !self.on_slice_ack(ack, now) {
+            return;
+        }
+        let rail = self.conns.get(conn).map(|c| c.rail);
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
+        if t.kind == TransferKind::Pull {
+            t.placing = t.placing.saturating_sub(1);
+            t.advance(TransferEvent::SliceMoved);
+            if let Some(r) = rail.and_then(|r| self.rails.get_mut(r as usize)) {
+                r.bytes_received += u64::from(len);
+            }
+            self.settle_received(id, None);
+        }
+    }
+
+    /// Applies an acknowledgement; false if it matched no slice in flight.
+    fn on_slice_ack(&mut self, ack: pb::SliceAck, now: Instant) -> bool {
+        let Some(t) = self.transfers.get_mut(&ack.transfer_id) else {
+            return false;
         };
         if let Some(pos) = t
             .in_flight
@@ -628,7 +830,9 @@ impl Session {
                 }
                 self.rail_signal(rail, RailSignal::Acked, "acknowledged", false, now);
             }
+            return true;
         }
+        false
     }
 
     /// Takes a slice's bytes off its connection's and rail's outstanding count.
@@ -719,8 +923,10 @@ impl Session {
     /// The payload of a slice accepted with [`SliceDisposition::Place`] is now in memory.
     pub fn slice_placed(&mut self, conn: ConnId, header: SliceHeader, len: u32, now: Instant) {
         let id = header.transfer_id;
+        let mut one_sided = false;
         let rail = self.conns.get_mut(conn).map(|c| {
             c.placing = None;
+            one_sided = c.one_sided;
             c.rail
         });
         let Some(t) = self.transfers.get_mut(&id) else {
@@ -739,7 +945,8 @@ impl Session {
             r.bytes_received += u64::from(len);
         }
         let complete = t.placed.is_complete(t.plan.total_bytes());
-        if !complete {
+        // One-sided senders learn of placement from their own completions.
+        if !complete && !one_sided {
             self.control.push_back((
                 Some(conn),
                 crate::wire::message(Body::SliceAck(pb::SliceAck {
@@ -812,7 +1019,8 @@ impl Session {
         }
         let rail = c.rail;
         self.kill_connection(conn);
-        if live_on(&self.conns, rail).next().is_none() {
+        // Queue pairs are set up over the rail's connections and go with them.
+        if !live_on(&self.conns, rail).any(|i| !self.conns[i].one_sided) {
             self.rail_signal(rail, RailSignal::Failed, reason, true, now);
         }
         self.update_all_down(now);
@@ -836,17 +1044,26 @@ impl Session {
             r.outstanding = r.outstanding.saturating_sub(outstanding);
         }
         let bit = 1u64 << conn;
-        for t in self.transfers.values_mut() {
+        let mut reads_stopped = Vec::new();
+        for (&id, t) in self.transfers.iter_mut() {
             t.announced &= !bit;
             let mut i = 0;
             while i < t.in_flight.len() {
                 if t.in_flight[i].0 == conn {
                     let (_, off, len, _) = t.in_flight.swap_remove(i);
                     t.resend.push_back((off, len));
+                    if t.kind == TransferKind::Pull {
+                        // The queue pair is dead: its READs land no more bytes.
+                        t.placing = t.placing.saturating_sub(1);
+                        reads_stopped.push(id);
+                    }
                 } else {
                     i += 1;
                 }
             }
+        }
+        for id in reads_stopped {
+            self.settle_received(id, None);
         }
         if let Some(header) = placing {
             self.abandon_placement(header);
@@ -955,7 +1172,7 @@ impl Session {
         let transfers = self
             .transfers
             .values()
-            .filter(|t| t.pending_failure.is_none())
+            .filter(|t| t.pending_failure.is_none() && !t.passive)
             .map(|t| t.last_progress + self.config.progress_timeout);
         let stalls = self
             .rails
@@ -1020,7 +1237,9 @@ impl Session {
         let expired: Vec<u64> = self
             .transfers
             .iter()
-            .filter(|(_, t)| t.pending_failure.is_none() && now >= t.last_progress + timeout)
+            .filter(|(_, t)| {
+                t.pending_failure.is_none() && !t.passive && now >= t.last_progress + timeout
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
@@ -1095,9 +1314,10 @@ impl Session {
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
         // With no live connection, control messages wait for a rail to return.
         self.any_alive()?;
+        self.fall_back_from_one_sided();
         while let Some((target, msg)) = self.control.pop_front() {
             if let Some(conn) = target
-                .filter(|c| self.conns.get(*c).is_some_and(|c| c.alive))
+                .filter(|c| self.conns.get(*c).is_some_and(|c| c.alive && !c.one_sided))
                 .or_else(|| self.any_alive())
             {
                 return Some(Transmit::Control { conn, msg });
@@ -1109,9 +1329,24 @@ impl Session {
             .filter_map(|r| r.estimator.rate())
             .fold(1.0, f64::max);
         for (&id, t) in self.transfers.iter_mut() {
-            if !t.kind.sends_data() || t.pending_failure.is_some() || !t.has_unsent() {
+            if !t.schedules() || t.pending_failure.is_some() || !t.has_unsent() {
                 continue;
             }
+            // Granted transfers go one-sided while a granted rail has a queue pair.
+            let carrier = match &t.remote {
+                Some(g) => {
+                    let mask = one_sided_rails(&self.conns, &self.rails, &g.keys);
+                    if mask == 0 && t.kind == TransferKind::Pull {
+                        continue;
+                    }
+                    if mask == 0 {
+                        Carrier::TwoSided
+                    } else {
+                        Carrier::OneSided(mask)
+                    }
+                }
+                None => Carrier::TwoSided,
+            };
             let (off, avail) = match t.resend.front() {
                 Some(&r) => r,
                 None => (t.next_offset, t.plan.total_bytes() - t.next_offset),
@@ -1129,6 +1364,7 @@ impl Session {
                 pinned,
                 avail,
                 fallback_rate,
+                carrier,
             );
             let Some((rail, conn, len)) = slot else {
                 if pinned.is_some() {
@@ -1142,7 +1378,7 @@ impl Session {
             }
             // A push announces itself on each connection before that connection's first slice.
             let bit = 1u64 << conn;
-            if t.announced & bit == 0 {
+            if carrier == Carrier::TwoSided && t.announced & bit == 0 {
                 if let Some(open) = &t.open_msg {
                     t.announced |= bit;
                     return Some(Transmit::Control {
@@ -1170,6 +1406,31 @@ impl Session {
                 .pieces(off, len)
                 .map(|p| p.collect())
                 .unwrap_or_default();
+            let remote = match (carrier, &t.remote) {
+                (Carrier::OneSided(_), Some(g)) => {
+                    let key = g.keys.iter().find(|k| k.rail_index == rail).cloned();
+                    let pieces = g.plan.pieces(off, len).map(|p| p.collect());
+                    match (key, pieces) {
+                        (Some(key), Ok(pieces)) => Some(RemoteSlice {
+                            op: if t.kind == TransferKind::Pull {
+                                OneSidedOp::Read
+                            } else {
+                                OneSidedOp::Write
+                            },
+                            key,
+                            pieces,
+                        }),
+                        // one_sided_rails only picks rails with a key, and both plans
+                        // hold the same bytes: neither can happen.
+                        _ => None,
+                    }
+                }
+                _ => None,
+            };
+            if t.kind == TransferKind::Pull {
+                // Our memory is being written until the READs complete.
+                t.placing += 1;
+            }
             t.in_flight.push((conn, off, len, now));
             t.advance(TransferEvent::SliceMoved);
             let region_id = t.selection.region_id;
@@ -1195,17 +1456,49 @@ impl Session {
                 region_id,
                 pieces,
                 retransmit,
+                remote,
             });
         }
         None
+    }
+
+    /// Pulls granted one-sided whose queue pairs are all gone ask the peer to send
+    /// the bytes over the remaining (two-sided) connections instead.
+    fn fall_back_from_one_sided(&mut self) {
+        let mut fallen = Vec::new();
+        for (&id, t) in self.transfers.iter_mut() {
+            let Some(g) = &t.remote else { continue };
+            if t.kind != TransferKind::Pull
+                || t.placing > 0
+                || one_sided_rails(&self.conns, &self.rails, &g.keys) != 0
+            {
+                continue;
+            }
+            t.remote = None;
+            t.resend.clear();
+            if let Some(PeerMessage {
+                body: Some(Body::PullOpen(open)),
+            }) = &t.open_msg
+            {
+                let mut open = open.clone();
+                open.one_sided = false;
+                fallen.push(crate::wire::message(Body::PullOpen(open)));
+            }
+            let _ = id;
+        }
+        for msg in fallen {
+            self.control.push_back((None, msg));
+        }
     }
 
     /// A live connection for control messages, preferring rails that are up.
     fn any_alive(&self) -> Option<ConnId> {
         self.conns
             .iter()
-            .position(|c| c.alive && self.rails[c.rail as usize].health == RailHealth::Up)
-            .or_else(|| self.conns.iter().position(|c| c.alive))
+            .position(|c| {
+                c.alive && !c.one_sided && self.rails[c.rail as usize].health == RailHealth::Up
+            })
+            .or_else(|| self.conns.iter().position(|c| c.alive && !c.one_sided))
     }
 
     /// Next thing to tell workers.
@@ -1231,6 +1524,7 @@ fn choose_slot(
     pinned: Option<RailId>,
     avail: u64,
     fallback_rate: f64,
+    carrier: Carrier,
 ) -> Option<(RailId, ConnId, u64)> {
     let cfg = &config.rails;
     let conn_window = config.window_bytes;
@@ -1240,7 +1534,9 @@ fn choose_slot(
             continue;
         }
         let len = avail.min(r.slice_len(cfg, config.slice_bytes));
-        let live = live_on(conns, r.id).count() as u64;
+        let live = live_on(conns, r.id)
+            .filter(|&i| carrier.carries(&conns[i]))
+            .count() as u64;
         if live == 0 {
             continue;
         }
@@ -1248,7 +1544,7 @@ fn choose_slot(
         if r.outstanding > 0 && r.outstanding + len > window {
             continue;
         }
-        let Some(conn) = pick_connection(conns, r.id, len, conn_window) else {
+        let Some(conn) = pick_connection(conns, r.id, len, conn_window, carrier) else {
             continue;
         };
         let finish = (r.outstanding + len) as f64 / r.assumed_rate(fallback_rate);
@@ -1270,10 +1566,86 @@ fn live_on(conns: &[Conn], rail: RailId) -> impl Iterator<Item = ConnId> + '_ {
 
 /// Least-loaded live connection of `rail` whose window still takes `len` more
 /// bytes (an idle connection always takes one slice, however large).
-fn pick_connection(conns: &[Conn], rail: RailId, len: u64, window: u64) -> Option<ConnId> {
+fn pick_connection(
+    conns: &[Conn],
+    rail: RailId,
+    len: u64,
+    window: u64,
+    carrier: Carrier,
+) -> Option<ConnId> {
     live_on(conns, rail)
+        .filter(|&i| carrier.carries(&conns[i]))
         .filter(|&i| conns[i].outstanding == 0 || conns[i].outstanding + len <= window)
         .min_by_key(|&i| (conns[i].outstanding, i))
+}
+
+/// Which connections may carry a transfer's slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Carrier {
+    /// Framed slices on stream connections.
+    TwoSided,
+    /// Queue pairs on the rails of this bit mask.
+    OneSided(u64),
+}
+
+impl Carrier {
+    fn carries(self, c: &Conn) -> bool {
+        match self {
+            Carrier::TwoSided => !c.one_sided,
+            Carrier::OneSided(mask) => c.one_sided && c.rail < 64 && mask & (1 << c.rail) != 0,
+        }
+    }
+}
+
+/// Bit mask of up rails that have a live one-sided connection and a granted key.
+fn one_sided_rails(conns: &[Conn], rails: &[Rail], keys: &[pb::MemoryKey]) -> u64 {
+    let mut mask = 0u64;
+    for c in conns
+        .iter()
+        .filter(|c| c.alive && c.one_sided && c.rail < 64)
+    {
+        let up = rails
+            .get(c.rail as usize)
+            .is_some_and(|r| r.health == RailHealth::Up);
+        if up && keys.iter().any(|k| k.rail_index == c.rail) {
+            mask |= 1 << c.rail;
+        }
+    }
+    mask
+}
+
+fn grant_message(transfer_id: u64, region: &RegionAccess, keys: Vec<pb::MemoryKey>) -> PeerMessage {
+    crate::wire::message(Body::Grant(pb::Grant {
+        transfer_id,
+        layout: Some(layout_message(&region.layout)),
+        keys,
+    }))
+}
+
+fn layout_message(l: &RegionLayout) -> pb::Layout {
+    pb::Layout {
+        num_layers: l.num_layers,
+        planes_per_layer: l.planes_per_layer,
+        num_blocks: l.num_blocks,
+        block_bytes: l.block_bytes,
+        base_offset: l.base_offset,
+        layer_stride: l.layer_stride,
+        plane_stride: l.plane_stride,
+        block_stride: l.block_stride,
+    }
+}
+
+fn layout_of(l: &pb::Layout) -> RegionLayout {
+    RegionLayout {
+        num_layers: l.num_layers,
+        planes_per_layer: l.planes_per_layer,
+        num_blocks: l.num_blocks,
+        block_bytes: l.block_bytes,
+        base_offset: l.base_offset,
+        layer_stride: l.layer_stride,
+        plane_stride: l.plane_stride,
+        block_stride: l.block_stride,
+    }
 }
 
 fn block_set(sel: &BlockSelection) -> pb::BlockSet {
@@ -1302,7 +1674,7 @@ fn accept_plan(
     total_bytes: u64,
     access: Access,
     regions: &dyn RegionDirectory,
-) -> Result<Plan, (ErrorCode, String)> {
+) -> Result<(Plan, RegionAccess), (ErrorCode, String)> {
     let region = regions.lookup(selection.region_id).ok_or_else(|| {
         (
             ErrorCode::UnknownRegion,
@@ -1326,5 +1698,5 @@ fn accept_plan(
         };
         return Err((e.wire_code(), e.to_string()));
     }
-    Ok(plan)
+    Ok((plan, region))
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::layout::RegionLayout;
 use crate::plan::BlockSelection;
 use crate::session::{ConnId, RegionAccess, RegionDirectory, Session, SliceDisposition, Transmit};
-use crate::wire::{Body, SliceHeader};
+use crate::wire::{pb, Body, SliceHeader};
 
 /// What a test wire carries: a control message, or a slice with its payload.
 pub enum Item {
@@ -19,6 +19,8 @@ pub struct Region {
     pub layout: RegionLayout,
     pub bytes: Vec<u8>,
     pub exposed: bool,
+    /// One-sided keys the region grants (none: two-sided only).
+    pub keys: Vec<pb::MemoryKey>,
 }
 
 #[derive(Default)]
@@ -35,8 +37,23 @@ impl Regions {
                 layout,
                 bytes,
                 exposed,
+                keys: Vec::new(),
             },
         );
+    }
+
+    /// Lets peers reach region `id` one-sided on `rails` (offsets are addresses, rkey = id).
+    pub fn grant_rails(&mut self, id: u64, rails: &[u32]) {
+        let r = self.0.get_mut(&id).unwrap();
+        r.keys = rails
+            .iter()
+            .map(|&rail| pb::MemoryKey {
+                rail_index: rail,
+                addr: 0,
+                length: r.bytes.len() as u64,
+                rkey: id as u32,
+            })
+            .collect();
     }
 
     /// A transmit as it goes on the wire: its connection, and the item with the
@@ -99,6 +116,7 @@ impl RegionDirectory for Regions {
         self.0.get(&region_id).map(|r| RegionAccess {
             layout: r.layout,
             exposed: r.exposed,
+            keys: r.keys.clone(),
         })
     }
 }

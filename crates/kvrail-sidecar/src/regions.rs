@@ -78,6 +78,7 @@ impl RegionDirectory for Registry {
         self.regions.get(&region_id).map(|r| RegionAccess {
             layout: r.layout,
             exposed: r.exposed,
+            keys: Vec::new(),
         })
     }
 }

@@ -1,0 +1,473 @@
+//! One-sided (RDMA-style) transfers between two in-memory sessions: each rail has
+//! a two-sided connection for control and a one-sided one whose slices the test
+//! "fabric" executes by copying between the two sides' regions, as a NIC would,
+//! refusing any range outside the granted key.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::error::TransferError;
+use crate::layout::RegionLayout;
+use crate::plan::BlockSelection;
+use crate::session::*;
+use crate::testkit::{deliver, sel, Item, Regions};
+use crate::wire::{ErrorCode, SliceHeader};
+
+struct Side {
+    session: Session,
+    regions: Regions,
+    events: Vec<Event>,
+}
+
+/// A one-sided slice posted by `from` on a queue pair.
+struct Posted {
+    from: usize,
+    header: SliceHeader,
+    len: u32,
+    region_id: u64,
+    pieces: Vec<(u64, u64)>,
+    remote: RemoteSlice,
+}
+
+struct Fabric {
+    sides: [Side; 2],
+    /// Control wires of the two-sided connections (conn = rail), per direction.
+    control: Vec<[VecDeque<Item>; 2]>,
+    /// Work posted on each queue pair (conn = rails + rail).
+    posted: Vec<VecDeque<Posted>>,
+
+    now: Instant,
+    /// Slices seen per kind: (two-sided, one-sided write, one-sided read).
+    counts: (usize, usize, usize),
+    /// Bytes copied outside a granted key's bounds (must stay 0).
+    out_of_bounds: usize,
+}
+
+const QP_BASE: usize = 2;
+
+impl Fabric {
+    fn new(rails: usize, qps: bool) -> Self {
+        let mk = || Side {
+            session: Session::new(SessionConfig {
+                slice_bytes: 64 << 10,
+                ..SessionConfig::default()
+            }),
+            regions: Regions::default(),
+            events: Vec::new(),
+        };
+        let mut f = Fabric {
+            sides: [mk(), mk()],
+            control: (0..rails)
+                .map(|_| [VecDeque::new(), VecDeque::new()])
+                .collect(),
+            posted: (0..rails).map(|_| VecDeque::new()).collect(),
+
+            now: Instant::now(),
+            counts: (0, 0, 0),
+            out_of_bounds: 0,
+        };
+        assert_eq!(rails, QP_BASE);
+        for r in 0..rails {
+            for s in &mut f.sides {
+                assert_eq!(s.session.add_connection(r as u32, f.now), Some(r));
+            }
+        }
+        if qps {
+            for r in 0..rails {
+                for s in &mut f.sides {
+                    let id = s.session.add_one_sided_connection(r as u32, f.now);
+                    assert_eq!(id, Some(QP_BASE + r));
+                }
+            }
+        }
+        f
+    }
+
+    fn transfer(&self, id: u64, local: BlockSelection, remote: BlockSelection) -> LocalTransfer {
+        LocalTransfer {
+            transfer_id: id,
+            request_id: format!("req-{id}"),
+            local_layout: self.sides[0].regions.0[&local.region_id].layout,
+            local,
+            remote,
+        }
+    }
+
+    fn flush(&mut self) {
+        for dir in 0..2 {
+            while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
+                match t {
+                    Transmit::Slice {
+                        conn,
+                        header,
+                        len,
+                        region_id,
+                        pieces,
+                        remote: Some(remote),
+                        ..
+                    } => {
+                        assert!(conn >= QP_BASE, "one-sided slice on a stream connection");
+                        match remote.op {
+                            OneSidedOp::Write => self.counts.1 += 1,
+                            OneSidedOp::Read => self.counts.2 += 1,
+                        }
+                        self.posted[conn - QP_BASE].push_back(Posted {
+                            from: dir,
+                            header,
+                            len,
+                            region_id,
+                            pieces,
+                            remote,
+                        });
+                    }
+                    t => {
+                        let (conn, item) = self.sides[dir].regions.wire_item(t);
+                        assert!(conn < QP_BASE, "stream traffic on a queue pair");
+                        if let Item::Slice(..) = item {
+                            self.counts.0 += 1;
+                        }
+                        self.control[conn][dir].push_back(item);
+                    }
+                }
+            }
+            while let Some(e) = self.sides[dir].session.poll_event() {
+                self.sides[dir].events.push(e);
+            }
+        }
+    }
+
+    /// Copies `len` bytes between a local piece list and a remote one, checking the key.
+    fn execute(&mut self, p: Posted) {
+        let (me, peer) = (p.from, 1 - p.from);
+        let key = &p.remote.key;
+        let remote_region = u64::from(key.rkey);
+        let mut local_bytes = Vec::new();
+        for &(off, l) in &p.pieces {
+            local_bytes.push((off, l));
+        }
+        let in_key = |off: u64, l: u64| off >= key.addr && off + l <= key.addr + key.length;
+        match p.remote.op {
+            OneSidedOp::Write => {
+                let mut data = Vec::new();
+                let src = &self.sides[me].regions.0[&p.region_id].bytes;
+                for (off, l) in local_bytes {
+                    data.extend_from_slice(&src[off as usize..(off + l) as usize]);
+                }
+                let dst = &mut self.sides[peer]
+                    .regions
+                    .0
+                    .get_mut(&remote_region)
+                    .unwrap()
+                    .bytes;
+                let mut cur = 0usize;
+                for &(off, l) in &p.remote.pieces {
+                    if !in_key(off, l) {
+                        self.out_of_bounds += l as usize;
+                        continue;
+                    }
+                    dst[off as usize..(off + l) as usize]
+                        .copy_from_slice(&data[cur..cur + l as usize]);
+                    cur += l as usize;
+                }
+            }
+            OneSidedOp::Read => {
+                let mut data = Vec::new();
+                let src = &self.sides[peer].regions.0[&remote_region].bytes;
+                for &(off, l) in &p.remote.pieces {
+                    if !in_key(off, l) {
+                        self.out_of_bounds += l as usize;
+                        continue;
+                    }
+                    data.extend_from_slice(&src[off as usize..(off + l) as usize]);
+                }
+                let dst = &mut self.sides[me]
+                    .regions
+                    .0
+                    .get_mut(&p.region_id)
+                    .unwrap()
+                    .bytes;
+                let mut cur = 0usize;
+                for (off, l) in local_bytes {
+                    dst[off as usize..(off + l) as usize]
+                        .copy_from_slice(&data[cur..cur + l as usize]);
+                    cur += l as usize;
+                }
+            }
+        }
+    }
+
+    /// Runs until nothing moves. Queue pairs and wires are served round-robin.
+    fn run(&mut self) {
+        for _ in 0..1_000_000 {
+            self.flush();
+            let mut moved = false;
+            for q in 0..self.posted.len() {
+                if let Some(p) = self.posted[q].pop_front() {
+                    let conn = QP_BASE + q;
+                    let (from, header, len, op) = (p.from, p.header, p.len, p.remote.op);
+                    self.execute(p);
+                    if op == OneSidedOp::Write {
+                        let peer = &mut self.sides[1 - from];
+                        if let SliceDisposition::Place { .. } =
+                            peer.session.accept_slice(conn, header, len, self.now)
+                        {
+                            peer.session.slice_placed(conn, header, len, self.now);
+                        }
+                    }
+                    self.sides[from]
+                        .session
+                        .one_sided_done(conn, header, len, self.now);
+                    moved = true;
+                }
+            }
+            for c in 0..self.control.len() {
+                for dir in 0..2 {
+                    if let Some(item) = self.control[c][dir].pop_front() {
+                        let to = &mut self.sides[1 - dir];
+                        deliver(&mut to.session, &mut to.regions, c, item, self.now);
+                        moved = true;
+                    }
+                }
+            }
+            if !moved {
+                self.flush();
+                if self.posted.iter().all(VecDeque::is_empty)
+                    && self
+                        .control
+                        .iter()
+                        .all(|w| w[0].is_empty() && w[1].is_empty())
+                {
+                    return;
+                }
+            }
+            self.now += Duration::from_micros(10);
+        }
+        panic!("did not settle");
+    }
+
+    /// Both ends of queue pair `rail` fail; its posted work is lost.
+    fn kill_qp(&mut self, rail: usize) {
+        self.posted[rail].clear();
+        for s in &mut self.sides {
+            s.session
+                .connection_lost(QP_BASE + rail, "queue pair error", self.now);
+        }
+    }
+
+    fn done(&self, side: usize, id: u64) -> bool {
+        self.sides[side]
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::Done { transfer_id, .. } if *transfer_id == id))
+    }
+
+    fn failure(&self, side: usize, id: u64) -> Option<&TransferError> {
+        self.sides[side].events.iter().find_map(|e| match e {
+            Event::Failed {
+                transfer_id, error, ..
+            } if *transfer_id == id => Some(error),
+            _ => None,
+        })
+    }
+}
+
+fn layout() -> RegionLayout {
+    RegionLayout::dense(16, 2, 32, 4096)
+}
+
+/// Source region 1 on side `src`, destination 2 on the other, both granting both rails.
+fn setup(f: &mut Fabric, src: usize) {
+    f.sides[src].regions.add(1, layout(), true, true);
+    f.sides[1 - src].regions.add(2, layout(), false, true);
+    f.sides[src].regions.grant_rails(1, &[0, 1]);
+    f.sides[1 - src].regions.grant_rails(2, &[0, 1]);
+}
+
+fn blocks() -> (Vec<u32>, Vec<u32>) {
+    // Scattered on both sides, so remote pieces are not contiguous either.
+    let src: Vec<u32> = (0..16).map(|i| i * 2).collect();
+    let dst: Vec<u32> = (0..16).map(|i| 31 - i * 2).collect();
+    (src, dst)
+}
+
+/// Every selected block of `dst` equals the matching block of `src`.
+fn verify(f: &Fabric, src: (usize, u64, &[u32]), dst: (usize, u64, &[u32])) {
+    let l = layout();
+    let s = &f.sides[src.0].regions.0[&src.1].bytes;
+    let d = &f.sides[dst.0].regions.0[&dst.1].bytes;
+    for layer in 0..l.num_layers {
+        for plane in 0..l.planes_per_layer {
+            for (&a, &b) in src.2.iter().zip(dst.2) {
+                let so = l.block_offset(layer, plane, a) as usize;
+                let dof = l.block_offset(layer, plane, b) as usize;
+                assert_eq!(
+                    &s[so..so + 4096],
+                    &d[dof..dof + 4096],
+                    "layer {layer} plane {plane} block {a}->{b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn push_is_written_one_sided_after_the_grant() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    let (sb, db) = blocks();
+    let req = f.transfer(7, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    f.run();
+    assert!(f.done(0, 7) && f.done(1, 7), "{:?}", f.sides[0].events);
+    assert_eq!(f.counts.0, 0, "no two-sided slice");
+    assert!(f.counts.1 >= 2, "writes on both rails: {:?}", f.counts);
+    assert_eq!(f.out_of_bounds, 0);
+    verify(&f, (0, 1, &sb), (1, 2, &db));
+    // Nothing outside the granted blocks was touched.
+    let l = layout();
+    let d = &f.sides[1].regions.0[&2].bytes;
+    for layer in 0..16 {
+        for plane in 0..2 {
+            for b in (0..32).filter(|b| !db.contains(b)) {
+                let o = l.block_offset(layer, plane, b) as usize;
+                assert!(d[o..o + 4096].iter().all(|&x| x == 0), "block {b} written");
+            }
+        }
+    }
+}
+
+#[test]
+fn pull_is_read_one_sided_and_the_server_only_grants() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    // Side 0 pulls side 1's region 1 into its region 2.
+    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    f.run();
+    assert!(f.done(0, 9) && f.done(1, 9));
+    assert_eq!(f.counts, (0, 0, f.counts.2));
+    assert!(f.counts.2 >= 2);
+    verify(&f, (1, 1, &sb), (0, 2, &db));
+}
+
+#[test]
+fn a_region_without_keys_declines_and_the_push_goes_two_sided() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    f.sides[1].regions.0.get_mut(&2).unwrap().keys.clear();
+    let (sb, db) = blocks();
+    let req = f.transfer(3, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    f.run();
+    assert!(f.done(0, 3) && f.done(1, 3));
+    assert_eq!((f.counts.1, f.counts.2), (0, 0));
+    assert!(f.counts.0 > 0);
+    verify(&f, (0, 1, &sb), (1, 2, &db));
+}
+
+#[test]
+fn losing_every_queue_pair_mid_push_finishes_over_streams() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    let (sb, db) = blocks();
+    let req = f.transfer(4, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    // Let the grant arrive and some writes go out, then lose rail 1's QP, then rail 0's.
+    for _ in 0..4 {
+        f.flush();
+        for c in 0..2 {
+            for dir in 0..2 {
+                if let Some(item) = f.control[c][dir].pop_front() {
+                    let to = &mut f.sides[1 - dir];
+                    deliver(&mut to.session, &mut to.regions, c, item, f.now);
+                }
+            }
+        }
+    }
+    f.flush();
+    assert!(f.counts.1 > 0, "writes were posted before the loss");
+    f.kill_qp(1);
+    f.kill_qp(0);
+    f.run();
+    assert!(f.done(0, 4) && f.done(1, 4), "{:?}", f.sides[0].events);
+    assert!(f.counts.0 > 0, "the rest went two-sided");
+    verify(&f, (0, 1, &sb), (1, 2, &db));
+}
+
+#[test]
+fn losing_every_queue_pair_mid_pull_asks_the_server_to_send() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    let req = f.transfer(5, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    for _ in 0..4 {
+        f.flush();
+        for c in 0..2 {
+            for dir in 0..2 {
+                if let Some(item) = f.control[c][dir].pop_front() {
+                    let to = &mut f.sides[1 - dir];
+                    deliver(&mut to.session, &mut to.regions, c, item, f.now);
+                }
+            }
+        }
+    }
+    f.flush();
+    assert!(f.counts.2 > 0, "reads were posted before the loss");
+    f.kill_qp(0);
+    f.kill_qp(1);
+    f.run();
+    assert!(f.done(0, 5) && f.done(1, 5), "{:?}", f.sides[0].events);
+    assert!(f.counts.0 > 0, "the server sent the rest");
+    verify(&f, (1, 1, &sb), (0, 2, &db));
+}
+
+#[test]
+fn one_rail_losing_its_queue_pair_moves_its_slices_to_the_other() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    let (sb, db) = blocks();
+    let req = f.transfer(6, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    for _ in 0..4 {
+        f.flush();
+        for c in 0..2 {
+            for dir in 0..2 {
+                if let Some(item) = f.control[c][dir].pop_front() {
+                    let to = &mut f.sides[1 - dir];
+                    deliver(&mut to.session, &mut to.regions, c, item, f.now);
+                }
+            }
+        }
+    }
+    f.flush();
+    assert!(!f.posted[1].is_empty(), "rail 1 carried writes");
+    f.kill_qp(1);
+    f.run();
+    assert!(f.done(0, 6) && f.done(1, 6));
+    assert_eq!(f.counts.0, 0, "stayed one-sided on rail 0");
+    verify(&f, (0, 1, &sb), (1, 2, &db));
+}
+
+#[test]
+fn a_grant_smaller_than_its_layout_fails_the_transfer() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    for k in &mut f.sides[1].regions.0.get_mut(&2).unwrap().keys {
+        k.length = 4096;
+    }
+    let (sb, db) = blocks();
+    let req = f.transfer(8, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    f.run();
+    match f.failure(0, 8) {
+        Some(TransferError::Peer { code, message }) => {
+            assert_eq!(*code, ErrorCode::Protocol);
+            assert!(message.contains("does not fit"), "{message}");
+        }
+        other => panic!("expected a protocol failure, got {other:?}"),
+    }
+    assert_eq!(f.counts, (0, 0, 0), "nothing was written");
+    assert!(f.failure(1, 8).is_some(), "the receiver heard of it");
+}
