@@ -473,6 +473,7 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
         }),
         block_bytes: 4096,
         total_bytes: 8192,
+        one_sided: false,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

@@ -119,6 +119,11 @@ impl SharedRegion {
         Self::open(path)
     }
 
+    /// Start of the mapping, for registering it with an RDMA device.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     pub fn len(&self) -> u64 {
         self.map.len() as u64
     }

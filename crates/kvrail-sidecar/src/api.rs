@@ -278,6 +278,7 @@ impl Sidecar for Api {
                     Status::invalid_argument(format!("invalid layout: {l}"))
                 }
             })?;
+        self.shared.rdma.register_region(&region);
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
         info!(region = region.id, worker = %req.worker_id, path = %req.shm_path, bytes = region.memory.len(), "region registered");
         Ok(Response::new(RegisterRegionResponse {
@@ -299,6 +300,7 @@ impl Sidecar for Api {
                 "region {id} has transfers in flight; cancel or wait for them first"
             )));
         }
+        self.shared.rdma.unregister_region(id);
         self.shared.registry.remove(id);
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
         Ok(Response::new(UnregisterRegionResponse {}))

@@ -40,6 +40,20 @@ pub struct Config {
     pub rail_probe_max_ms: u64,
     /// Prometheus `/metrics` listener, if any.
     pub metrics_addr: Option<SocketAddr>,
+    /// Use RDMA where a rail has a device (found by its listen address).
+    pub rdma: bool,
+    /// RDMA device per rail by name (else found by the rail's address).
+    pub rdma_devices: Vec<String>,
+    /// GID index to use with named devices whose GID table lacks the rail address.
+    pub rdma_gid_index: Option<u8>,
+    /// Queue pairs per rail and peer.
+    pub rdma_qps_per_rail: usize,
+    /// Poll completion queues this long before sleeping on the completion channel.
+    pub rdma_busy_poll_us: u64,
+    /// Queue pair ACK timeout exponent (4.096 us x 2^n per try).
+    pub rdma_timeout: u8,
+    /// Queue pair retries before it fails (7 retries for ever on Soft-RoCE).
+    pub rdma_retry_cnt: u8,
 }
 
 impl Default for Config {
@@ -58,6 +72,13 @@ impl Default for Config {
             rail_deadline_ms: 5_000,
             rail_probe_max_ms: 2_000,
             metrics_addr: None,
+            rdma: true,
+            rdma_devices: vec![],
+            rdma_gid_index: None,
+            rdma_qps_per_rail: 2,
+            rdma_busy_poll_us: 0,
+            rdma_timeout: 14,
+            rdma_retry_cnt: 6,
         }
     }
 }
@@ -133,6 +154,14 @@ impl Config {
             || !(50..=60_000).contains(&self.rail_probe_max_ms)
         {
             return bad("rail_stall_ms must be 100..=60000, rail_deadline_ms 100..=600000, rail_probe_max_ms 50..=60000");
+        }
+        if !(1..=8).contains(&self.rdma_qps_per_rail)
+            || (self.connections_per_rail + self.rdma_qps_per_rail) * self.listen.len() > 64
+        {
+            return bad("rdma_qps_per_rail must be 1..=8, and connections plus queue pairs at most 64 over all rails");
+        }
+        if self.rdma_timeout > 31 || self.rdma_retry_cnt > 7 {
+            return bad("rdma_timeout must be 0..=31 and rdma_retry_cnt 0..=7");
         }
         if self.window_bytes < self.slice_bytes {
             return bad("window_bytes must be at least slice_bytes");

@@ -22,6 +22,7 @@ use crate::config::{Config, PeerConfig};
 use crate::metrics as m;
 use crate::notify::NotificationHub;
 use crate::peer::{DialInfo, PeerLink};
+use crate::rdma::{Directory, RdmaRails};
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
 
@@ -56,10 +57,19 @@ pub struct Shared {
     pub peers: HashMap<String, PeerSlot>,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
     pub transport: Arc<dyn Transport>,
+    pub rdma: RdmaRails,
     next_transfer: AtomicU64,
 }
 
 impl Shared {
+    /// Regions with their RDMA keys, as sessions look them up.
+    pub fn directory(&self) -> Directory<'_> {
+        Directory {
+            registry: &self.registry,
+            rdma: &self.rdma,
+        }
+    }
+
     /// Session settings; `dialer` sessions rebuild down rails themselves.
     pub fn session_config(&self, dialer: bool) -> SessionConfig {
         SessionConfig {
@@ -184,6 +194,7 @@ impl Shared {
         } else {
             self.config.connect_timeout()
         };
+        let mut first = None;
         for index in 0..self.config.connections_per_rail {
             let hello = pb::Hello {
                 protocol_version: u32::from(PROTOCOL_VERSION),
@@ -198,16 +209,30 @@ impl Shared {
                 rail_peer_addr: addr.to_string(),
             };
             match self.dial_one(local, addr, hello, timeout).await {
-                Ok(conn) => {
-                    if link.attach(conn, rail).is_none() {
-                        return Err(unreachable("session is closed or full".into()));
+                Ok(conn) => match link.attach(conn, rail) {
+                    Some(id) => {
+                        first.get_or_insert(id);
                     }
-                }
+                    None => return Err(unreachable("session is closed or full".into())),
+                },
                 Err(e) if index == 0 => return Err(e),
                 Err(e) => {
                     // Fewer connections on this rail is still a working rail.
                     warn!(peer = %peer.name, rail, "extra connection failed: {e}");
                     break;
+                }
+            }
+        }
+        if let (Some(first), Ok(_)) = (first, self.rdma.device(rail)) {
+            // Queue pairs ride on the rail's first connection; TCP carries on without them.
+            match link.setup_rdma(rail, first).await {
+                Ok(n) => info!(peer = %peer.name, rail, qps = n, "RDMA queue pairs connected"),
+                Err(e) if e.starts_with("peer:") => {
+                    info!(peer = %peer.name, rail, "RDMA not used on this rail, TCP only: {e}")
+                }
+                Err(e) => {
+                    warn!(peer = %peer.name, rail, "RDMA setup failed, TCP until it is rebuilt: {e}");
+                    link.spawn_rdma_rebuild(rail);
                 }
             }
         }
@@ -507,6 +532,7 @@ impl Daemon {
             peers,
             inbound: DashMap::new(),
             transport: transport.clone(),
+            rdma: RdmaRails::discover(&config),
             next_transfer: AtomicU64::new(0),
         });
         if let Some(addr) = config.metrics_addr {

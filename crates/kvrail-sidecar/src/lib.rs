@@ -10,6 +10,7 @@ pub mod daemon;
 pub mod metrics;
 pub mod notify;
 pub mod peer;
+pub mod rdma;
 pub mod regions;
 pub mod transfers;
 
@@ -58,6 +59,15 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Do not use RDMA even where devices exist.
+    #[arg(long)]
+    pub no_rdma: bool,
+    /// RDMA device of each rail, comma-separated (default: found by rail address).
+    #[arg(long, value_delimiter = ',')]
+    pub rdma_devices: Vec<String>,
+    /// Queue pairs per rail and peer.
+    #[arg(long)]
+    pub rdma_qps_per_rail: Option<usize>,
 }
 
 impl ServeArgs {
@@ -101,6 +111,15 @@ impl ServeArgs {
         }
         if self.metrics_addr.is_some() {
             c.metrics_addr = self.metrics_addr;
+        }
+        if self.no_rdma {
+            c.rdma = false;
+        }
+        if !self.rdma_devices.is_empty() {
+            c.rdma_devices = self.rdma_devices.clone();
+        }
+        if let Some(v) = self.rdma_qps_per_rail {
+            c.rdma_qps_per_rail = v;
         }
         c.validate()?;
         Ok(c)

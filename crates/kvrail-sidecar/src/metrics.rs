@@ -28,6 +28,9 @@ pub const RAIL_TRANSITIONS: &str = "kvrail_rail_transitions_total";
 pub const RAIL_SLICES_RETRANSMITTED: &str = "kvrail_rail_slices_retransmitted_total";
 pub const RAIL_THROUGHPUT: &str = "kvrail_rail_throughput_bytes_per_second";
 pub const RAIL_PROBES_FAILED: &str = "kvrail_rail_probes_failed_total";
+pub const RDMA_POST_NANOS: &str = "kvrail_rdma_post_nanoseconds_total";
+pub const RDMA_WORK_REQUESTS: &str = "kvrail_rdma_work_requests_total";
+pub const RDMA_DESCRIPTORS: &str = "kvrail_rdma_descriptors_total";
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -103,5 +106,15 @@ fn describe() {
     describe_counter!(
         RAIL_PROBES_FAILED,
         "Attempts to rebuild a down rail that failed"
+    );
+    describe_counter!(
+        RDMA_POST_NANOS,
+        Unit::Nanoseconds,
+        "Time spent building and posting RDMA work requests"
+    );
+    describe_counter!(RDMA_WORK_REQUESTS, "RDMA work requests posted");
+    describe_counter!(
+        RDMA_DESCRIPTORS,
+        "Block pieces (per-layer, per-block descriptors) posted over RDMA"
     );
 }

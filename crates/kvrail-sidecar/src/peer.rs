@@ -4,24 +4,27 @@
 //! writes, its rail changes into closed connections and metrics, and its transfer
 //! events into worker notifications.
 
+use std::collections::{HashMap, HashSet};
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvrail_core::wire::{
-    self, encode_control, encode_data_header, ErrorCode, FRAME_HEADER_LEN, SLICE_HEADER_LEN,
+    self, encode_control, encode_data_header, pb, Body, ErrorCode, FRAME_HEADER_LEN,
+    SLICE_HEADER_LEN,
 };
 use kvrail_core::{
     ConnId, Event, RailChange, RailHealth, RailId, Session, SliceDisposition, Transmit,
 };
 use kvrail_transport::{read_frame, Connection, Frame, FrameReader, FrameWriter, TransportError};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::AbortHandle;
 use tracing::{debug, info, warn};
 
 use crate::config::PeerConfig;
 use crate::daemon::Shared;
 use crate::metrics as m;
+use crate::rdma::{self, OneSidedWork};
 use crate::regions::Region;
 
 /// What a writer task puts on its connection.
@@ -35,8 +38,14 @@ enum Outgoing {
     },
 }
 
+/// Where a connection's task takes its work from.
+enum Sink {
+    Stream(mpsc::UnboundedSender<Outgoing>),
+    QueuePair(mpsc::UnboundedSender<OneSidedWork>),
+}
+
 struct ConnHandle {
-    writer: Option<mpsc::UnboundedSender<Outgoing>>,
+    writer: Option<Sink>,
     reader: Option<AbortHandle>,
     writer_task: Option<AbortHandle>,
     rail: RailId,
@@ -67,6 +76,10 @@ struct LinkState {
     next_generation: u64,
     gauges_at: Option<Instant>,
     gauged_rails: usize,
+    /// RdmaConnect requests waiting for the peer's RdmaAccept, by nonce.
+    rdma_pending: HashMap<u64, oneshot::Sender<pb::RdmaAccept>>,
+    /// Rails whose queue pairs are being (re)built right now.
+    rdma_building: HashSet<RailId>,
 }
 
 /// How an outbound session rebuilds its rails.
@@ -87,6 +100,7 @@ pub struct PeerLink {
     state: Mutex<LinkState>,
     timer: Notify,
     shared: Weak<Shared>,
+    me: Weak<PeerLink>,
 }
 
 /// How often the estimated-throughput gauges are refreshed.
@@ -99,7 +113,7 @@ impl PeerLink {
         shared: &Arc<Shared>,
         dial: Option<DialInfo>,
     ) -> Arc<Self> {
-        let link = Arc::new(Self {
+        let link = Arc::new_cyclic(|me| Self {
             peer: peer.to_string(),
             transport,
             direction: if dial.is_some() { "out" } else { "in" },
@@ -110,10 +124,13 @@ impl PeerLink {
                 next_generation: 0,
                 gauges_at: None,
                 gauged_rails: 0,
+                rdma_pending: HashMap::new(),
+                rdma_building: HashSet::new(),
             }),
             dial,
             timer: Notify::new(),
             shared: Arc::downgrade(shared),
+            me: me.clone(),
         });
         tokio::spawn(timer_task(Arc::downgrade(&link)));
         link
@@ -180,17 +197,34 @@ impl PeerLink {
                     len,
                     region_id,
                     pieces,
+                    remote,
                     ..
                 } => {
                     let Some(region) = shared.registry.get(region_id) else {
                         st.session.fail(
                             header.transfer_id,
                             ErrorCode::RegionGone,
-                            "source region was unregistered",
+                            "local region was unregistered",
                             now,
                         );
                         continue;
                     };
+                    if let Some(remote) = remote {
+                        let work = OneSidedWork {
+                            header,
+                            len,
+                            region,
+                            pieces,
+                            remote,
+                        };
+                        if let Some(Sink::QueuePair(tx)) =
+                            st.conns.get(conn).and_then(|c| c.writer.as_ref())
+                        {
+                            // A closed channel means the task died; it reports the loss.
+                            let _ = tx.send(work);
+                        }
+                        continue;
+                    }
                     (
                         conn,
                         Outgoing::Slice {
@@ -202,7 +236,7 @@ impl PeerLink {
                     )
                 }
             };
-            if let Some(tx) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            if let Some(Sink::Stream(tx)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
                 // A closed channel means the writer died; its reader reports the loss.
                 let _ = tx.send(out);
             }
@@ -334,7 +368,7 @@ impl PeerLink {
         ))
         .abort_handle();
         let handle = ConnHandle {
-            writer: Some(tx),
+            writer: Some(Sink::Stream(tx)),
             reader: Some(reader),
             writer_task: Some(writer),
             rail,
@@ -363,13 +397,196 @@ impl PeerLink {
             return;
         }
         let rail = handle.rail;
+        let queue_pair = matches!(handle.writer, Some(Sink::QueuePair(_)));
         self.stop_connections(&mut st, [conn]);
-        warn!(peer = %self.peer, conn, rail, "peer connection lost: {reason}");
+        warn!(peer = %self.peer, conn, rail, queue_pair, "peer connection lost: {reason}");
         metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
         st.session.connection_lost(conn, reason, Instant::now());
         self.pump(&mut st);
+        let rebuild = queue_pair && self.dial.is_some() && !st.closed;
         drop(st);
         self.timer.notify_one();
+        if rebuild {
+            self.spawn_rdma_rebuild(rail);
+        }
+    }
+
+    /// Rebuilds `rail`'s queue pairs in the background (dialer side).
+    pub fn spawn_rdma_rebuild(&self, rail: RailId) {
+        if let Some(me) = self.me.upgrade() {
+            tokio::spawn(rebuild_queue_pairs(me, rail));
+        }
+    }
+
+    /// The registration of a local region on a rail's RDMA device.
+    pub fn rdma_mr(&self, region_id: u64, rail: RailId) -> Option<Arc<kvrail_verbs::MemoryRegion>> {
+        self.shared.upgrade()?.rdma.mr(region_id, rail)
+    }
+
+    /// Queues a driver-level control message on one connection.
+    fn send_control(&self, conn: ConnId, body: Body) -> bool {
+        let st = self.lock();
+        match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            Some(Sink::Stream(tx)) => tx
+                .send(Outgoing::Control(encode_control(&wire::message(body))))
+                .is_ok(),
+            _ => false,
+        }
+    }
+
+    /// Adds a connected queue pair on `rail` as a one-sided connection.
+    pub fn attach_qp(
+        self: &Arc<Self>,
+        qp: kvrail_verbs::QueuePair,
+        rail: RailId,
+    ) -> Option<ConnId> {
+        let shared = self.shared.upgrade()?;
+        let mut st = self.lock();
+        if st.closed {
+            return None;
+        }
+        let id = st.session.add_one_sided_connection(rail, Instant::now())?;
+        st.next_generation += 1;
+        let generation = st.next_generation;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(rdma::qp_task(
+            self.clone(),
+            (id, generation),
+            rail,
+            qp,
+            rx,
+            shared.rdma.busy_poll,
+        ))
+        .abort_handle();
+        let handle = ConnHandle {
+            writer: Some(Sink::QueuePair(tx)),
+            reader: None,
+            writer_task: Some(task),
+            rail,
+            generation,
+        };
+        self.stop_connections(&mut st, [id]);
+        match st.conns.get_mut(id) {
+            Some(old) => *old = handle,
+            None => st.conns.push(handle),
+        }
+        metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).increment(1.0);
+        self.pump(&mut st);
+        drop(st);
+        self.timer.notify_one();
+        Some(id)
+    }
+
+    /// Dialer: sets up `qps_per_rail` queue pairs on `rail` over its stream
+    /// connection `conn`. Ok(n) with the number attached.
+    pub async fn setup_rdma(self: &Arc<Self>, rail: RailId, conn: ConnId) -> Result<usize, String> {
+        let shared = self.shared.upgrade().ok_or("daemon is shutting down")?;
+        let count = shared.rdma.qps_per_rail;
+        let mut qps = rdma::create_qps(&shared.rdma, rail, count)?;
+        let endpoints = qps
+            .iter()
+            .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let nonce: u64 = rand::random();
+        let (tx, rx) = oneshot::channel();
+        self.lock().rdma_pending.insert(nonce, tx);
+        let sent = self.send_control(
+            conn,
+            Body::RdmaConnect(pb::RdmaConnect {
+                rail_index: rail,
+                nonce,
+                qps: endpoints,
+            }),
+        );
+        if !sent {
+            self.lock().rdma_pending.remove(&nonce);
+            return Err("the rail's connection closed before setup".into());
+        }
+        let answer = tokio::time::timeout(RDMA_SETUP_TIMEOUT, rx).await;
+        self.lock().rdma_pending.remove(&nonce);
+        let accept = match answer {
+            Ok(Ok(a)) => a,
+            Ok(Err(_)) => return Err("the rail's connection closed during setup".into()),
+            Err(_) => return Err(format!("no answer from the peer in {RDMA_SETUP_TIMEOUT:?}")),
+        };
+        if !accept.error.is_empty() {
+            return Err(format!("peer: {}", accept.error));
+        }
+        if accept.qps.len() != qps.len() {
+            return Err(format!(
+                "peer answered with {} queue pairs for {}",
+                accept.qps.len(),
+                qps.len()
+            ));
+        }
+        for (qp, remote) in qps.iter_mut().zip(&accept.qps) {
+            qp.connect(&rdma::endpoint_of(remote)?)
+                .map_err(|e| e.to_string())?;
+        }
+        let mut attached = 0;
+        for qp in qps {
+            if self.attach_qp(qp, rail).is_some() {
+                attached += 1;
+            }
+        }
+        Ok(attached)
+    }
+
+    /// Acceptor: the dialer asks for queue pairs on the rail of connection `conn`.
+    fn on_rdma_connect(self: &Arc<Self>, conn: ConnId, req: pb::RdmaConnect) {
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
+        let rail = self.lock().session.connection_rail(conn);
+        let result = match rail {
+            Some(r) if r == req.rail_index => rdma::accept_qps(&shared.rdma, r, &req),
+            _ => Err(format!(
+                "rail {} does not match the connection's rail {rail:?}",
+                req.rail_index
+            )),
+        };
+        let answer = match result {
+            Ok(qps) => {
+                let endpoints: Result<Vec<_>, _> = qps
+                    .iter()
+                    .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+                    .collect();
+                match endpoints {
+                    Ok(endpoints) => {
+                        for qp in qps {
+                            self.attach_qp(qp, req.rail_index);
+                        }
+                        info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
+                        pb::RdmaAccept {
+                            nonce: req.nonce,
+                            qps: endpoints,
+                            error: String::new(),
+                        }
+                    }
+                    Err(e) => pb::RdmaAccept {
+                        nonce: req.nonce,
+                        qps: vec![],
+                        error: e.to_string(),
+                    },
+                }
+            }
+            Err(e) => {
+                info!(peer = %self.peer, rail = req.rail_index, "declined RDMA queue pairs: {e}");
+                pb::RdmaAccept {
+                    nonce: req.nonce,
+                    qps: vec![],
+                    error: e,
+                }
+            }
+        };
+        self.send_control(conn, Body::RdmaAccept(answer));
+    }
+
+    fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
+        if let Some(tx) = self.lock().rdma_pending.remove(&accept.nonce) {
+            let _ = tx.send(accept);
+        }
     }
 
     /// Closes every connection and stops probing (daemon shutdown, dial refused).
@@ -395,7 +612,10 @@ const WRITE_BATCH_FRAMES: usize = 64;
 const WRITE_BATCH_BYTES: u64 = 4 << 20;
 
 /// A connection's slot and generation.
-type ConnKey = (ConnId, u64);
+pub type ConnKey = (ConnId, u64);
+
+/// How long the peer may take to answer an RdmaConnect.
+const RDMA_SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 
 async fn writer_task(
     link: Arc<PeerLink>,
@@ -514,8 +734,11 @@ async fn read_loop(
             return Ok(());
         };
         match read_frame(reader).await? {
+            Frame::Control(Body::RdmaConnect(req)) => link.on_rdma_connect(conn, req),
+            Frame::Control(Body::RdmaAccept(a)) => link.on_rdma_accept(a),
             Frame::Control(body) => {
-                link.with_session(|s, now| s.handle_control(conn, body, now, &shared.registry));
+                let dir = shared.directory();
+                link.with_session(|s, now| s.handle_control(conn, body, now, &dir));
                 link.rearm_timer();
             }
             Frame::Data {
@@ -593,4 +816,44 @@ async fn probe_rail(link: Arc<PeerLink>, rail: RailId) {
     if let Err(e) = shared.dial_rail(&link, dial, rail, true).await {
         link.probe_failed(rail, &e.to_string());
     }
+}
+
+/// Dialer: rebuilds the queue pairs of `rail` after they failed, with backoff,
+/// for as long as the rail's stream connections live and none is rebuilt.
+async fn rebuild_queue_pairs(link: Arc<PeerLink>, rail: RailId) {
+    {
+        let mut st = link.lock();
+        if !st.rdma_building.insert(rail) {
+            return;
+        }
+    }
+    let mut backoff = rdma::QP_RETRY_INITIAL;
+    loop {
+        tokio::time::sleep(backoff).await;
+        let (closed, qps, stream) = {
+            let st = link.lock();
+            let conns = st.session.rail_connections(rail);
+            let stream = conns.into_iter().find(|&c| {
+                matches!(
+                    st.conns.get(c).and_then(|h| h.writer.as_ref()),
+                    Some(Sink::Stream(_))
+                )
+            });
+            (st.closed, st.session.one_sided_connections(rail), stream)
+        };
+        // Done: closed, rebuilt, or the rail itself is down (its rebuild redoes RDMA).
+        let Some(stream) = stream.filter(|_| !closed && qps == 0) else {
+            break;
+        };
+        match link.setup_rdma(rail, stream).await {
+            Ok(n) if n > 0 => {
+                info!(peer = %link.peer, rail, qps = n, "RDMA queue pairs rebuilt");
+                break;
+            }
+            Ok(_) => break,
+            Err(e) => rdma::setup_failed(&link.peer, rail, &e),
+        }
+        backoff = (backoff * 2).min(rdma::QP_RETRY_MAX);
+    }
+    link.lock().rdma_building.remove(&rail);
 }
