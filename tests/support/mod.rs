@@ -13,6 +13,10 @@ use kvrail_client::Client;
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     let dir = BUILT.get_or_init(|| {
+        // Already built (the RDMA VM runs tests with binaries built on the host).
+        if let Some(dir) = std::env::var_os("KVRAIL_BIN_DIR") {
+            return PathBuf::from(dir);
+        }
         let root = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
             .expect("workspace root")
@@ -150,21 +154,45 @@ pub struct Pair {
 
 impl Pair {
     pub fn start(extra: &[&str]) -> Pair {
+        let lo = [std::net::IpAddr::from([127, 0, 0, 1])];
+        Pair::start_on(&lo, &lo, extra)
+    }
+
+    /// Sidecars listening on one rail per address (prefill's and decode's rail i
+    /// face each other), with both metrics listeners.
+    pub fn start_on(
+        prefill_ips: &[std::net::IpAddr],
+        decode_ips: &[std::net::IpAddr],
+        extra: &[&str],
+    ) -> Pair {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pp, dp, mp) = (free_port(), free_port(), free_port());
-        let mk = |node: &str, port: u16, peer: &str, peer_port: u16, metrics: Option<u16>| {
+        let dm = free_port();
+        let mk = |node: &str,
+                  port: u16,
+                  ips: &[std::net::IpAddr],
+                  peer: &str,
+                  peer_port: u16,
+                  peer_ips: &[std::net::IpAddr],
+                  metrics: Option<u16>| {
             let socket = dir.path().join(format!("{node}.sock"));
-            let listen: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+            let listen = SocketAddr::new(ips[0], port);
+            let rails: Vec<String> = peer_ips
+                .iter()
+                .map(|ip| SocketAddr::new(*ip, peer_port).to_string())
+                .collect();
             let mut args = vec![
                 "--node".to_string(),
                 node.to_string(),
                 "--socket".into(),
                 socket.display().to_string(),
-                "--listen".into(),
-                listen.to_string(),
                 "--peer".into(),
-                format!("{peer}=127.0.0.1:{peer_port}"),
+                format!("{peer}={}", rails.join(",")),
             ];
+            for ip in ips {
+                args.push("--listen".into());
+                args.push(SocketAddr::new(*ip, port).to_string());
+            }
             if let Some(m) = metrics {
                 args.push("--metrics-addr".into());
                 args.push(format!("127.0.0.1:{m}"));
@@ -181,8 +209,24 @@ impl Pair {
             s.spawn();
             s
         };
-        let prefill = mk("prefill", pp, "decode", dp, Some(mp));
-        let decode = mk("decode", dp, "prefill", pp, None);
+        let prefill = mk(
+            "prefill",
+            pp,
+            prefill_ips,
+            "decode",
+            dp,
+            decode_ips,
+            Some(mp),
+        );
+        let decode = mk(
+            "decode",
+            dp,
+            decode_ips,
+            "prefill",
+            pp,
+            prefill_ips,
+            Some(dm),
+        );
         Pair {
             prefill,
             decode,

@@ -417,6 +417,18 @@ impl Session {
         ids
     }
 
+    /// Closes the live one-sided connections of `rail` (the dialer is replacing
+    /// its queue pairs); their slices go back to be re-sent. Returns them.
+    pub fn retire_one_sided_connections(&mut self, rail: RailId) -> Vec<ConnId> {
+        let ids: Vec<ConnId> = live_on(&self.conns, rail)
+            .filter(|&i| self.conns[i].one_sided)
+            .collect();
+        for &conn in &ids {
+            self.kill_connection(conn);
+        }
+        ids
+    }
+
     /// Connections (live or not) that belong to `rail`.
     pub fn rail_connections(&self, rail: RailId) -> Vec<ConnId> {
         (0..self.conns.len())

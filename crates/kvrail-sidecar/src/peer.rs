@@ -539,6 +539,13 @@ impl PeerLink {
             return;
         };
         let rail = self.lock().session.connection_rail(conn);
+        {
+            // The dialer replaces its queue pairs on this rail: ours are stale.
+            let mut st = self.lock();
+            let stale = st.session.retire_one_sided_connections(req.rail_index);
+            self.stop_connections(&mut st, stale);
+            self.pump(&mut st);
+        }
         let result = match rail {
             Some(r) if r == req.rail_index => rdma::accept_qps(&shared.rdma, r, &req),
             _ => Err(format!(

@@ -1,0 +1,447 @@
+//! RDMA end to end, on real verbs: two `kvrail` processes in the Soft-RoCE VM
+//! (`../shared/rdma-vm`), node A (prefill) on `rxe_a0`/`rxe_a1` and node B (decode)
+//! on `rxe_b0`/`rxe_b1`, found by their rail addresses. Every byte is verified.
+//!
+//! The `#[ignore]`d tests need RDMA devices and run inside the VM; the plain test
+//! `rdma_suite_in_the_vm` boots the VM and runs them there (or says why it
+//! cannot). `without_rdma_the_daemon_says_why_and_uses_tcp` runs on the host.
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvrail_client::proto::TransferState;
+use kvrail_client::{blocks, dense_layout, Client, KvRegion};
+use kvrail_e2e::{binary, scrape, Pair};
+use kvrail_examples::{fill, scattered_blocks, verify};
+
+/// Tests share the devices, and some cut rails: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The VM harness: `$RDMA_VM_RUN`, or `shared/rdma-vm/run` beside the checkout.
+fn vm_runner() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("RDMA_VM_RUN") {
+        return Some(PathBuf::from(p));
+    }
+    let root = workspace_root();
+    [
+        root.join("../shared/rdma-vm/run"),
+        root.join("../../shared/rdma-vm/run"),
+        PathBuf::from("/work/shared/rdma-vm/run"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+}
+
+fn ips(var: &str, default: &str) -> Vec<IpAddr> {
+    std::env::var(var)
+        .unwrap_or_else(|_| default.into())
+        .split_whitespace()
+        .map(|s| s.parse().unwrap())
+        .collect()
+}
+
+fn rails() -> (Vec<IpAddr>, Vec<IpAddr>) {
+    (
+        ips("RDMA_VM_A_IPS", "169.254.100.1 169.254.101.1"),
+        ips("RDMA_VM_B_IPS", "169.254.100.2 169.254.101.2"),
+    )
+}
+
+fn in_vm(test: &str) -> bool {
+    if std::env::var_os("RDMA_VM").is_none() {
+        println!("SKIPPED {test}: needs the RDMA VM (run through rdma_suite_in_the_vm)");
+        return false;
+    }
+    true
+}
+
+/// Runs every ignored test of this file inside the VM, with binaries built here.
+#[test]
+fn rdma_suite_in_the_vm() {
+    if std::env::var_os("RDMA_VM").is_some() {
+        return;
+    }
+    let Some(run) = vm_runner() else {
+        println!("SKIPPED rdma_suite_in_the_vm: no RDMA VM harness (shared/rdma-vm/run) here");
+        return;
+    };
+    let bin_dir = binary("kvrail").parent().unwrap().to_path_buf();
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(run)
+        .arg(&exe)
+        .args(["--ignored", "--test-threads=1", "--nocapture"])
+        .env("KVRAIL_BIN_DIR", &bin_dir)
+        .env("RUST_BACKTRACE", "0")
+        .env("RDMA_VM_TIMEOUT", "900")
+        .current_dir(workspace_root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(
+        out.status.success(),
+        "RDMA tests in the VM failed ({})",
+        out.status
+    );
+    assert!(
+        stdout.contains("test result: ok") && !stdout.contains("SKIPPED"),
+        "the VM ran no RDMA test"
+    );
+}
+
+/// Sum of a counter's series whose labels contain every `want` fragment.
+fn counter(text: &str, name: &str, want: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && want.iter().all(|w| l.contains(w)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+struct Setup {
+    pair: Pair,
+    p: Client,
+    d: Client,
+    p_kv: KvRegion,
+    d_kv: KvRegion,
+    p_region: u64,
+    d_region: u64,
+}
+
+const NUM_BLOCKS: u32 = 128;
+const BLOCK_BYTES: u64 = 64 << 10;
+
+async fn setup(name: &str, rail_count: usize, extra: &[&str]) -> Setup {
+    let (a, b) = rails();
+    let pair = Pair::start_on(&a[..rail_count], &b[..rail_count], extra);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(4, 2, NUM_BLOCKS, BLOCK_BYTES);
+    let p_kv = KvRegion::create(pair.shm_path(&format!("{name}-p")), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path(&format!("{name}-d")), layout).unwrap();
+    let p_region = p.register_region("p0", &p_kv, true).await.unwrap();
+    let d_region = d.register_region("d0", &d_kv, true).await.unwrap();
+    Setup {
+        pair,
+        p,
+        d,
+        p_kv,
+        d_kv,
+        p_region,
+        d_region,
+    }
+}
+
+impl Setup {
+    /// Dials the peer (sidecars connect on first use) with a one-block push, then
+    /// checks that queue pairs came up on each of `rails`.
+    async fn connect(&mut self, rails: u32) {
+        let (id, dst) = self.push(99, 0..1, 1).await;
+        self.done(id).await;
+        verify(&self.d_kv, 99, 0..1, &dst).unwrap();
+        for r in 0..rails {
+            self.wait_for_queue_pairs(r).await;
+        }
+    }
+
+    /// Waits until the prefill log says queue pairs connected on `rail`.
+    async fn wait_for_queue_pairs(&self, rail: u32) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self
+                .pair
+                .prefill
+                .log()
+                .contains(&format!("rail={rail} qps="))
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no queue pairs on rail {rail}:\n{}",
+                self.pair.prefill.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn push(&mut self, seed: u64, layers: std::ops::Range<u32>, n: usize) -> (u64, Vec<u32>) {
+        let src = scattered_blocks(n, NUM_BLOCKS, seed);
+        let dst = scattered_blocks(n, NUM_BLOCKS, seed + 100);
+        fill(&self.p_kv, seed, layers.clone(), &src).unwrap();
+        let t = self
+            .p
+            .push(
+                "p0",
+                &format!("push-{seed}"),
+                "decode",
+                blocks(self.p_region, layers.clone(), src),
+                blocks(self.d_region, layers, dst.clone()),
+            )
+            .await
+            .unwrap();
+        (t.transfer_id, dst)
+    }
+
+    async fn done(&mut self, id: u64) {
+        let s = self
+            .p
+            .wait(id, Some(Duration::from_secs(120)))
+            .await
+            .unwrap();
+        assert_eq!(s.state, TransferState::Done as i32, "{s:?}");
+    }
+
+    fn rdma_bytes(&self, rail: &str) -> f64 {
+        let text = scrape(self.pair.prefill.metrics.unwrap());
+        counter(
+            &text,
+            "kvrail_bytes_sent_total",
+            &["transport=\"rdma\"", &format!("rail=\"{rail}\"")],
+        )
+    }
+}
+
+async fn push_and_pull(rail_count: usize, name: &str) {
+    let mut s = setup(name, rail_count, &["--slice-bytes", "262144"]).await;
+    s.connect(rail_count as u32).await;
+    // Push: 4 layers x K/V x 96 scattered blocks of 64 KiB = 48 MiB.
+    let (id, dst) = s.push(1, 0..4, 96).await;
+    s.done(id).await;
+    assert_eq!(
+        verify(&s.d_kv, 1, 0..4, &dst).unwrap(),
+        4 * 2 * 96 * BLOCK_BYTES
+    );
+    for r in 0..rail_count {
+        let bytes = s.rdma_bytes(&r.to_string());
+        assert!(bytes > 0.0, "nothing written over RDMA on rail {r}");
+    }
+    let text = scrape(s.pair.prefill.metrics.unwrap());
+    assert_eq!(
+        counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]),
+        0.0,
+        "payload went over TCP"
+    );
+    // Pull: decode reads prefill's blocks with RDMA READ.
+    let src = scattered_blocks(64, NUM_BLOCKS, 7);
+    let dst: Vec<u32> = (0..NUM_BLOCKS).rev().take(64).collect();
+    fill(&s.p_kv, 7, 1..3, &src).unwrap();
+    let t =
+        s.d.pull(
+            "d0",
+            "pull-7",
+            "prefill",
+            blocks(s.p_region, 1..3, src),
+            blocks(s.d_region, 1..3, dst.clone()),
+        )
+        .await
+        .unwrap();
+    let st =
+        s.d.wait(t.transfer_id, Some(Duration::from_secs(120)))
+            .await
+            .unwrap();
+    assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+    assert_eq!(verify(&s.d_kv, 7, 1..3, &dst).unwrap(), t.total_bytes);
+    let text = scrape(s.pair.decode.metrics.unwrap());
+    let read = counter(
+        &text,
+        "kvrail_bytes_received_total",
+        &["transport=\"rdma\"", "peer=\"prefill\""],
+    );
+    assert!(
+        read >= t.total_bytes as f64,
+        "READ bytes {read} < {}",
+        t.total_bytes
+    );
+    let text = scrape(s.pair.prefill.metrics.unwrap());
+    assert!(
+        text.contains("kvrail_rdma_work_requests_total")
+            && text.contains("kvrail_rdma_post_nanoseconds_total"),
+        "{text}"
+    );
+    s.p_kv.unlink();
+    s.d_kv.unlink();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_push_and_pull_on_one_rail() {
+    if !in_vm("rdma_push_and_pull_on_one_rail") {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    push_and_pull(1, "one").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_push_and_pull_on_both_rails() {
+    if !in_vm("rdma_push_and_pull_on_both_rails") {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    push_and_pull(2, "both").await;
+}
+
+fn link(netdev: &str, state: &str) {
+    let ok = Command::new("ip")
+        .args(["link", "set", netdev, state])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "ip link set {netdev} {state}");
+}
+
+/// Waits until `bytes` of transfer `id` have moved (so a cut lands mid-transfer).
+async fn wait_progress(c: &mut Client, id: u64, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = c.get_transfer(id).await.unwrap();
+        if s.bytes_done >= bytes
+            || (s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32)
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no progress: {s:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
+    if !in_vm("rdma_rail_cut_fails_over_then_tcp_then_back") {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let netdevs: Vec<String> = std::env::var("RDMA_VM_B_NETDEVS")
+        .unwrap_or_else(|_| "eth_b0 eth_b1".into())
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    let mut s = setup("cut", 2, &["--slice-bytes", "262144"]).await;
+    s.connect(2).await;
+    let layer_bytes = 2 * 128 * BLOCK_BYTES;
+
+    // 1. Rail 1 goes down mid-push: rail 0 finishes it over RDMA.
+    let (id, dst) = s.push(11, 0..4, 128).await;
+    wait_progress(&mut s.p, id, layer_bytes / 2).await;
+    let rail1_before = s.rdma_bytes("1");
+    link(&netdevs[1], "down");
+    s.done(id).await;
+    assert_eq!(verify(&s.d_kv, 11, 0..4, &dst).unwrap(), 4 * layer_bytes);
+    let log = s.pair.prefill.log();
+    assert!(
+        log.contains("queue_pair=true"),
+        "no queue pair loss seen:\n{log}"
+    );
+    assert!(s.rdma_bytes("0") > 0.0 && rail1_before > 0.0);
+
+    // 2. Both rails down mid-push: the rest goes over TCP (through lo in the VM).
+    let (id, dst) = s.push(12, 0..4, 128).await;
+    wait_progress(&mut s.p, id, layer_bytes / 2).await;
+    link(&netdevs[0], "down");
+    s.done(id).await;
+    assert_eq!(verify(&s.d_kv, 12, 0..4, &dst).unwrap(), 4 * layer_bytes);
+    let text = scrape(s.pair.prefill.metrics.unwrap());
+    let tcp = counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]);
+    assert!(tcp > 0.0, "nothing went over TCP after both rails were cut");
+
+    // 3. Rails back: queue pairs are rebuilt and carry the next push.
+    link(&netdevs[0], "up");
+    link(&netdevs[1], "up");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s
+        .pair
+        .prefill
+        .log()
+        .matches("RDMA queue pairs rebuilt")
+        .count()
+        < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "queue pairs not rebuilt:\n{}",
+            s.pair.prefill.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (r0, r1) = (s.rdma_bytes("0"), s.rdma_bytes("1"));
+    let (id, dst) = s.push(13, 0..4, 96).await;
+    s.done(id).await;
+    assert_eq!(
+        verify(&s.d_kv, 13, 0..4, &dst).unwrap(),
+        4 * 2 * 96 * BLOCK_BYTES
+    );
+    assert!(
+        s.rdma_bytes("0") > r0 && s.rdma_bytes("1") > r1,
+        "rebuilt queue pairs carried nothing"
+    );
+    s.p_kv.unlink();
+    s.d_kv.unlink();
+}
+
+/// On a host without RDMA the daemon starts, says why, and moves bytes over TCP.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_rdma_the_daemon_says_why_and_uses_tcp() {
+    if std::env::var_os("RDMA_VM").is_some() || kvrail_verbs_present() {
+        println!(
+            "SKIPPED without_rdma_the_daemon_says_why_and_uses_tcp: this host has RDMA devices"
+        );
+        return;
+    }
+    let mut s = setup_loopback().await;
+    let (id, dst) = s.push(3, 0..2, 16).await;
+    s.done(id).await;
+    assert_eq!(
+        verify(&s.d_kv, 3, 0..2, &dst).unwrap(),
+        2 * 2 * 16 * BLOCK_BYTES
+    );
+    let log = s.pair.prefill.log();
+    assert!(
+        log.contains("RDMA unavailable on rail, using TCP"),
+        "no reason logged:\n{log}"
+    );
+    let text = scrape(s.pair.prefill.metrics.unwrap());
+    assert!(counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]) > 0.0);
+    s.p_kv.unlink();
+    s.d_kv.unlink();
+}
+
+fn kvrail_verbs_present() -> bool {
+    Path::new("/sys/class/infiniband")
+        .read_dir()
+        .is_ok_and(|mut d| d.next().is_some())
+}
+
+async fn setup_loopback() -> Setup {
+    let lo = [IpAddr::from([127, 0, 0, 1])];
+    let pair = Pair::start_on(&lo, &lo, &[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(4, 2, NUM_BLOCKS, BLOCK_BYTES);
+    let p_kv = KvRegion::create(pair.shm_path("nordma-p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("nordma-d"), layout).unwrap();
+    let p_region = p.register_region("p0", &p_kv, true).await.unwrap();
+    let d_region = d.register_region("d0", &d_kv, true).await.unwrap();
+    Setup {
+        pair,
+        p,
+        d,
+        p_kv,
+        d_kv,
+        p_region,
+        d_region,
+    }
+}
