@@ -84,6 +84,7 @@ fn rdma_suite_in_the_vm() {
         .env("KVRAIL_BIN_DIR", &bin_dir)
         .env("RUST_BACKTRACE", "0")
         .env("RDMA_VM_TIMEOUT", "900")
+        .env("RDMA_VM_MEM", "3072")
         .current_dir(workspace_root())
         .output()
         .unwrap();
@@ -118,17 +119,22 @@ struct Setup {
     d_kv: KvRegion,
     p_region: u64,
     d_region: u64,
+    num_blocks: u32,
 }
 
 const NUM_BLOCKS: u32 = 128;
 const BLOCK_BYTES: u64 = 64 << 10;
 
 async fn setup(name: &str, rail_count: usize, extra: &[&str]) -> Setup {
+    setup_with(name, rail_count, extra, NUM_BLOCKS).await
+}
+
+async fn setup_with(name: &str, rail_count: usize, extra: &[&str], num_blocks: u32) -> Setup {
     let (a, b) = rails();
     let pair = Pair::start_on(&a[..rail_count], &b[..rail_count], extra);
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
-    let layout = dense_layout(4, 2, NUM_BLOCKS, BLOCK_BYTES);
+    let layout = dense_layout(4, 2, num_blocks, BLOCK_BYTES);
     let p_kv = KvRegion::create(pair.shm_path(&format!("{name}-p")), layout).unwrap();
     let d_kv = KvRegion::create(pair.shm_path(&format!("{name}-d")), layout).unwrap();
     let p_region = p.register_region("p0", &p_kv, true).await.unwrap();
@@ -141,6 +147,7 @@ async fn setup(name: &str, rail_count: usize, extra: &[&str]) -> Setup {
         d_kv,
         p_region,
         d_region,
+        num_blocks,
     }
 }
 
@@ -178,8 +185,8 @@ impl Setup {
     }
 
     async fn push(&mut self, seed: u64, layers: std::ops::Range<u32>, n: usize) -> (u64, Vec<u32>) {
-        let src = scattered_blocks(n, NUM_BLOCKS, seed);
-        let dst = scattered_blocks(n, NUM_BLOCKS, seed + 100);
+        let src = scattered_blocks(n, self.num_blocks, seed);
+        let dst = scattered_blocks(n, self.num_blocks, seed + 100);
         fill(&self.p_kv, seed, layers.clone(), &src).unwrap();
         let t = self
             .p
@@ -303,21 +310,6 @@ fn link(netdev: &str, state: &str) {
     assert!(ok.success(), "ip link set {netdev} {state}");
 }
 
-/// Waits until `bytes` of transfer `id` have moved (so a cut lands mid-transfer).
-async fn wait_progress(c: &mut Client, id: u64, bytes: u64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = c.get_transfer(id).await.unwrap();
-        if s.bytes_done >= bytes
-            || (s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32)
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no progress: {s:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "needs RDMA devices: runs in the VM"]
 async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
@@ -330,16 +322,24 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
         .split_whitespace()
         .map(String::from)
         .collect();
-    let mut s = setup("cut", 2, &["--slice-bytes", "262144"]).await;
+    // 4 layers x K/V x 512 blocks of 64 KiB: 256 MiB regions, pushes of 128 MiB.
+    let mut s = setup_with("cut", 2, &["--slice-bytes", "262144"], 512).await;
     s.connect(2).await;
-    let layer_bytes = 2 * 128 * BLOCK_BYTES;
+    let layer_bytes = 2 * 256 * BLOCK_BYTES;
 
     // 1. Rail 1 goes down mid-push: rail 0 finishes it over RDMA.
-    let (id, dst) = s.push(11, 0..4, 128).await;
-    wait_progress(&mut s.p, id, layer_bytes / 2).await;
+    let mut cut = Cutter::new(&format!("ip link set {} down", netdevs[1]));
+    let (id, dst) = s.push(11, 0..4, 256).await;
+    cut.fire();
+    cut.finish();
     let rail1_before = s.rdma_bytes("1");
-    link(&netdevs[1], "down");
+    let at_cut = s.p.get_transfer(id).await.unwrap().bytes_done;
     s.done(id).await;
+    println!(
+        "rail 1 cut at {at_cut} bytes; rail 0 {} bytes, rail 1 {rail1_before} -> {} bytes",
+        s.rdma_bytes("0"),
+        s.rdma_bytes("1")
+    );
     assert_eq!(verify(&s.d_kv, 11, 0..4, &dst).unwrap(), 4 * layer_bytes);
     let log = s.pair.prefill.log();
     assert!(
@@ -349,9 +349,10 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     assert!(s.rdma_bytes("0") > 0.0 && rail1_before > 0.0);
 
     // 2. Both rails down mid-push: the rest goes over TCP (through lo in the VM).
-    let (id, dst) = s.push(12, 0..4, 128).await;
-    wait_progress(&mut s.p, id, layer_bytes / 2).await;
-    link(&netdevs[0], "down");
+    let mut cut = Cutter::new(&format!("ip link set {} down", netdevs[0]));
+    let (id, dst) = s.push(12, 0..4, 256).await;
+    cut.fire();
+    cut.finish();
     s.done(id).await;
     assert_eq!(verify(&s.d_kv, 12, 0..4, &dst).unwrap(), 4 * layer_bytes);
     let text = scrape(s.pair.prefill.metrics.unwrap());
@@ -443,5 +444,33 @@ async fn setup_loopback() -> Setup {
         d_kv,
         p_region,
         d_region,
+        num_blocks: NUM_BLOCKS,
+    }
+}
+
+/// A shell that runs `cmd` once told to: started ahead, so the cut lands within
+/// milliseconds of `fire` (starting a process in the emulated VM is slow).
+struct Cutter(std::process::Child);
+
+impl Cutter {
+    fn new(cmd: &str) -> Cutter {
+        Cutter(
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("read go; {cmd}"))
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    fn fire(&mut self) {
+        use std::io::Write;
+        let stdin = self.0.stdin.as_mut().unwrap();
+        writeln!(stdin, "go").unwrap();
+    }
+
+    fn finish(mut self) {
+        assert!(self.0.wait().unwrap().success(), "cut command failed");
     }
 }
