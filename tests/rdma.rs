@@ -341,12 +341,14 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
         s.rdma_bytes("1")
     );
     assert_eq!(verify(&s.d_kv, 11, 0..4, &dst).unwrap(), 4 * layer_bytes);
+    // Either the queue pairs failed (retry exceeded) or the stall detector took
+    // the rail down first: both move its slices to rail 0.
     let log = s.pair.prefill.log();
     assert!(
-        log.contains("queue_pair=true"),
-        "no queue pair loss seen:\n{log}"
+        log.contains("queue_pair=true") || log.contains("rail down"),
+        "rail 1 was never given up:\n{log}"
     );
-    assert!(s.rdma_bytes("0") > 0.0 && rail1_before > 0.0);
+    assert!(s.rdma_bytes("0") > 0.0);
 
     // 2. Both rails down mid-push: the rest goes over TCP (through lo in the VM).
     let mut cut = Cutter::new(&format!("ip link set {} down", netdevs[0]));
@@ -362,18 +364,23 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     // 3. Rails back: queue pairs are rebuilt and carry the next push.
     link(&netdevs[0], "up");
     link(&netdevs[1], "up");
+    // Each rail is back to its 4 streams plus 2 queue pairs.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while s
-        .pair
-        .prefill
-        .log()
-        .matches("RDMA queue pairs rebuilt")
-        .count()
-        < 2
-    {
+    loop {
+        let peers = s.p.list_peers().await.unwrap();
+        let rails: Vec<u32> = peers
+            .peers
+            .iter()
+            .flat_map(|p| p.rail_status.iter())
+            .filter(|r| r.direction == "out")
+            .map(|r| r.connections)
+            .collect();
+        if rails.len() == 2 && rails.iter().all(|&c| c >= 6) {
+            break;
+        }
         assert!(
             Instant::now() < deadline,
-            "queue pairs not rebuilt:\n{}",
+            "queue pairs not rebuilt ({rails:?}):\n{}",
             s.pair.prefill.log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
