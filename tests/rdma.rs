@@ -10,7 +10,7 @@
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+
 use std::time::{Duration, Instant};
 
 use kvrail_client::proto::TransferState;
@@ -19,7 +19,7 @@ use kvrail_e2e::{binary, scrape, Pair};
 use kvrail_examples::{fill, scattered_blocks, verify};
 
 /// Tests share the devices, and some cut rails: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -288,7 +288,7 @@ async fn rdma_push_and_pull_on_one_rail() {
     if !in_vm("rdma_push_and_pull_on_one_rail") {
         return;
     }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = SERIAL.lock().await;
     push_and_pull(1, "one").await;
 }
 
@@ -298,7 +298,7 @@ async fn rdma_push_and_pull_on_both_rails() {
     if !in_vm("rdma_push_and_pull_on_both_rails") {
         return;
     }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = SERIAL.lock().await;
     push_and_pull(2, "both").await;
 }
 
@@ -316,7 +316,7 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     if !in_vm("rdma_rail_cut_fails_over_then_tcp_then_back") {
         return;
     }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = SERIAL.lock().await;
     let netdevs: Vec<String> = std::env::var("RDMA_VM_B_NETDEVS")
         .unwrap_or_else(|_| "eth_b0 eth_b1".into())
         .split_whitespace()

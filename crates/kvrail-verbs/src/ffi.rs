@@ -768,9 +768,9 @@ impl QueuePair {
                     // SAFETY: returns a static string for any status value.
                     let text = unsafe { CStr::from_ptr(ibv_wc_status_str(status)) };
                     CompletionError {
-                        status: status,
+                        status,
                         text: text.to_string_lossy().into_owned(),
-                        vendor_err: vendor_err,
+                        vendor_err,
                         remote_access: matches!(
                             status,
                             ibv_wc_status::IBV_WC_REM_ACCESS_ERR

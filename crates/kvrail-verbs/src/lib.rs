@@ -157,6 +157,9 @@ pub struct CompletionError {
     pub flushed: bool,
 }
 
+/// One planned work request: the remote address and the local (address, length) entries.
+pub type Planned = (u64, Vec<(u64, u32)>);
+
 /// Splits one slice into work requests: each targets one contiguous remote
 /// extent and gathers (or scatters) at most `max_sge` local entries. `local` and
 /// `remote` are (address, length) lists of equal total length, in the same order;
@@ -165,7 +168,7 @@ pub fn gather(
     local: &[(u64, u64)],
     remote: &[(u64, u64)],
     max_sge: usize,
-) -> Result<Vec<(u64, Vec<(u64, u32)>)>, VerbsError> {
+) -> Result<Vec<Planned>, VerbsError> {
     let local = merge(local);
     let remote = merge(remote);
     let total = |v: &[(u64, u64)]| v.iter().map(|p| p.1).sum::<u64>();
@@ -181,7 +184,7 @@ pub fn gather(
     }
     // One SGE and one message are at most 2 GiB (a u32 length with room to spare).
     const MAX_PIECE: u64 = 1 << 31;
-    let mut out: Vec<(u64, Vec<(u64, u32)>)> = Vec::new();
+    let mut out: Vec<Planned> = Vec::new();
     let mut li = 0usize;
     let mut loff = 0u64;
     for &(raddr, rlen) in &remote {
