@@ -10,7 +10,7 @@ use crate::error::TransferError;
 use crate::layout::RegionLayout;
 use crate::plan::BlockSelection;
 use crate::session::*;
-use crate::testkit::{deliver, sel, Item, Regions};
+use crate::testkit::{deliver, gather, scatter, sel, Item, Regions};
 use crate::wire::{ErrorCode, SliceHeader};
 
 struct Side {
@@ -136,64 +136,70 @@ impl Fabric {
         }
     }
 
-    /// Copies `len` bytes between a local piece list and a remote one, checking the key.
+    /// Copies a slice between the two regions as a NIC would: the remote pieces
+    /// must lie inside the granted key, or nothing is copied (and it is counted).
     fn execute(&mut self, p: Posted) {
         let (me, peer) = (p.from, 1 - p.from);
         let key = &p.remote.key;
+        let outside: u64 = p
+            .remote
+            .pieces
+            .iter()
+            .filter(|&&(off, l)| off < key.addr || off + l > key.addr + key.length)
+            .map(|p| p.1)
+            .sum();
+        if outside > 0 {
+            self.out_of_bounds += outside as usize;
+            return;
+        }
         let remote_region = u64::from(key.rkey);
-        let mut local_bytes = Vec::new();
-        for &(off, l) in &p.pieces {
-            local_bytes.push((off, l));
-        }
-        let in_key = |off: u64, l: u64| off >= key.addr && off + l <= key.addr + key.length;
-        match p.remote.op {
-            OneSidedOp::Write => {
-                let mut data = Vec::new();
-                let src = &self.sides[me].regions.0[&p.region_id].bytes;
-                for (off, l) in local_bytes {
-                    data.extend_from_slice(&src[off as usize..(off + l) as usize]);
-                }
-                let dst = &mut self.sides[peer]
-                    .regions
-                    .0
-                    .get_mut(&remote_region)
-                    .unwrap()
-                    .bytes;
-                let mut cur = 0usize;
-                for &(off, l) in &p.remote.pieces {
-                    if !in_key(off, l) {
-                        self.out_of_bounds += l as usize;
-                        continue;
-                    }
-                    dst[off as usize..(off + l) as usize]
-                        .copy_from_slice(&data[cur..cur + l as usize]);
-                    cur += l as usize;
-                }
-            }
-            OneSidedOp::Read => {
-                let mut data = Vec::new();
-                let src = &self.sides[peer].regions.0[&remote_region].bytes;
-                for &(off, l) in &p.remote.pieces {
-                    if !in_key(off, l) {
-                        self.out_of_bounds += l as usize;
-                        continue;
-                    }
-                    data.extend_from_slice(&src[off as usize..(off + l) as usize]);
-                }
-                let dst = &mut self.sides[me]
-                    .regions
-                    .0
-                    .get_mut(&p.region_id)
-                    .unwrap()
-                    .bytes;
-                let mut cur = 0usize;
-                for (off, l) in local_bytes {
-                    dst[off as usize..(off + l) as usize]
-                        .copy_from_slice(&data[cur..cur + l as usize]);
-                    cur += l as usize;
+        let ((src_side, src_region, src_pieces), (dst_side, dst_region, dst_pieces)) =
+            match p.remote.op {
+                OneSidedOp::Write => (
+                    (me, p.region_id, &p.pieces),
+                    (peer, remote_region, &p.remote.pieces),
+                ),
+                OneSidedOp::Read => (
+                    (peer, remote_region, &p.remote.pieces),
+                    (me, p.region_id, &p.pieces),
+                ),
+            };
+        let data = gather(
+            &self.sides[src_side].regions.0[&src_region].bytes,
+            src_pieces,
+        );
+        let dst = &mut self.sides[dst_side]
+            .regions
+            .0
+            .get_mut(&dst_region)
+            .unwrap()
+            .bytes;
+        scatter(dst, dst_pieces, &data);
+    }
+
+    /// Delivers the head of every control wire; false if all were empty.
+    fn deliver_control(&mut self) -> bool {
+        let mut moved = false;
+        for c in 0..self.control.len() {
+            for dir in 0..2 {
+                if let Some(item) = self.control[c][dir].pop_front() {
+                    let to = &mut self.sides[1 - dir];
+                    deliver(&mut to.session, &mut to.regions, c, item, self.now);
+                    moved = true;
                 }
             }
         }
+        moved
+    }
+
+    /// A few rounds of control traffic only (the grant arrives, work is posted,
+    /// nothing executes yet), so a test can break queue pairs mid-transfer.
+    fn exchange_control(&mut self) {
+        for _ in 0..4 {
+            self.flush();
+            self.deliver_control();
+        }
+        self.flush();
     }
 
     /// Runs until nothing moves. Queue pairs and wires are served round-robin.
@@ -220,15 +226,7 @@ impl Fabric {
                     moved = true;
                 }
             }
-            for c in 0..self.control.len() {
-                for dir in 0..2 {
-                    if let Some(item) = self.control[c][dir].pop_front() {
-                        let to = &mut self.sides[1 - dir];
-                        deliver(&mut to.session, &mut to.regions, c, item, self.now);
-                        moved = true;
-                    }
-                }
-            }
+            moved |= self.deliver_control();
             if !moved {
                 self.flush();
                 if self.posted.iter().all(VecDeque::is_empty)
@@ -374,18 +372,7 @@ fn losing_every_queue_pair_mid_push_finishes_over_streams() {
     let req = f.transfer(4, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
     f.sides[0].session.start_push(req, f.now).unwrap();
     // Let the grant arrive and some writes go out, then lose rail 1's QP, then rail 0's.
-    for _ in 0..4 {
-        f.flush();
-        for c in 0..2 {
-            for dir in 0..2 {
-                if let Some(item) = f.control[c][dir].pop_front() {
-                    let to = &mut f.sides[1 - dir];
-                    deliver(&mut to.session, &mut to.regions, c, item, f.now);
-                }
-            }
-        }
-    }
-    f.flush();
+    f.exchange_control();
     assert!(f.counts.1 > 0, "writes were posted before the loss");
     f.kill_qp(1);
     f.kill_qp(0);
@@ -402,18 +389,7 @@ fn losing_every_queue_pair_mid_pull_asks_the_server_to_send() {
     let (sb, db) = blocks();
     let req = f.transfer(5, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
     f.sides[0].session.start_pull(req, f.now).unwrap();
-    for _ in 0..4 {
-        f.flush();
-        for c in 0..2 {
-            for dir in 0..2 {
-                if let Some(item) = f.control[c][dir].pop_front() {
-                    let to = &mut f.sides[1 - dir];
-                    deliver(&mut to.session, &mut to.regions, c, item, f.now);
-                }
-            }
-        }
-    }
-    f.flush();
+    f.exchange_control();
     assert!(f.counts.2 > 0, "reads were posted before the loss");
     f.kill_qp(0);
     f.kill_qp(1);
@@ -430,18 +406,7 @@ fn one_rail_losing_its_queue_pair_moves_its_slices_to_the_other() {
     let (sb, db) = blocks();
     let req = f.transfer(6, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
     f.sides[0].session.start_push(req, f.now).unwrap();
-    for _ in 0..4 {
-        f.flush();
-        for c in 0..2 {
-            for dir in 0..2 {
-                if let Some(item) = f.control[c][dir].pop_front() {
-                    let to = &mut f.sides[1 - dir];
-                    deliver(&mut to.session, &mut to.regions, c, item, f.now);
-                }
-            }
-        }
-    }
-    f.flush();
+    f.exchange_control();
     assert!(!f.posted[1].is_empty(), "rail 1 carried writes");
     f.kill_qp(1);
     f.run();

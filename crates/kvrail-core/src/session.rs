@@ -1478,7 +1478,7 @@ impl Session {
     /// the bytes over the remaining (two-sided) connections instead.
     fn fall_back_from_one_sided(&mut self) {
         let mut fallen = Vec::new();
-        for (&id, t) in self.transfers.iter_mut() {
+        for t in self.transfers.values_mut() {
             let Some(g) = &t.remote else { continue };
             if t.kind != TransferKind::Pull
                 || t.placing > 0
@@ -1496,7 +1496,6 @@ impl Session {
                 open.one_sided = false;
                 fallen.push(crate::wire::message(Body::PullOpen(open)));
             }
-            let _ = id;
         }
         for msg in fallen {
             self.control.push_back((None, msg));

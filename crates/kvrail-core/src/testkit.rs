@@ -69,16 +69,31 @@ impl Regions {
                 pieces,
                 ..
             } => {
-                let src = &self.0[&region_id].bytes;
-                let mut data = Vec::with_capacity(len as usize);
-                for (off, l) in pieces {
-                    data.extend_from_slice(&src[off as usize..(off + l) as usize]);
-                }
+                let data = gather(&self.0[&region_id].bytes, &pieces);
                 assert_eq!(data.len(), len as usize);
                 (conn, Item::Slice(header, data))
             }
         }
     }
+}
+
+/// The bytes of `pieces` (offset, len) of `src`, in order.
+pub fn gather(src: &[u8], pieces: &[(u64, u64)]) -> Vec<u8> {
+    let mut data = Vec::new();
+    for &(off, l) in pieces {
+        data.extend_from_slice(&src[off as usize..(off + l) as usize]);
+    }
+    data
+}
+
+/// Writes `data` into `pieces` of `dst`, in order; the lengths must match.
+pub fn scatter(dst: &mut [u8], pieces: &[(u64, u64)], data: &[u8]) {
+    let mut cursor = 0usize;
+    for &(off, l) in pieces {
+        dst[off as usize..(off + l) as usize].copy_from_slice(&data[cursor..cursor + l as usize]);
+        cursor += l as usize;
+    }
+    assert_eq!(cursor, data.len());
 }
 
 /// Hands an item that arrived on `conn` to `session`, as a driver does: control
@@ -97,14 +112,11 @@ pub fn deliver(
             if let SliceDisposition::Place { region_id, pieces } =
                 session.accept_slice(conn, header, len, now)
             {
-                let dst = &mut regions.0.get_mut(&region_id).unwrap().bytes;
-                let mut cursor = 0usize;
-                for (off, l) in pieces {
-                    dst[off as usize..(off + l) as usize]
-                        .copy_from_slice(&data[cursor..cursor + l as usize]);
-                    cursor += l as usize;
-                }
-                assert_eq!(cursor, data.len());
+                scatter(
+                    &mut regions.0.get_mut(&region_id).unwrap().bytes,
+                    &pieces,
+                    &data,
+                );
                 session.slice_placed(conn, header, len, now);
             }
         }
