@@ -344,32 +344,42 @@ impl PeerLink {
 
     /// Adds a handshaken connection on `rail` and starts its tasks.
     pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
+        self.install(rail, false, |key| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let reader = tokio::spawn(reader_task(self.clone(), key, rail, conn.reader));
+            let writer = tokio::spawn(writer_task(self.clone(), key, rail, conn.writer, rx));
+            (
+                Sink::Stream(tx),
+                Some(reader.abort_handle()),
+                writer.abort_handle(),
+            )
+        })
+    }
+
+    /// Adds a connection to the session (a queue pair if `one_sided`), starts its
+    /// tasks with `start` (given the connection's key) and keeps their handles.
+    fn install(
+        &self,
+        rail: RailId,
+        one_sided: bool,
+        start: impl FnOnce(ConnKey) -> (Sink, Option<AbortHandle>, AbortHandle),
+    ) -> Option<ConnId> {
         let mut st = self.lock();
         if st.closed {
             return None;
         }
-        let id = st.session.add_connection(rail, Instant::now())?;
+        let now = Instant::now();
+        let id = if one_sided {
+            st.session.add_one_sided_connection(rail, now)?
+        } else {
+            st.session.add_connection(rail, now)?
+        };
         st.next_generation += 1;
         let generation = st.next_generation;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let reader = tokio::spawn(reader_task(
-            self.clone(),
-            (id, generation),
-            rail,
-            conn.reader,
-        ))
-        .abort_handle();
-        let writer = tokio::spawn(writer_task(
-            self.clone(),
-            (id, generation),
-            rail,
-            conn.writer,
-            rx,
-        ))
-        .abort_handle();
+        let (sink, reader, writer) = start((id, generation));
         let handle = ConnHandle {
-            writer: Some(Sink::Stream(tx)),
-            reader: Some(reader),
+            writer: Some(sink),
+            reader,
             writer_task: Some(writer),
             rail,
             generation,
@@ -440,41 +450,12 @@ impl PeerLink {
         qp: kvrail_verbs::QueuePair,
         rail: RailId,
     ) -> Option<ConnId> {
-        let shared = self.shared.upgrade()?;
-        let mut st = self.lock();
-        if st.closed {
-            return None;
-        }
-        let id = st.session.add_one_sided_connection(rail, Instant::now())?;
-        st.next_generation += 1;
-        let generation = st.next_generation;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(rdma::qp_task(
-            self.clone(),
-            (id, generation),
-            rail,
-            qp,
-            rx,
-            shared.rdma.busy_poll,
-        ))
-        .abort_handle();
-        let handle = ConnHandle {
-            writer: Some(Sink::QueuePair(tx)),
-            reader: None,
-            writer_task: Some(task),
-            rail,
-            generation,
-        };
-        self.stop_connections(&mut st, [id]);
-        match st.conns.get_mut(id) {
-            Some(old) => *old = handle,
-            None => st.conns.push(handle),
-        }
-        metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).increment(1.0);
-        self.pump(&mut st);
-        drop(st);
-        self.timer.notify_one();
-        Some(id)
+        let busy_poll = self.shared.upgrade()?.rdma.busy_poll;
+        self.install(rail, true, |key| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = tokio::spawn(rdma::qp_task(self.clone(), key, rail, qp, rx, busy_poll));
+            (Sink::QueuePair(tx), None, task.abort_handle())
+        })
     }
 
     /// Dialer: sets up `qps_per_rail` queue pairs on `rail` over its stream
@@ -858,7 +839,7 @@ async fn rebuild_queue_pairs(link: Arc<PeerLink>, rail: RailId) {
                 break;
             }
             Ok(_) => break,
-            Err(e) => rdma::setup_failed(&link.peer, rail, &e),
+            Err(e) => debug!(peer = %link.peer, rail, "RDMA queue pairs not rebuilt yet: {e}"),
         }
         backoff = (backoff * 2).min(rdma::QP_RETRY_MAX);
     }

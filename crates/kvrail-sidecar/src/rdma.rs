@@ -17,7 +17,7 @@ use kvrail_verbs::{
     WorkRequest,
 };
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::metrics as m;
@@ -31,7 +31,8 @@ const TRAILER_BYTES: usize = 24;
 pub struct RdmaRails {
     /// Per local rail: the device, or why there is none.
     devices: Vec<Result<Arc<Device>, String>>,
-    mrs: DashMap<(u64, RailId), Arc<MemoryRegion>>,
+    /// Per region: its registration on each rail's device (index = rail).
+    mrs: DashMap<u64, Vec<Option<Arc<MemoryRegion>>>>,
     pub qp: QpConfig,
     pub qps_per_rail: usize,
     pub busy_poll: Duration,
@@ -95,8 +96,12 @@ impl RdmaRails {
     /// Registers a region with every rail's device (once; the registration lives
     /// until the region is unregistered).
     pub fn register_region(&self, region: &Arc<Region>) {
+        let mut per_rail = Vec::with_capacity(self.devices.len());
         for (rail, dev) in self.devices.iter().enumerate() {
-            let Ok(dev) = dev else { continue };
+            let Ok(dev) = dev else {
+                per_rail.push(None);
+                continue;
+            };
             let owner: Arc<dyn std::any::Any + Send + Sync> = region.clone();
             // SAFETY: the mapping lives as long as the Region, which the MR keeps
             // alive through `owner`.
@@ -108,40 +113,47 @@ impl RdmaRails {
                 )
             };
             match mr {
-                Ok(mr) => {
-                    self.mrs.insert((region.id, rail as RailId), Arc::new(mr));
+                Ok(mr) => per_rail.push(Some(Arc::new(mr))),
+                Err(e) => {
+                    warn!(
+                        region = region.id,
+                        rail, "cannot register region for RDMA, peers will use TCP for it: {e}"
+                    );
+                    per_rail.push(None);
                 }
-                Err(e) => warn!(
-                    region = region.id,
-                    rail, "cannot register region for RDMA, peers will use TCP for it: {e}"
-                ),
             }
+        }
+        if per_rail.iter().any(Option::is_some) {
+            self.mrs.insert(region.id, per_rail);
         }
     }
 
     pub fn unregister_region(&self, region_id: u64) {
-        self.mrs.retain(|(id, _), _| *id != region_id);
+        self.mrs.remove(&region_id);
     }
 
     pub fn mr(&self, region_id: u64, rail: RailId) -> Option<Arc<MemoryRegion>> {
-        self.mrs.get(&(region_id, rail)).map(|m| m.clone())
+        self.mrs.get(&region_id)?.get(rail as usize)?.clone()
     }
 
-    /// The keys a peer needs to reach a region one-sided, per rail.
+    /// The keys a peer needs to reach a region one-sided, in rail order.
     pub fn keys(&self, region_id: u64) -> Vec<pb::MemoryKey> {
-        let mut keys: Vec<pb::MemoryKey> = self
-            .mrs
+        let Some(per_rail) = self.mrs.get(&region_id) else {
+            return Vec::new();
+        };
+        per_rail
             .iter()
-            .filter(|e| e.key().0 == region_id)
-            .map(|e| pb::MemoryKey {
-                rail_index: e.key().1,
-                addr: e.value().addr,
-                length: e.value().len,
-                rkey: e.value().rkey,
+            .enumerate()
+            .filter_map(|(rail, mr)| {
+                let mr = mr.as_ref()?;
+                Some(pb::MemoryKey {
+                    rail_index: rail as RailId,
+                    addr: mr.addr,
+                    length: mr.len,
+                    rkey: mr.rkey,
+                })
             })
-            .collect();
-        keys.sort_by_key(|k| k.rail_index);
-        keys
+            .collect()
     }
 }
 
@@ -446,11 +458,12 @@ fn build(
         }
         remote.push((key.addr + off, len));
     }
-    let (local_side, remote_side, opcode) = match work.remote.op {
-        OneSidedOp::Write => (&local, &remote, Opcode::Write),
-        OneSidedOp::Read => (&local, &remote, Opcode::Read),
+    // The same plan serves both: each request covers one contiguous remote extent.
+    let opcode = match work.remote.op {
+        OneSidedOp::Write => Opcode::Write,
+        OneSidedOp::Read => Opcode::Read,
     };
-    let planned = gather(local_side, remote_side, max_sge)
+    let planned = gather(&local, &remote, max_sge)
         .map_err(|e| PostError::Slice(ErrorCode::Internal, format!("transfer {id}: {e}")))?;
     for (raddr, sges) in planned {
         wrs.push(WorkRequest {
@@ -526,8 +539,3 @@ fn parse_trailer(b: &[u8]) -> Option<(SliceHeader, u32)> {
 /// Backoff between attempts to rebuild a rail's queue pairs.
 pub const QP_RETRY_INITIAL: Duration = Duration::from_millis(250);
 pub const QP_RETRY_MAX: Duration = Duration::from_secs(2);
-
-/// Logs a failed queue pair setup once per rail and cause.
-pub fn setup_failed(peer: &str, rail: RailId, why: &str) {
-    debug!(peer, rail, "RDMA queue pairs not set up: {why}");
-}
