@@ -494,6 +494,26 @@ impl QueuePair {
             }
             return Err(e);
         };
+        let mut me = QueuePair {
+            device: device.clone(),
+            channel,
+            cq,
+            qp,
+            psn: rand_psn(),
+            config: QpConfig {
+                send_depth,
+                recv_depth,
+                ..config
+            },
+            recv_mr: None,
+            recv_buf: vec![0u8; (recv_depth * RECV_SLOT_BYTES) as usize].into_boxed_slice(),
+            wait: None,
+            unacked_events: 0,
+            wcs: Vec::new(),
+            sges: Vec::new(),
+            wrs: Vec::new(),
+        };
+        // From here on an error drops `me`, whose Drop destroys what was created.
         // SAFETY: the channel's fd is valid while the channel lives.
         let fd = unsafe { (*channel.as_ptr()).fd };
         set_nonblocking(fd).map_err(|source| VerbsError::Call {
@@ -508,25 +528,7 @@ impl QueuePair {
             device: name.clone(),
             source: e.into(),
         })?;
-        let mut me = QueuePair {
-            device: device.clone(),
-            channel,
-            cq,
-            qp,
-            psn: rand_psn(),
-            config: QpConfig {
-                send_depth,
-                recv_depth,
-                ..config
-            },
-            recv_mr: None,
-            recv_buf: vec![0u8; (recv_depth * RECV_SLOT_BYTES) as usize].into_boxed_slice(),
-            wait: Some(wait),
-            unacked_events: 0,
-            wcs: Vec::new(),
-            sges: Vec::new(),
-            wrs: Vec::new(),
-        };
+        me.wait = Some(wait);
         let ptr = me.recv_buf.as_mut_ptr();
         let len = me.recv_buf.len();
         // SAFETY: the receive buffer is a boxed slice owned by the queue pair (its
