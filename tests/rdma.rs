@@ -108,7 +108,7 @@ fn counter(text: &str, name: &str, want: &[&str]) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(name) && want.iter().all(|w| l.contains(w)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .fold(0.0, |a, b| a + b)
 }
 
 struct Setup {
@@ -131,7 +131,18 @@ async fn setup(name: &str, rail_count: usize, extra: &[&str]) -> Setup {
 
 async fn setup_with(name: &str, rail_count: usize, extra: &[&str], num_blocks: u32) -> Setup {
     let (a, b) = rails();
-    let pair = Pair::start_on(&a[..rail_count], &b[..rail_count], extra);
+    setup_on(name, &a[..rail_count], &b[..rail_count], extra, num_blocks).await
+}
+
+/// Two sidecars on these rail addresses, each with one exposed 4-layer region.
+async fn setup_on(
+    name: &str,
+    prefill_ips: &[IpAddr],
+    decode_ips: &[IpAddr],
+    extra: &[&str],
+    num_blocks: u32,
+) -> Setup {
+    let pair = Pair::start_on(prefill_ips, decode_ips, extra);
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
     let layout = dense_layout(4, 2, num_blocks, BLOCK_BYTES);
@@ -331,12 +342,12 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     let mut cut = Cutter::new(&format!("ip link set {} down", netdevs[1]));
     let (id, dst) = s.push(11, 0..4, 256).await;
     cut.fire();
+    let at_fire = s.p.get_transfer(id).await.unwrap().bytes_done;
     cut.finish();
     let rail1_before = s.rdma_bytes("1");
-    let at_cut = s.p.get_transfer(id).await.unwrap().bytes_done;
     s.done(id).await;
     println!(
-        "rail 1 cut at {at_cut} bytes; rail 0 {} bytes, rail 1 {rail1_before} -> {} bytes",
+        "rail 1 cut fired with {at_fire} bytes acknowledged; rail 0 {} bytes, rail 1 {rail1_before} -> {} bytes",
         s.rdma_bytes("0"),
         s.rdma_bytes("1")
     );
@@ -435,24 +446,7 @@ fn kvrail_verbs_present() -> bool {
 
 async fn setup_loopback() -> Setup {
     let lo = [IpAddr::from([127, 0, 0, 1])];
-    let pair = Pair::start_on(&lo, &lo, &[]);
-    let mut p = pair.prefill.client().await;
-    let mut d = pair.decode.client().await;
-    let layout = dense_layout(4, 2, NUM_BLOCKS, BLOCK_BYTES);
-    let p_kv = KvRegion::create(pair.shm_path("nordma-p"), layout).unwrap();
-    let d_kv = KvRegion::create(pair.shm_path("nordma-d"), layout).unwrap();
-    let p_region = p.register_region("p0", &p_kv, true).await.unwrap();
-    let d_region = d.register_region("d0", &d_kv, true).await.unwrap();
-    Setup {
-        pair,
-        p,
-        d,
-        p_kv,
-        d_kv,
-        p_region,
-        d_region,
-        num_blocks: NUM_BLOCKS,
-    }
+    setup_on("nordma", &lo, &lo, &[], NUM_BLOCKS).await
 }
 
 /// A shell that runs `cmd` once told to: started ahead, so the cut lands within
