@@ -1,7 +1,10 @@
 //! `loadgen bench`: throughput and latency of kvrail between two local sidecars,
-//! with iperf3 run in the same invocation for a side-by-side ratio.
+//! with a baseline run in the same invocation for a side-by-side ratio: iperf3 for
+//! TCP on loopback, `ib_write_bw`/`ib_write_lat` on the same device pairs for RDMA
+//! (`--transport rdma`, inside the Soft-RoCE VM).
 //! One JSON object per result on stdout; a human table on stderr.
 
+use std::net::IpAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -43,16 +46,43 @@ pub struct BenchArgs {
     /// 4 KiB push latency samples (call to the peer worker's notification).
     #[arg(long, default_value_t = 1000)]
     pub latency_samples: usize,
-    /// Bytes moved per measurement, at least (small sizes repeat until they reach it).
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
-    pub bytes_per_point: u64,
-    /// Which parts to run: single, scattered, vllm, latency, iperf3.
+    /// Bytes moved per measurement, at least (small sizes repeat until they reach it);
+    /// default 1G over TCP, 256M over RDMA (Soft-RoCE is slow).
+    #[arg(long, value_parser = parse_size)]
+    pub bytes_per_point: Option<u64>,
+    /// Which parts to run: single, scattered, vllm, latency, and the baseline: iperf3
+    /// (tcp) or perftest (rdma).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "iperf3,single,scattered,vllm,latency"
+        default_value = "iperf3,perftest,single,scattered,vllm,latency"
     )]
     pub only: Vec<String>,
+    /// tcp: two sidecars on loopback. rdma: the sidecars on the rail addresses of
+    /// `--node-a`/`--node-b` with verbs (run it inside `shared/rdma-vm/run`).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+    pub transport: String,
+    /// RDMA: the prefill node's rail addresses (its devices are found by them).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "169.254.100.1,169.254.101.1"
+    )]
+    pub node_a: Vec<IpAddr>,
+    /// RDMA: the decode node's rail addresses.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "169.254.100.2,169.254.101.2"
+    )]
+    pub node_b: Vec<IpAddr>,
+    /// RDMA: how many rails (the first N addresses of each node); perftest runs on
+    /// the same device pairs at once.
+    #[arg(long, default_value_t = 1)]
+    pub rdma_rails: usize,
+    /// RDMA: queue pairs per rail (perftest runs with as many).
+    #[arg(long, default_value_t = 2)]
+    pub rdma_qps: usize,
     /// iperf3 duration in seconds.
     #[arg(long, default_value_t = 3)]
     pub iperf3_seconds: u32,
@@ -77,7 +107,7 @@ pub(crate) fn parse_x(spec: &str) -> anyhow::Result<Vec<u64>> {
 /// Both workers: the prefill side's region and the decode side's, on one file each.
 pub(crate) struct Bench {
     // Keeps the sidecar processes alive for the whole run.
-    _cluster: LocalCluster,
+    cluster: LocalCluster,
     pub(crate) p: Client,
     pub(crate) d: Client,
     pub(crate) p_mem: SharedRegion,
@@ -87,7 +117,11 @@ pub(crate) struct Bench {
     iperf3_gbps: Option<f64>,
     /// One single-stream iperf3 process per connection: not bound to one thread.
     iperf3_procs_gbps: Option<f64>,
+    /// `ib_write_bw` over the same device pairs (RDMA runs).
+    ib_write_bw_gbps: Option<f64>,
     contiguous_push_gbps: Option<f64>,
+    /// "tcp" or "rdma": what the sidecars were set up to use.
+    transport: &'static str,
     next_request: u64,
     /// The prefill worker's notifications: a pulled region may be freed only once served.
     p_notes: tonic::Streaming<kvrail_client::proto::Notification>,
@@ -112,6 +146,7 @@ impl Bench {
         cluster: LocalCluster,
         args: &BenchArgs,
         file_bytes: u64,
+        transport: &'static str,
     ) -> anyhow::Result<Bench> {
         let mut p = cluster.client(&cluster.prefill).await?;
         let p_notes = p.subscribe("bench-p").await?;
@@ -120,7 +155,7 @@ impl Bench {
         let d_kv = KvRegion::create(cluster.shm_path("d"), dense_layout(1, 1, 1, file_bytes))?;
         fill_source(&p_kv.memory)?;
         Ok(Bench {
-            _cluster: cluster,
+            cluster,
             p,
             d,
             p_mem: p_kv.memory,
@@ -129,7 +164,9 @@ impl Bench {
             results: Vec::new(),
             iperf3_gbps: None,
             iperf3_procs_gbps: None,
+            ib_write_bw_gbps: None,
             contiguous_push_gbps: None,
+            transport,
             next_request: 0,
             p_notes,
             awaiting_served: Default::default(),
@@ -223,7 +260,7 @@ impl Bench {
             .await?; // warm-up: page faults, connections
         crate::verify::compare_blocks(&self.p_mem, &self.d_mem, &layout, layers, &src, &dst, false)
             .with_context(|| format!("{name} {op} moved wrong bytes"))?;
-        let iterations = (self.args.bytes_per_point / bytes).clamp(3, 2000);
+        let iterations = (self.bytes_per_point() / bytes).clamp(3, 2000);
         let mut lat = Latencies::default();
         let mut total = Duration::ZERO;
         let mut segments = 0;
@@ -248,11 +285,21 @@ impl Bench {
         })
     }
 
+    fn bytes_per_point(&self) -> u64 {
+        self.args
+            .bytes_per_point
+            .unwrap_or(if self.transport == "rdma" {
+                256 << 20
+            } else {
+                1 << 30
+            })
+    }
+
     fn report(&mut self, p: Point, extra: serde_json::Value) {
         let rate = gbps(p.bytes * p.iterations, p.total);
         let mut v = json!({
             "bench": p.name,
-            "transport": "tcp",
+            "transport": self.transport,
             "op": p.op,
             "bytes": p.bytes,
             "blocks": p.blocks,
@@ -268,6 +315,9 @@ impl Bench {
         }
         if let Some(i) = self.iperf3_procs_gbps {
             v["ratio_vs_iperf3_procs"] = json!(round3(rate / i));
+        }
+        if let Some(i) = self.ib_write_bw_gbps {
+            v["ratio_vs_ib_write_bw"] = json!(round3(rate / i));
         }
         if let (Some(c), true) = (self.contiguous_push_gbps, p.name != "single") {
             v["ratio_vs_contiguous_256m"] = json!(round3(rate / c));
@@ -287,9 +337,14 @@ impl Bench {
             rate,
             p.lat.percentile_us(50.0),
             p.lat.percentile_us(99.0),
-            match (v.get("ratio_vs_iperf3"), v.get("ratio_vs_iperf3_procs")) {
-                (Some(a), Some(b)) => format!("  {a}x iperf3 -P, {b}x iperf3 procs"),
-                (Some(a), None) => format!("  {a}x iperf3"),
+            match (
+                v.get("ratio_vs_iperf3"),
+                v.get("ratio_vs_iperf3_procs"),
+                v.get("ratio_vs_ib_write_bw"),
+            ) {
+                (Some(a), Some(b), _) => format!("  {a}x iperf3 -P, {b}x iperf3 procs"),
+                (Some(a), None, _) => format!("  {a}x iperf3"),
+                (_, _, Some(r)) => format!("  {r}x ib_write_bw"),
                 _ => String::new(),
             }
         );
@@ -392,7 +447,10 @@ fn iperf3(procs: usize, streams_each: usize, seconds: u32) -> anyhow::Result<f64
     total
 }
 
-async fn latency(bench: &mut Bench) -> anyhow::Result<()> {
+async fn latency(
+    bench: &mut Bench,
+    ib_write_lat: Option<crate::perftest::WriteLatency>,
+) -> anyhow::Result<()> {
     let layout = dense_layout(1, 1, 1024, 4096);
     let regions = bench.register(layout).await?;
     let mut notes = bench.d.subscribe("bench-d").await?;
@@ -446,9 +504,9 @@ async fn latency(bench: &mut Bench) -> anyhow::Result<()> {
         bench.p.list_peers().await?;
         rpc.record(start.elapsed());
     }
-    let v = json!({
+    let mut v = json!({
         "bench": "latency",
-        "transport": "tcp",
+        "transport": bench.transport,
         "op": "push",
         "bytes": 4096,
         "blocks": 1,
@@ -468,6 +526,15 @@ async fn latency(bench: &mut Bench) -> anyhow::Result<()> {
         rpc.percentile_us(50.0),
         in_sidecar.percentile_us(50.0)
     );
+    if let Some(l) = ib_write_lat {
+        v["ib_write_lat_typical_us"] = json!(l.typical_us);
+        v["ib_write_lat_avg_us"] = json!(l.average_us);
+        v["ib_write_lat_p99_us"] = json!(l.p99_us);
+        eprintln!(
+            "ib_write_lat 4 KiB on the same devices: typical {} us, avg {} us, p99 {} us",
+            l.typical_us, l.average_us, l.p99_us
+        );
+    }
     println!("{v}");
     bench.results.push(v);
     Ok(())
@@ -491,18 +558,40 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if !args.rails.is_empty() {
         return crate::rails::run(args, scattered).await;
     }
-    let opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
-    let cluster = LocalCluster::start(&opts).await?;
-    let mut bench = Bench::start(cluster, &args, file_bytes).await?;
-    eprintln!(
-        "kvrail bench: 2 sidecars on loopback, tcp, {} connections, slices of {}, window {}",
-        args.connections,
-        human_bytes(args.slice_bytes),
-        human_bytes(args.window_bytes)
-    );
+    let mut opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
+    let (cluster, devices) = if args.transport == "rdma" {
+        let devices = rdma_devices(&args)?;
+        let rails = args.rdma_rails;
+        opts.metrics = true;
+        opts.extra_args = vec!["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()];
+        let cluster =
+            LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await?;
+        eprintln!(
+            "kvrail bench: 2 sidecars, rdma over {rails} rail(s) ({}), {} queue pairs per rail, slices of {}",
+            devices
+                .iter()
+                .map(|d| format!("{} -> {}", d.client, d.server))
+                .collect::<Vec<_>>()
+                .join(", "),
+            args.rdma_qps,
+            human_bytes(args.slice_bytes),
+        );
+        (cluster, devices)
+    } else {
+        eprintln!(
+            "kvrail bench: 2 sidecars on loopback, tcp, {} connections, slices of {}, window {}",
+            args.connections,
+            human_bytes(args.slice_bytes),
+            human_bytes(args.window_bytes)
+        );
+        (LocalCluster::start(&opts).await?, Vec::new())
+    };
+    let transport = if devices.is_empty() { "tcp" } else { "rdma" };
+    let mut bench = Bench::start(cluster, &args, file_bytes, transport).await?;
     let result = run_parts(
         &mut bench,
         &wants,
+        &devices,
         &scattered,
         &vllm,
         scattered_layout,
@@ -513,16 +602,116 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     result
 }
 
+/// The RDMA device of each rail address, both nodes, or why there is none.
+fn rdma_devices(args: &BenchArgs) -> anyhow::Result<Vec<crate::perftest::DevicePair>> {
+    let rails = args.rdma_rails;
+    if rails == 0 || rails > args.node_a.len() || rails > args.node_b.len() {
+        bail!(
+            "--rdma-rails {rails}: each node has {} and {} addresses",
+            args.node_a.len(),
+            args.node_b.len()
+        );
+    }
+    (0..rails)
+        .map(|r| {
+            let open = |ip: IpAddr| {
+                kvrail_verbs::Device::open(ip, None, None).with_context(|| {
+                    format!("no RDMA device for {ip} (run this inside shared/rdma-vm/run)")
+                })
+            };
+            let (a, b) = (open(args.node_a[r])?, open(args.node_b[r])?);
+            Ok(crate::perftest::DevicePair {
+                server: b.name().to_string(),
+                client: a.name().to_string(),
+                gid_index: a.gid_index(),
+            })
+        })
+        .collect()
+}
+
+/// Sum of the metric `name`'s series whose labels contain every `want` fragment.
+fn metric_sum(text: &str, name: &str, want: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && want.iter().all(|w| l.contains(w)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+/// What the RDMA run put through verbs and TCP, and what posting cost per
+/// descriptor (one block piece gathered into a work request), from both sidecars.
+fn rdma_counters(bench: &mut Bench) -> anyhow::Result<()> {
+    use kvrail_sidecar::metrics as m;
+    let texts = [
+        bench.cluster.scrape(&bench.cluster.prefill)?,
+        bench.cluster.scrape(&bench.cluster.decode)?,
+    ];
+    let sum =
+        |name: &str, want: &[&str]| texts.iter().map(|t| metric_sum(t, name, want)).sum::<f64>();
+    let rdma_bytes = sum(m::BYTES_SENT, &["transport=\"rdma\""])
+        + sum(m::BYTES_RECEIVED, &["transport=\"rdma\""]);
+    let tcp_bytes = sum(m::BYTES_SENT, &["transport=\"tcp\""]);
+    let build_nanos = sum(m::RDMA_BUILD_NANOS, &[]);
+    let nanos = sum(m::RDMA_POST_NANOS, &[]);
+    let descriptors = sum(m::RDMA_DESCRIPTORS, &[]);
+    let work_requests = sum(m::RDMA_WORK_REQUESTS, &[]);
+    let per = |total: f64, n: f64| round3(if n > 0.0 { total / n } else { 0.0 });
+    let build_per_descriptor = per(build_nanos, descriptors);
+    let v = json!({
+        "bench": "rdma_counters",
+        "transport": "rdma",
+        "rdma_payload_bytes": rdma_bytes,
+        "tcp_payload_bytes_sent": tcp_bytes,
+        "descriptors": descriptors,
+        "work_requests": work_requests,
+        "build_ns_per_descriptor": build_per_descriptor,
+        "post_ns_per_descriptor": per(nanos, descriptors),
+        "post_ns_per_work_request": per(nanos, work_requests),
+        "measured": "build: bounds checks and gather lists per block piece (NIXL's reference: ~2400 ns per descriptor); post: ibv_post_send, which on Soft-RoCE runs the emulated NIC",
+    });
+    eprintln!(
+        "rdma       {} moved by verbs, {} over TCP; {descriptors} descriptors in {work_requests} work requests: build {build_per_descriptor} ns per descriptor, ibv_post_send {} ns per work request",
+        human_bytes(rdma_bytes as u64),
+        human_bytes(tcp_bytes as u64),
+        per(nanos, work_requests),
+    );
+    println!("{v}");
+    bench.results.push(v);
+    if rdma_bytes == 0.0 {
+        bail!("the RDMA bench moved no byte through verbs: see the sidecar logs");
+    }
+    Ok(())
+}
+
 async fn run_parts(
     bench: &mut Bench,
     wants: &dyn Fn(&str) -> bool,
+    devices: &[crate::perftest::DevicePair],
     scattered: &[u64],
     vllm: &[u64],
     scattered_layout: RegionLayout,
     vllm_layout: RegionLayout,
 ) -> anyhow::Result<()> {
     let args = bench.args.clone();
-    if wants("iperf3") {
+    let mut ib_write_lat = None;
+    if wants("perftest") && !devices.is_empty() {
+        let size = args.slice_bytes;
+        let iterations = (bench.bytes_per_point() / size).max(100);
+        let g = crate::perftest::write_bw(devices, size, iterations, args.rdma_qps)?;
+        bench.ib_write_bw_gbps = Some(g);
+        let v = json!({"bench": "ib_write_bw", "transport": "rdma", "op": "write", "bytes": size, "iterations": iterations, "qps_per_rail": args.rdma_qps, "rails": devices.len(), "gbps": round3(g)});
+        eprintln!(
+            "ib_write_bw {} x {iterations}, {} qps x {} rail(s): {g:>8.3} GB/s",
+            human_bytes(size),
+            args.rdma_qps,
+            devices.len()
+        );
+        println!("{v}");
+        bench.results.push(v);
+        if wants("latency") {
+            ib_write_lat = Some(crate::perftest::write_lat(&devices[0], 4096, 1000)?);
+        }
+    }
+    if wants("iperf3") && devices.is_empty() {
         let n = args.connections;
         let g = iperf3(1, n, args.iperf3_seconds)?;
         bench.iperf3_gbps = Some(g);
@@ -591,7 +780,28 @@ async fn run_parts(
         };
         let src = pick(&mut rng);
         let dst = pick(&mut rng);
+        // The reference: one contiguous range of the same size, same op, same run.
+        let total = vllm[0] * 2 * vllm[1] * vllm[2];
+        let block = if total % (1 << 20) == 0 {
+            1 << 20
+        } else {
+            vllm[2]
+        };
+        let flat = dense_layout(1, 1, (bench.p_mem.len() / block) as u32, block);
+        let flat_ids: Vec<u32> = (0..(total / block) as u32).collect();
         for op in &args.ops {
+            let reference = bench
+                .point(
+                    "contiguous",
+                    op,
+                    flat,
+                    1,
+                    flat_ids.clone(),
+                    flat_ids.clone(),
+                )
+                .await?;
+            let reference_gbps = gbps(reference.bytes * reference.iterations, reference.total);
+            bench.report(reference, json!({"reference_for": "vllm"}));
             let point = bench
                 .point(
                     "vllm",
@@ -602,14 +812,20 @@ async fn run_parts(
                     dst.clone(),
                 )
                 .await?;
+            let rate = gbps(point.bytes * point.iterations, point.total);
+            let ratio = round3(rate / reference_gbps);
+            eprintln!("vllm       {op:<5} {ratio}x a contiguous {op} of the same size");
             bench.report(
                 point,
-                json!({"layers": vllm[0], "block_bytes": vllm[2], "pool_blocks": pool}),
+                json!({"layers": vllm[0], "block_bytes": vllm[2], "pool_blocks": pool, "ratio_vs_contiguous_same_size": ratio}),
             );
         }
     }
     if wants("latency") {
-        latency(bench).await?;
+        latency(bench, ib_write_lat).await?;
+    }
+    if !devices.is_empty() {
+        rdma_counters(bench)?;
     }
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! [`NetLab`] (this binary re-run as `loadgen sidecar ...`, the same code as
 //! `kvrail serve`, or a given `kvrail` binary), and connects to them.
 
-use std::net::TcpListener;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,6 +17,8 @@ use crate::netlab::{NetLab, Node};
 pub struct SidecarProcess {
     pub node: String,
     pub socket: PathBuf,
+    /// Where its Prometheus metrics are served, when asked for.
+    pub metrics: Option<SocketAddr>,
     child: Child,
 }
 
@@ -43,6 +46,8 @@ pub struct ClusterOptions {
     pub extra_args: Vec<String>,
     /// A `kvrail` binary to run (`serve`); by default this binary (`sidecar`).
     pub kvrail_binary: Option<PathBuf>,
+    /// Serve metrics on a loopback port (see [`LocalCluster::scrape`]).
+    pub metrics: bool,
 }
 
 impl ClusterOptions {
@@ -53,18 +58,33 @@ impl ClusterOptions {
             window_bytes,
             extra_args: Vec::new(),
             kvrail_binary: None,
+            metrics: false,
         }
     }
 }
 
-/// Where the sidecars run: loopback ports, or the first `rails` rails of a lab.
+/// Where the sidecars run: loopback ports, the first `rails` rails of a lab, or
+/// given rail addresses of this host (e.g. the RDMA VM's two nodes).
 enum Placement<'a> {
     Loopback,
     Lab { lab: &'a NetLab, rails: usize },
+    Addresses { a: &'a [IpAddr], b: &'a [IpAddr] },
+}
+
+/// A port free on `ip` for both TCP and UDP (TCP and QUIC share a rail's port).
+fn free_port_on(ip: IpAddr) -> anyhow::Result<u16> {
+    for _ in 0..100 {
+        let tcp = TcpListener::bind((ip, 0))?;
+        let port = tcp.local_addr()?.port();
+        if std::net::UdpSocket::bind((ip, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no port on {ip} free for both TCP and UDP")
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    free_port_on(IpAddr::from([127, 0, 0, 1]))
 }
 
 impl LocalCluster {
@@ -85,6 +105,19 @@ impl LocalCluster {
         Self::start_at(opts, Placement::Lab { lab, rails }).await
     }
 
+    /// Prefill listening on rail addresses `a`, decode on `b` (one per rail), in
+    /// this host's namespace.
+    pub async fn start_on(
+        opts: &ClusterOptions,
+        a: &[IpAddr],
+        b: &[IpAddr],
+    ) -> anyhow::Result<LocalCluster> {
+        if a.is_empty() || a.len() != b.len() {
+            bail!("both nodes need the same number (>= 1) of rail addresses");
+        }
+        Self::start_at(opts, Placement::Addresses { a, b }).await
+    }
+
     async fn start_at(opts: &ClusterOptions, at: Placement<'_>) -> anyhow::Result<LocalCluster> {
         let dir = tempfile::tempdir()?;
         let (exe, sub) = match &opts.kvrail_binary {
@@ -99,11 +132,17 @@ impl LocalCluster {
                 Placement::Lab { lab, rails } => (0..*rails)
                     .map(|r| format!("{}:{LAB_PORT}", lab.addr(node, r)))
                     .collect(),
+                Placement::Addresses { a, b } => {
+                    let ips = if node == Node::A { a } else { b };
+                    ips.iter()
+                        .map(|&ip| Ok(SocketAddr::new(ip, free_port_on(ip)?).to_string()))
+                        .collect::<anyhow::Result<_>>()?
+                }
             })
         };
         let (pa, da) = (addrs(Node::A)?, addrs(Node::B)?);
         let command = |node: Node| match &at {
-            Placement::Loopback => Command::new(&exe),
+            Placement::Loopback | Placement::Addresses { .. } => Command::new(&exe),
             Placement::Lab { lab, .. } => lab.command(node, &exe),
         };
         let spawn = |node: &str,
@@ -116,6 +155,13 @@ impl LocalCluster {
             let log = std::fs::File::create(dir.path().join(format!("{node}.log")))?;
             let mut cmd = command(at);
             cmd.arg(sub).args(["--node", node]);
+            let metrics = if opts.metrics {
+                let addr = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), free_port()?);
+                cmd.args(["--metrics-addr", &addr.to_string()]);
+                Some(addr)
+            } else {
+                None
+            };
             for l in listen {
                 cmd.args(["--listen", l]);
             }
@@ -141,6 +187,7 @@ impl LocalCluster {
             Ok(SidecarProcess {
                 node: node.into(),
                 socket,
+                metrics,
                 child,
             })
         };
@@ -172,6 +219,23 @@ impl LocalCluster {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// The Prometheus text of a sidecar started with `metrics`.
+    pub fn scrape(&self, s: &SidecarProcess) -> anyhow::Result<String> {
+        let addr = s
+            .metrics
+            .with_context(|| format!("sidecar {} serves no metrics", s.node))?;
+        let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut text = String::new();
+        conn.read_to_string(&mut text)?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .context("metrics answer has no body")?;
+        Ok(body)
     }
 
     /// A path for a shared-memory file (under /dev/shm when it exists).

@@ -4,6 +4,7 @@
 mod bench;
 mod demo;
 mod model;
+mod perftest;
 mod rails;
 mod stats;
 mod trace;

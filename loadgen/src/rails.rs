@@ -89,7 +89,7 @@ pub async fn run(args: BenchArgs, scattered: Vec<u64>) -> anyhow::Result<()> {
     for &n in &counts {
         let opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
         let cluster = LocalCluster::start_in_lab(&opts, &lab, n).await?;
-        let mut bench = Bench::start(cluster, &args, file_bytes).await?;
+        let mut bench = Bench::start(cluster, &args, file_bytes, "tcp").await?;
         let result = measure(&mut bench, n, &rates, sum_rate, &scattered, &mut single).await;
         let result = match (result, cut) {
             (Ok(()), Some(how)) if n >= 2 => failover(&mut bench, &lab, how, &single).await,

@@ -48,12 +48,17 @@ pub fn binary(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-/// A port nobody listens on right now (the kernel picks it).
+/// A port free for both TCP and UDP right now (sidecars listen on both: TCP and
+/// QUIC share the rail's port number).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
+    for _ in 0..100 {
+        let tcp = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+        let port = tcp.local_addr().expect("local address").port();
+        if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no port free for both TCP and UDP");
 }
 
 /// One `kvrail serve` process.

@@ -414,7 +414,11 @@ impl Sidecar for Api {
                 name: name.clone(),
                 rails: slot.config.rails.iter().map(|a| a.to_string()).collect(),
                 connected: rail_status.iter().any(|r| r.connections > 0),
-                transport: self.shared.transport.name().to_string(),
+                // The stream transport of the live session (RDMA rides on it).
+                transport: links
+                    .first()
+                    .map(|l| l.transport.to_string())
+                    .unwrap_or_default(),
                 rail_status,
             });
         }

@@ -54,6 +54,20 @@ pub struct Config {
     pub rdma_timeout: u8,
     /// Queue pair retries before it fails (7 retries for ever on Soft-RoCE).
     pub rdma_retry_cnt: u8,
+    /// Transports in order of preference; each peer pair uses the first both
+    /// sides have ("rdma" rides on the chosen stream transport's connections).
+    pub transports: Vec<String>,
+    /// Directory of the cluster CA and node certificates (`kvrail certs`):
+    /// `ca.pem`, `NODE.pem`, `NODE.key`. Needed for QUIC.
+    pub tls_dir: Option<PathBuf>,
+    /// QUIC: largest UDP payload MTU discovery may reach.
+    pub quic_max_udp_payload: u16,
+    /// QUIC: per-stream and per-connection receive windows, and the send window.
+    pub quic_stream_window: u64,
+    pub quic_connection_window: u64,
+    pub quic_send_window: u64,
+    /// QUIC: UDP segmentation offload.
+    pub quic_gso: bool,
 }
 
 impl Default for Config {
@@ -79,6 +93,13 @@ impl Default for Config {
             rdma_busy_poll_us: 0,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,
+            transports: vec!["rdma".into(), "quic".into(), "tcp".into()],
+            tls_dir: None,
+            quic_max_udp_payload: 6550,
+            quic_stream_window: 32 << 20,
+            quic_connection_window: 64 << 20,
+            quic_send_window: 64 << 20,
+            quic_gso: true,
         }
     }
 }
@@ -163,6 +184,23 @@ impl Config {
         if self.rdma_timeout > 31 || self.rdma_retry_cnt > 7 {
             return bad("rdma_timeout must be 0..=31 and rdma_retry_cnt 0..=7");
         }
+        if self.transports.is_empty()
+            || self
+                .transports
+                .iter()
+                .any(|t| !["rdma", "quic", "tcp"].contains(&t.as_str()))
+        {
+            return bad("transports must list some of rdma, quic, tcp");
+        }
+        if !self.transports.iter().any(|t| t == "quic" || t == "tcp") {
+            return bad("transports needs quic or tcp (RDMA sets up over one of them)");
+        }
+        if self.transports.iter().any(|t| t == "quic") && self.tls_dir.is_none() {
+            return bad("quic needs tls_dir with the cluster's certificates (kvrail certs), or leave quic out of transports");
+        }
+        if self.quic_max_udp_payload < 1200 {
+            return bad("quic_max_udp_payload must be at least 1200");
+        }
         if self.window_bytes < self.slice_bytes {
             return bad("window_bytes must be at least slice_bytes");
         }
@@ -175,6 +213,31 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The QUIC driver's settings.
+    pub fn quic_settings(&self) -> kvrail_quic::QuicSettings {
+        kvrail_quic::QuicSettings {
+            max_udp_payload: self.quic_max_udp_payload,
+            stream_window: self.quic_stream_window,
+            connection_window: self.quic_connection_window,
+            send_window: self.quic_send_window,
+            gso: self.quic_gso,
+            ..Default::default()
+        }
+    }
+
+    /// Whether `transport` is enabled here.
+    pub fn wants(&self, transport: &str) -> bool {
+        self.transports.iter().any(|t| t == transport)
+    }
+
+    /// Where `transport` stands in our preference (lower is better).
+    pub fn rank(&self, transport: &str) -> usize {
+        self.transports
+            .iter()
+            .position(|t| t == transport)
+            .unwrap_or(usize::MAX)
     }
 
     pub fn progress_timeout(&self) -> Duration {

@@ -8,12 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dashmap::DashMap;
+use kvrail_auth::{Identity, IdentityFiles};
 use kvrail_core::handshake::{check_hello, HandshakeError};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
+use kvrail_quic::QuicTransport;
 use kvrail_transport::tcp::TcpTransport;
-use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport};
+use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport, TransportError};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -56,7 +58,8 @@ pub struct Shared {
     pub transfers: TransferTable,
     pub peers: HashMap<String, PeerSlot>,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
-    pub transport: Arc<dyn Transport>,
+    /// Stream transports (quic, tcp) in our order of preference.
+    pub transports: Vec<Arc<dyn Transport>>,
     pub rdma: RdmaRails,
     next_transfer: AtomicU64,
 }
@@ -79,6 +82,24 @@ impl Shared {
             rails: self.config.rail_config(),
             probes_rails: dialer,
         }
+    }
+
+    /// Our stream transport called `name`.
+    pub fn transport(&self, name: &str) -> Option<&Arc<dyn Transport>> {
+        self.transports.iter().find(|t| t.name() == name)
+    }
+
+    /// What we offer in handshakes, best first: "rdma" when a rail has a device.
+    pub fn offered_transports(&self) -> Vec<String> {
+        self.config
+            .transports
+            .iter()
+            .filter(|t| match t.as_str() {
+                "rdma" => self.rdma.any(),
+                other => self.transport(other).is_some(),
+            })
+            .cloned()
+            .collect()
     }
 
     pub fn next_transfer_id(&self) -> u64 {
@@ -125,16 +146,64 @@ impl Shared {
         Ok(Some(link))
     }
 
+    /// Dials `peer` over our stream transports in order of preference: the first
+    /// that reaches it carries the session (and RDMA, if both sides have it).
     async fn dial(self: &Arc<Self>, peer: &PeerConfig) -> Result<Arc<PeerLink>, DialError> {
+        let mut skipped = Vec::new();
+        let mut last = None;
+        for transport in &self.transports {
+            match self.dial_over(peer, transport.name()).await {
+                Ok((link, rdma)) => {
+                    self.log_choice(peer, &link, &skipped, &rdma);
+                    return Ok(link);
+                }
+                Err(e @ DialError::Refused { .. }) => return Err(e),
+                Err(e) => {
+                    skipped.push(format!("{}: {e}", transport.name()));
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| DialError::Unreachable {
+            peer: peer.name.clone(),
+            reasons: "no transport configured".into(),
+        }))
+    }
+
+    /// Logs and exports which transport a peer pair uses, and why.
+    fn log_choice(&self, peer: &PeerConfig, link: &PeerLink, skipped: &[String], rdma: &[String]) {
+        let rdma_rails = rdma.iter().filter(|r| r.starts_with("rdma")).count();
+        let chosen = if rdma_rails > 0 {
+            "rdma"
+        } else {
+            link.transport
+        };
+        let mut why = vec![format!("order {:?}", self.config.transports)];
+        why.extend(skipped.iter().cloned());
+        why.extend(rdma.iter().cloned());
+        info!(peer = %peer.name, transport = chosen, stream = link.transport, reason = %why.join("; "), "transport chosen for peer");
+        for t in ["rdma", "quic", "tcp"] {
+            metrics::gauge!(m::PEER_TRANSPORT, "peer" => peer.name.clone(), "transport" => t)
+                .set(if t == chosen { 1.0 } else { 0.0 });
+        }
+    }
+
+    /// One dial attempt over one stream transport; per rail, what came of RDMA.
+    async fn dial_over(
+        self: &Arc<Self>,
+        peer: &PeerConfig,
+        transport: &'static str,
+    ) -> Result<(Arc<PeerLink>, Vec<String>), DialError> {
         let dial = DialInfo {
             peer: peer.clone(),
             session_id: rand::random(),
         };
-        let link = PeerLink::new(&peer.name, self.transport.name(), self, Some(dial.clone()));
+        let link = PeerLink::new(&peer.name, transport, self, Some(dial.clone()));
         let mut reasons = Vec::new();
+        let mut rdma = Vec::new();
         for rail in 0..peer.rails.len() as RailId {
             match self.dial_rail(&link, &dial, rail, false).await {
-                Ok(()) => {}
+                Ok(note) => rdma.extend(note),
                 Err(DialError::Refused { reason, .. }) => {
                     link.close("handshake refused");
                     return Err(DialError::Refused {
@@ -159,20 +228,28 @@ impl Shared {
         for r in &reasons {
             warn!(peer = %peer.name, "rail unavailable: {r}");
         }
-        info!(peer = %peer.name, connections = link.alive_connections(), transport = self.transport.name(), "connected to peer");
-        Ok(link)
+        info!(peer = %peer.name, connections = link.alive_connections(), transport, "connected to peer");
+        Ok((link, rdma))
     }
 
     /// Opens `connections_per_rail` connections on one rail of an outbound link. The
     /// first one (connection index 0) tells the acceptor to drop whatever it still
-    /// holds on that rail. Fails if not even the first connection comes up.
+    /// holds on that rail. Fails if not even the first connection comes up. Says
+    /// what came of RDMA on the rail, when it was considered.
     pub async fn dial_rail(
         &self,
         link: &Arc<PeerLink>,
         dial: &DialInfo,
         rail: RailId,
         probing: bool,
-    ) -> Result<(), DialError> {
+    ) -> Result<Option<String>, DialError> {
+        let transport = self
+            .transport(link.transport)
+            .ok_or_else(|| DialError::Unreachable {
+                peer: dial.peer.name.clone(),
+                reasons: format!("transport {} is not enabled here", link.transport),
+            })?
+            .clone();
         let (peer, session_id) = (&dial.peer, dial.session_id);
         let unreachable = |reasons: String| DialError::Unreachable {
             peer: peer.name.clone(),
@@ -195,6 +272,7 @@ impl Shared {
             self.config.connect_timeout()
         };
         let mut first = None;
+        let mut peer_offers = Vec::new();
         for index in 0..self.config.connections_per_rail {
             let hello = pb::Hello {
                 protocol_version: u32::from(PROTOCOL_VERSION),
@@ -202,16 +280,17 @@ impl Shared {
                 session_id,
                 rail_index: rail,
                 connection_index: index as u32,
-                transports: vec![self.transport.name().to_string()],
+                transports: self.offered_transports(),
                 rail_count: peer.rails.len() as u32,
                 expected_peer: peer.name.clone(),
                 rail_local_addr: local.map(|a| a.ip().to_string()).unwrap_or_default(),
                 rail_peer_addr: addr.to_string(),
             };
-            match self.dial_one(local, addr, hello, timeout).await {
-                Ok(conn) => match link.attach(conn, rail) {
+            match self.dial_one(&transport, local, addr, hello, timeout).await {
+                Ok((conn, offers)) => match link.attach(conn, rail) {
                     Some(id) => {
                         first.get_or_insert(id);
+                        peer_offers = offers;
                     }
                     None => return Err(unreachable("session is closed or full".into())),
                 },
@@ -223,49 +302,102 @@ impl Shared {
                 }
             }
         }
-        if let (Some(first), Ok(_)) = (first, self.rdma.device(rail)) {
-            // Queue pairs ride on the rail's first connection; TCP carries on without them.
-            match link.setup_rdma(rail, first).await {
-                Ok(n) => info!(peer = %peer.name, rail, qps = n, "RDMA queue pairs connected"),
-                Err(e) if e.starts_with("peer:") => {
-                    info!(peer = %peer.name, rail, "RDMA not used on this rail, TCP only: {e}")
-                }
-                Err(e) => {
-                    warn!(peer = %peer.name, rail, "RDMA setup failed, TCP until it is rebuilt: {e}");
-                    link.spawn_rdma_rebuild(rail);
-                }
+        let stream = link.transport;
+        let rdma_first = self.config.rank("rdma") < self.config.rank(stream);
+        let note = match (first, self.rdma.device(rail)) {
+            _ if !rdma_first => None,
+            (_, Err(why)) => Some(format!("rail {rail}: no RDMA here ({why})")),
+            (Some(_), Ok(_)) if !peer_offers.iter().any(|t| t == "rdma") => {
+                Some(format!("rail {rail}: peer offers {peer_offers:?}, no rdma"))
             }
-        }
-        Ok(())
+            (None, Ok(_)) => None,
+            (Some(first), Ok(_)) => {
+                // Queue pairs ride on the rail's first connection; the stream transport
+                // carries on without them.
+                Some(match link.setup_rdma(rail, first).await {
+                    Ok(n) => {
+                        info!(peer = %peer.name, rail, qps = n, "RDMA queue pairs connected");
+                        format!("rdma on rail {rail}: {n} queue pairs")
+                    }
+                    Err(e) if e.starts_with("peer:") => {
+                        info!(peer = %peer.name, rail, "RDMA not used on this rail, {stream} only: {e}");
+                        format!("rail {rail}: {e}")
+                    }
+                    Err(e) => {
+                        warn!(peer = %peer.name, rail, "RDMA setup failed, {stream} until it is rebuilt: {e}");
+                        link.spawn_rdma_rebuild(rail);
+                        format!("rail {rail}: RDMA setup failed ({e}), rebuilding")
+                    }
+                })
+            }
+        };
+        Ok(note)
     }
 
+    /// One connection and its handshake; the peer's offered transports.
     async fn dial_one(
         &self,
+        transport: &Arc<dyn Transport>,
         local: Option<SocketAddr>,
         addr: SocketAddr,
         hello: pb::Hello,
         connect_timeout: Duration,
-    ) -> Result<Connection, DialError> {
+    ) -> Result<(Connection, Vec<String>), DialError> {
         let peer = hello.expected_peer.clone();
         let unreachable = |reason: String| DialError::Unreachable {
             peer: peer.clone(),
             reasons: reason,
         };
-        let mut conn = tokio::time::timeout(connect_timeout, self.transport.connect(local, addr))
-            .await
-            .map_err(|_| unreachable("connect timed out".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
+        let mut conn = tokio::time::timeout(
+            connect_timeout,
+            transport.connect(local, addr, &hello.expected_peer),
+        )
+        .await
+        .map_err(|_| unreachable(format!("{} connect timed out", transport.name())))?
+        .map_err(|e| match e.kind() {
+            // A TLS refusal is not a reason to try a weaker transport.
+            std::io::ErrorKind::PermissionDenied => DialError::Refused {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            },
+            _ => unreachable(e.to_string()),
+        })?;
+        // Past an authenticated connect, a failed hello is the peer refusing us
+        // (TLS 1.3 rejects a client certificate after the client's side of the
+        // handshake is done, and the alert can be lost with the handshake keys):
+        // never a reason to fall back to a weaker transport.
+        let authenticated = conn.peer_certificate.is_some();
+        let failed = |e: String, refused: bool| {
+            if refused || authenticated {
+                DialError::Refused {
+                    peer: peer.clone(),
+                    reason: format!("{} handshake failed: {e}", transport.name()),
+                }
+            } else {
+                unreachable(e)
+            }
+        };
         let frame = wire::encode_control(&wire::message(Body::Hello(hello)));
-        conn.writer
-            .write_control(&frame)
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        conn.writer.write_control(&frame).await.map_err(|e| {
+            failed(
+                e.to_string(),
+                e.kind() == std::io::ErrorKind::PermissionDenied,
+            )
+        })?;
         let reply = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut()))
             .await
-            .map_err(|_| unreachable("no handshake reply".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|_| failed("no handshake reply".into(), false))?
+            .map_err(|e| match e {
+                TransportError::Io(io) => failed(
+                    io.to_string(),
+                    io.kind() == std::io::ErrorKind::PermissionDenied,
+                ),
+                e => failed(e.to_string(), false),
+            })?;
         match reply {
-            Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => Ok(conn),
+            Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => {
+                Ok((conn, ack.transports))
+            }
             Frame::Control(Body::HelloAck(ack)) => Err(DialError::Refused {
                 peer: peer.clone(),
                 reason: format!("answered as {:?}", ack.node_name),
@@ -282,7 +414,12 @@ impl Shared {
     }
 
     /// Handshakes one accepted connection and attaches it to its session.
-    async fn accept_one(self: Arc<Self>, mut conn: Connection, from: SocketAddr) {
+    async fn accept_one(
+        self: Arc<Self>,
+        transport: &'static str,
+        mut conn: Connection,
+        from: SocketAddr,
+    ) {
         let first = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut())).await;
         let hello = match first {
             Ok(Ok(Frame::Control(Body::Hello(h)))) => h,
@@ -311,8 +448,17 @@ impl Shared {
             );
             return self.refuse(conn, from, reason, "unknown_rail").await;
         }
+        if let Some(cert) = &conn.peer_certificate {
+            // TLS proved the certificate is from our CA; it must also be this node's.
+            if let Err(why) = kvrail_auth::check_name(cert, &hello.node_name) {
+                let reason = format!("peer says it is {:?} but its {why}", hello.node_name);
+                return self.refuse(conn, from, reason, "certificate_name").await;
+            }
+        }
         let known = |name: &str| self.peers.contains_key(name);
-        if let Err(e) = check_hello(&hello, &self.config.node, known, &[self.transport.name()]) {
+        let offered = self.offered_transports();
+        let ours: Vec<&str> = offered.iter().map(String::as_str).collect();
+        if let Err(e) = check_hello(&hello, &self.config.node, known, &ours) {
             let label = match e {
                 HandshakeError::Version { .. } => "version",
                 HandshakeError::UnknownPeer(_) => "unknown_peer",
@@ -325,7 +471,7 @@ impl Shared {
         let ack = pb::HelloAck {
             protocol_version: u32::from(PROTOCOL_VERSION),
             node_name: self.config.node.clone(),
-            transports: vec![self.transport.name().to_string()],
+            transports: offered.clone(),
             rail_count: self.config.listen.len() as u32,
             rail_index: hello.rail_index,
         };
@@ -341,7 +487,7 @@ impl Shared {
         let link = self
             .inbound
             .entry(key)
-            .or_insert_with(|| PeerLink::new(&hello.node_name, self.transport.name(), &self, None))
+            .or_insert_with(|| PeerLink::new(&hello.node_name, transport, &self, None))
             .clone();
         if hello.connection_index == 0 {
             // The dialer is (re)building this rail: what we still hold on it is stale.
@@ -510,7 +656,29 @@ impl Daemon {
     /// Binds every listener and the API socket, then serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Daemon> {
         config.validate()?;
-        let transport: Arc<dyn Transport> = Arc::new(TcpTransport);
+        let identity = match &config.tls_dir {
+            Some(dir) => Some(
+                Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))
+                    .map_err(|e| anyhow::anyhow!("node identity: {e}"))?,
+            ),
+            None => None,
+        };
+        let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
+        for name in &config.transports {
+            match name.as_str() {
+                "tcp" => transports.push(Arc::new(TcpTransport)),
+                "quic" => {
+                    let identity = identity
+                        .as_ref()
+                        .ok_or_else(|| anyhow::anyhow!("quic needs tls_dir"))?;
+                    transports.push(Arc::new(QuicTransport::new(
+                        identity,
+                        &config.quic_settings(),
+                    )?));
+                }
+                _ => {}
+            }
+        }
         let peers = config
             .peers
             .iter()
@@ -531,7 +699,7 @@ impl Daemon {
             transfers: TransferTable::default(),
             peers,
             inbound: DashMap::new(),
-            transport: transport.clone(),
+            transports: transports.clone(),
             rdma: RdmaRails::discover(&config),
             next_transfer: AtomicU64::new(0),
         });
@@ -542,16 +710,26 @@ impl Daemon {
         let mut tasks = Vec::new();
         let mut listen = Vec::new();
         for addr in &config.listen {
-            let listener = transport
-                .listen(*addr)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
-            listen.push(listener.local_addr()?);
-            tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
+            // Every transport on the rail's address and one port number (TCP and UDP),
+            // the first one's when the port was left to the system.
+            let mut bound: Option<SocketAddr> = None;
+            for transport in &transports {
+                let at = bound.unwrap_or(*addr);
+                let listener = transport.listen(at).await.map_err(|e| {
+                    anyhow::anyhow!("cannot listen on {at} ({}): {e}", transport.name())
+                })?;
+                bound.get_or_insert(listener.local_addr()?);
+                tasks.push(tokio::spawn(accept_loop(
+                    shared.clone(),
+                    transport.name(),
+                    listener,
+                )));
+            }
+            listen.extend(bound);
         }
         let api = crate::api::serve(shared.clone(), &config.socket).await?;
         tasks.push(api);
-        info!(node = %config.node, socket = %config.socket.display(), ?listen, transport = transport.name(), "kvrail sidecar ready");
+        info!(node = %config.node, socket = %config.socket.display(), ?listen, transports = ?shared.offered_transports(), "kvrail sidecar ready");
         Ok(Daemon {
             shared,
             socket: config.socket.clone(),
@@ -579,14 +757,26 @@ impl Daemon {
     }
 }
 
-async fn accept_loop(shared: Arc<Shared>, mut listener: Box<dyn Listener>) {
+async fn accept_loop(
+    shared: Arc<Shared>,
+    transport: &'static str,
+    mut listener: Box<dyn Listener>,
+) {
     loop {
         match listener.accept().await {
             Ok((conn, from)) => {
-                tokio::spawn(shared.clone().accept_one(conn, from));
+                tokio::spawn(shared.clone().accept_one(transport, conn, from));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                // A TLS handshake failed: a peer without a certificate of our CA.
+                warn!(transport, "refused peer handshake: {e}");
+                metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "tls").increment(1);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {
+                warn!(transport, "peer connection dropped during setup: {e}");
             }
             Err(e) => {
-                warn!("accept failed: {e}");
+                warn!(transport, "accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }

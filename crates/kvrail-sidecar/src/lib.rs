@@ -68,6 +68,13 @@ pub struct ServeArgs {
     /// Queue pairs per rail and peer.
     #[arg(long)]
     pub rdma_qps_per_rail: Option<usize>,
+    /// Transports in order of preference, comma-separated (default rdma,quic,tcp;
+    /// quic is left out when there is no --tls-dir).
+    #[arg(long, value_delimiter = ',')]
+    pub transports: Vec<String>,
+    /// Directory with ca.pem, NODE.pem and NODE.key (see `kvrail certs`).
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -120,6 +127,15 @@ impl ServeArgs {
         }
         if let Some(v) = self.rdma_qps_per_rail {
             c.rdma_qps_per_rail = v;
+        }
+        if let Some(v) = &self.tls_dir {
+            c.tls_dir = Some(v.clone());
+        }
+        if !self.transports.is_empty() {
+            c.transports = self.transports.clone();
+        } else if c.tls_dir.is_none() {
+            // QUIC cannot run without an identity; the default order drops it.
+            c.transports.retain(|t| t != "quic");
         }
         c.validate()?;
         Ok(c)

@@ -1,5 +1,8 @@
 //! `kvrail`: the KV-cache transport sidecar.
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
+use kvrail_auth::generate::{self, Validity};
 
 #[derive(Parser)]
 #[command(
@@ -15,13 +18,48 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the sidecar daemon.
-    Serve(kvrail_sidecar::ServeArgs),
+    Serve(Box<kvrail_sidecar::ServeArgs>),
+    /// Make the cluster's certificates: a CA, then one certificate per node.
+    #[command(subcommand)]
+    Certs(Certs),
+}
+
+#[derive(Subcommand)]
+enum Certs {
+    /// Create DIR/ca.pem and DIR/ca.key (the cluster CA; keep ca.key off the nodes).
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Create DIR/NODE.pem and DIR/NODE.key for each node, signed by DIR's CA.
+    Node {
+        #[arg(long)]
+        dir: PathBuf,
+        /// Node names, as in `--node` and the peers' `--peer NAME=...`.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Days the certificates stay valid.
+        #[arg(long, default_value_t = 365)]
+        days: i64,
+    },
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     kvrail_sidecar::init_logging();
     match Cli::parse().command {
-        Command::Serve(args) => kvrail_sidecar::serve(args).await,
+        Command::Serve(args) => kvrail_sidecar::serve(*args).await,
+        Command::Certs(Certs::Init { dir }) => {
+            let ca = generate::ca(&dir)?;
+            println!("{}", ca.display());
+            Ok(())
+        }
+        Command::Certs(Certs::Node { dir, names, days }) => {
+            for name in names {
+                let cert = generate::node(&dir, &name, Validity::days(days))?;
+                println!("{}", cert.display());
+            }
+            Ok(())
+        }
     }
 }

@@ -28,6 +28,8 @@ pub const RAIL_TRANSITIONS: &str = "kvrail_rail_transitions_total";
 pub const RAIL_SLICES_RETRANSMITTED: &str = "kvrail_rail_slices_retransmitted_total";
 pub const RAIL_THROUGHPUT: &str = "kvrail_rail_throughput_bytes_per_second";
 pub const RAIL_PROBES_FAILED: &str = "kvrail_rail_probes_failed_total";
+pub const PEER_TRANSPORT: &str = "kvrail_peer_transport";
+pub const RDMA_BUILD_NANOS: &str = "kvrail_rdma_build_nanoseconds_total";
 pub const RDMA_POST_NANOS: &str = "kvrail_rdma_post_nanoseconds_total";
 pub const RDMA_WORK_REQUESTS: &str = "kvrail_rdma_work_requests_total";
 pub const RDMA_DESCRIPTORS: &str = "kvrail_rdma_descriptors_total";
@@ -108,9 +110,14 @@ fn describe() {
         "Attempts to rebuild a down rail that failed"
     );
     describe_counter!(
+        RDMA_BUILD_NANOS,
+        Unit::Nanoseconds,
+        "Time spent turning slices into RDMA work requests (bounds checks, gather lists)"
+    );
+    describe_counter!(
         RDMA_POST_NANOS,
         Unit::Nanoseconds,
-        "Time spent building and posting RDMA work requests"
+        "Time spent in ibv_post_send (on Soft-RoCE this includes the emulated NIC's work)"
     );
     describe_counter!(RDMA_WORK_REQUESTS, "RDMA work requests posted");
     describe_counter!(

@@ -47,7 +47,7 @@ impl RdmaRails {
             .iter()
             .enumerate()
             .map(|(i, addr)| {
-                if !config.rdma {
+                if !config.rdma || !config.wants("rdma") {
                     return Err("RDMA switched off in the configuration".to_string());
                 }
                 let name = config.rdma_devices.get(i).map(String::as_str);
@@ -308,6 +308,7 @@ async fn run_qp(
                     continue;
                 }
             }
+            let built = started.elapsed();
             let n = wrs.len() as u32;
             if n > qp.send_depth() {
                 let msg = format!(
@@ -323,11 +324,13 @@ async fn run_qp(
                 waiting.push_front(work);
                 break;
             }
+            let posting = Instant::now();
             if let Err(e) = qp.post(&wrs) {
                 return format!("posting to the queue pair failed: {e}");
             }
+            metrics::counter!(m::RDMA_BUILD_NANOS, &labels).increment(built.as_nanos() as u64);
             metrics::counter!(m::RDMA_POST_NANOS, &labels)
-                .increment(started.elapsed().as_nanos() as u64);
+                .increment(posting.elapsed().as_nanos() as u64);
             metrics::counter!(m::RDMA_WORK_REQUESTS, &labels).increment(u64::from(n));
             metrics::counter!(m::RDMA_DESCRIPTORS, &labels).increment(work.pieces.len() as u64);
             free_slots -= n;

@@ -33,10 +33,12 @@ pub trait Transport: Send + Sync + 'static {
     /// Starts accepting connections on `addr`.
     async fn listen(&self, addr: SocketAddr) -> io::Result<Box<dyn Listener>>;
     /// Opens one connection to `remote`, from `local` when given (to pin a rail).
+    /// `peer` is the node expected there; transports with TLS make it prove that name.
     async fn connect(
         &self,
         local: Option<SocketAddr>,
         remote: SocketAddr,
+        peer: &str,
     ) -> io::Result<Connection>;
 }
 
@@ -51,6 +53,9 @@ pub trait Listener: Send {
 pub struct Connection {
     pub reader: Box<dyn FrameReader>,
     pub writer: Box<dyn FrameWriter>,
+    /// The peer's end-entity certificate (DER) when the transport authenticated it
+    /// against the cluster CA (QUIC); the handshake checks it names the peer.
+    pub peer_certificate: Option<Vec<u8>>,
 }
 
 /// Writing half.

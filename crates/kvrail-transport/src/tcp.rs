@@ -22,6 +22,7 @@ fn split(stream: TcpStream) -> io::Result<Connection> {
     Ok(Connection {
         reader: Box::new(TcpFrameReader { inner: r }),
         writer: Box::new(TcpFrameWriter { inner: w }),
+        peer_certificate: None,
     })
 }
 
@@ -39,6 +40,7 @@ impl Transport for TcpTransport {
         &self,
         local: Option<SocketAddr>,
         remote: SocketAddr,
+        _peer: &str,
     ) -> io::Result<Connection> {
         let socket = if remote.is_ipv4() {
             TcpSocket::new_v4()?
@@ -125,7 +127,7 @@ mod tests {
         let mut listener = t.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
-        let mut client = t.connect(None, addr).await.unwrap();
+        let mut client = t.connect(None, addr, "peer").await.unwrap();
         let mut server = accept.await.unwrap();
 
         let msg = wire::message(Body::Complete(wire::pb::Complete { transfer_id: 5 }));
