@@ -56,6 +56,7 @@ pub struct Config {
     pub rdma_retry_cnt: u8,
     /// Transports in order of preference; each peer pair uses the first both
     /// sides have ("rdma" rides on the chosen stream transport's connections).
+    /// Empty: rdma, quic (when `tls_dir` is set), tcp; see [`Config::transport_order`].
     pub transports: Vec<String>,
     /// Directory of the cluster CA and node certificates (`kvrail certs`):
     /// `ca.pem`, `NODE.pem`, `NODE.key`. Needed for QUIC.
@@ -93,7 +94,7 @@ impl Default for Config {
             rdma_busy_poll_us: 0,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,
-            transports: vec!["rdma".into(), "quic".into(), "tcp".into()],
+            transports: vec![],
             tls_dir: None,
             quic_max_udp_payload: 6550,
             quic_stream_window: 32 << 20,
@@ -184,15 +185,18 @@ impl Config {
         if self.rdma_timeout > 31 || self.rdma_retry_cnt > 7 {
             return bad("rdma_timeout must be 0..=31 and rdma_retry_cnt 0..=7");
         }
-        if self.transports.is_empty()
-            || self
-                .transports
-                .iter()
-                .any(|t| !["rdma", "quic", "tcp"].contains(&t.as_str()))
+        if self
+            .transports
+            .iter()
+            .any(|t| !["rdma", "quic", "tcp"].contains(&t.as_str()))
         {
             return bad("transports must list some of rdma, quic, tcp");
         }
-        if !self.transports.iter().any(|t| t == "quic" || t == "tcp") {
+        if !self
+            .transport_order()
+            .iter()
+            .any(|t| t == "quic" || t == "tcp")
+        {
             return bad("transports needs quic or tcp (RDMA sets up over one of them)");
         }
         if self.transports.iter().any(|t| t == "quic") && self.tls_dir.is_none() {
@@ -227,14 +231,28 @@ impl Config {
         }
     }
 
+    /// Transports in order of preference: as configured, or by default rdma,
+    /// quic (only with an identity: QUIC always authenticates), tcp.
+    pub fn transport_order(&self) -> Vec<String> {
+        if !self.transports.is_empty() {
+            return self.transports.clone();
+        }
+        let mut order = vec!["rdma".to_string()];
+        if self.tls_dir.is_some() {
+            order.push("quic".into());
+        }
+        order.push("tcp".into());
+        order
+    }
+
     /// Whether `transport` is enabled here.
     pub fn wants(&self, transport: &str) -> bool {
-        self.transports.iter().any(|t| t == transport)
+        self.transport_order().iter().any(|t| t == transport)
     }
 
     /// Where `transport` stands in our preference (lower is better).
     pub fn rank(&self, transport: &str) -> usize {
-        self.transports
+        self.transport_order()
             .iter()
             .position(|t| t == transport)
             .unwrap_or(usize::MAX)
@@ -285,6 +303,13 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c.peers[0].rails.len(), 2);
         assert_eq!(c.connections_per_rail, 4);
+        // QUIC is in the default order only with an identity to authenticate with.
+        assert_eq!(c.transport_order(), ["rdma", "tcp"]);
+        let with_certs = Config {
+            tls_dir: Some("/etc/kvrail".into()),
+            ..c.clone()
+        };
+        assert_eq!(with_certs.transport_order(), ["rdma", "quic", "tcp"]);
         let p = Config::parse_peer("b=127.0.0.1:1,127.0.0.1:2").unwrap();
         assert_eq!(p.rails.len(), 2);
         assert!(Config::parse_peer("b").is_err());

@@ -92,7 +92,7 @@ impl Shared {
     /// What we offer in handshakes, best first: "rdma" when a rail has a device.
     pub fn offered_transports(&self) -> Vec<String> {
         self.config
-            .transports
+            .transport_order()
             .iter()
             .filter(|t| match t.as_str() {
                 "rdma" => self.rdma.any(),
@@ -178,7 +178,7 @@ impl Shared {
         } else {
             link.transport
         };
-        let mut why = vec![format!("order {:?}", self.config.transports)];
+        let mut why = vec![format!("order {:?}", self.config.transport_order())];
         why.extend(skipped.iter().cloned());
         why.extend(rdma.iter().cloned());
         info!(peer = %peer.name, transport = chosen, stream = link.transport, reason = %why.join("; "), "transport chosen for peer");
@@ -664,7 +664,7 @@ impl Daemon {
             None => None,
         };
         let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
-        for name in &config.transports {
+        for name in &config.transport_order() {
             match name.as_str() {
                 "tcp" => transports.push(Arc::new(TcpTransport)),
                 "quic" => {

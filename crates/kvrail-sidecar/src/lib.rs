@@ -133,9 +133,6 @@ impl ServeArgs {
         }
         if !self.transports.is_empty() {
             c.transports = self.transports.clone();
-        } else if c.tls_dir.is_none() {
-            // QUIC cannot run without an identity; the default order drops it.
-            c.transports.retain(|t| t != "quic");
         }
         c.validate()?;
         Ok(c)
