@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvrail_auth::generate::{self, Validity};
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{scrape, Pair};
+use kvrail_e2e::{metric_sum, scrape, Pair};
 use kvrail_examples::{fill, scattered_blocks, verify};
 
 const NUM_BLOCKS: u32 = 64;
@@ -22,13 +22,6 @@ fn cluster_certs(dir: &Path) {
     for node in ["prefill", "decode"] {
         generate::node(dir, node, Validity::days(1)).unwrap();
     }
-}
-
-fn counter(text: &str, name: &str, want: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && want.iter().all(|w| l.contains(w)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
 }
 
 struct Nodes {
@@ -126,7 +119,7 @@ async fn quic_is_chosen_when_both_have_certificates_and_moves_every_byte() {
     assert_eq!(peers.peers[0].transport, "quic", "{peers:?}");
     let text = scrape(n.pair.prefill.metrics.unwrap());
     assert_eq!(
-        counter(
+        metric_sum(
             &text,
             "kvrail_peer_transport",
             &["peer=\"decode\"", "transport=\"quic\""]
@@ -134,9 +127,9 @@ async fn quic_is_chosen_when_both_have_certificates_and_moves_every_byte() {
         1.0,
         "{text}"
     );
-    assert!(counter(&text, "kvrail_bytes_sent_total", &["transport=\"quic\""]) > 0.0);
+    assert!(metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"quic\""]) > 0.0);
     assert_eq!(
-        counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]),
+        metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]),
         0.0
     );
     assert!(n.pair.prefill.log().contains("transport chosen for peer"));
@@ -164,7 +157,7 @@ async fn refused(name: &str, spoil: impl FnOnce(&Path)) {
     }
     let text = scrape(n.pair.decode.metrics.unwrap());
     assert!(
-        counter(
+        metric_sum(
             &text,
             "kvrail_handshakes_refused_total",
             &["reason=\"tls\""]

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{binary, scrape, Pair};
+use kvrail_e2e::{binary, metric_sum, scrape, Pair};
 use kvrail_examples::{fill, scattered_blocks, verify};
 
 /// Tests share the devices, and some cut rails: one at a time.
@@ -101,14 +101,6 @@ fn rdma_suite_in_the_vm() {
         stdout.contains("test result: ok") && !stdout.contains("SKIPPED"),
         "the VM ran no RDMA test"
     );
-}
-
-/// Sum of a counter's series whose labels contain every `want` fragment.
-fn counter(text: &str, name: &str, want: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && want.iter().all(|w| l.contains(w)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
 }
 
 struct Setup {
@@ -224,7 +216,7 @@ impl Setup {
 
     fn rdma_bytes(&self, rail: &str) -> f64 {
         let text = scrape(self.pair.prefill.metrics.unwrap());
-        counter(
+        metric_sum(
             &text,
             "kvrail_bytes_sent_total",
             &["transport=\"rdma\"", &format!("rail=\"{rail}\"")],
@@ -248,7 +240,7 @@ async fn push_and_pull(rail_count: usize, name: &str) {
     }
     let text = scrape(s.pair.prefill.metrics.unwrap());
     assert_eq!(
-        counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]),
+        metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]),
         0.0,
         "payload went over TCP"
     );
@@ -273,7 +265,7 @@ async fn push_and_pull(rail_count: usize, name: &str) {
     assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
     assert_eq!(verify(&s.d_kv, 7, 1..3, &dst).unwrap(), t.total_bytes);
     let text = scrape(s.pair.decode.metrics.unwrap());
-    let read = counter(
+    let read = metric_sum(
         &text,
         "kvrail_bytes_received_total",
         &["transport=\"rdma\"", "peer=\"prefill\""],
@@ -369,7 +361,7 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     s.done(id).await;
     assert_eq!(verify(&s.d_kv, 12, 0..4, &dst).unwrap(), 4 * layer_bytes);
     let text = scrape(s.pair.prefill.metrics.unwrap());
-    let tcp = counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]);
+    let tcp = metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]);
     assert!(tcp > 0.0, "nothing went over TCP after both rails were cut");
 
     // 3. Rails back: queue pairs are rebuilt and carry the next push.
@@ -433,7 +425,7 @@ async fn without_rdma_the_daemon_says_why_and_uses_tcp() {
         "no reason logged:\n{log}"
     );
     let text = scrape(s.pair.prefill.metrics.unwrap());
-    assert!(counter(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]) > 0.0);
+    assert!(metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]) > 0.0);
     s.p_kv.unlink();
     s.d_kv.unlink();
 }

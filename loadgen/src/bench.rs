@@ -629,14 +629,6 @@ fn rdma_devices(args: &BenchArgs) -> anyhow::Result<Vec<crate::perftest::DeviceP
         .collect()
 }
 
-/// Sum of the metric `name`'s series whose labels contain every `want` fragment.
-fn metric_sum(text: &str, name: &str, want: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && want.iter().all(|w| l.contains(w)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
-}
-
 /// What the RDMA run put through verbs and TCP, and what posting cost per
 /// descriptor (one block piece gathered into a work request), from both sidecars.
 fn rdma_counters(bench: &mut Bench) -> anyhow::Result<()> {
@@ -645,8 +637,12 @@ fn rdma_counters(bench: &mut Bench) -> anyhow::Result<()> {
         bench.cluster.scrape(&bench.cluster.prefill)?,
         bench.cluster.scrape(&bench.cluster.decode)?,
     ];
-    let sum =
-        |name: &str, want: &[&str]| texts.iter().map(|t| metric_sum(t, name, want)).sum::<f64>();
+    let sum = |name: &str, want: &[&str]| {
+        texts
+            .iter()
+            .map(|t| loadgen::prometheus::sum(t, name, want))
+            .sum::<f64>()
+    };
     let rdma_bytes = sum(m::BYTES_SENT, &["transport=\"rdma\""])
         + sum(m::BYTES_RECEIVED, &["transport=\"rdma\""]);
     let tcp_bytes = sum(m::BYTES_SENT, &["transport=\"tcp\""]);

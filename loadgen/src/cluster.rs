@@ -2,8 +2,7 @@
 //! [`NetLab`] (this binary re-run as `loadgen sidecar ...`, the same code as
 //! `kvrail serve`, or a given `kvrail` binary), and connects to them.
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -226,16 +225,7 @@ impl LocalCluster {
         let addr = s
             .metrics
             .with_context(|| format!("sidecar {} serves no metrics", s.node))?;
-        let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
-        let mut text = String::new();
-        conn.read_to_string(&mut text)?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .context("metrics answer has no body")?;
-        Ok(body)
+        crate::prometheus::fetch(addr)
     }
 
     /// A path for a shared-memory file (under /dev/shm when it exists).

@@ -251,11 +251,7 @@ impl Pair {
 
 /// Fetches the Prometheus text from a metrics listener.
 pub fn scrape(addr: SocketAddr) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .expect("send");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    out
+    loadgen::prometheus::fetch(addr).expect("scrape metrics")
 }
+
+pub use loadgen::prometheus::sum as metric_sum;
