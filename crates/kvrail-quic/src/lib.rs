@@ -169,10 +169,23 @@ impl Transport for QuicTransport {
             .connect_with(self.client.clone(), remote, peer)
             .map_err(invalid)?
             .await
-            .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, describe(&e)))?;
-        let (send, recv) = conn.open_bi().await.map_err(io::Error::other)?;
+            .map_err(|e| handshake_error(&e))?;
+        // The server may refuse our certificate only now (TLS 1.3 client auth).
+        let (send, recv) = conn.open_bi().await.map_err(|e| handshake_error(&e))?;
         Ok(connection(conn, Some(endpoint), send, recv))
     }
+}
+
+/// No answer is `TimedOut`: the dialer may try another transport. Any other
+/// failure means a QUIC peer answered and the connection still failed (most often
+/// its TLS refused our certificate, which can surface as a plain close): that is
+/// `PermissionDenied`, and the dialer must not downgrade to a weaker transport.
+fn handshake_error(e: &quinn::ConnectionError) -> io::Error {
+    let kind = match e {
+        quinn::ConnectionError::TimedOut => io::ErrorKind::TimedOut,
+        _ => io::ErrorKind::PermissionDenied,
+    };
+    io::Error::new(kind, describe(e))
 }
 
 /// A handshake failure in words an operator can act on.
