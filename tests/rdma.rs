@@ -84,9 +84,7 @@ fn rdma_suite_in_the_vm() {
         .env("KVRAIL_BIN_DIR", &bin_dir)
         .env("RUST_BACKTRACE", "0")
         .env("RDMA_VM_TIMEOUT", "900")
-        // 3 GiB was too little once the binaries grew (QUIC, TLS): with 1 GiB of
-        // pinned regions, the guest kernel soft-locked in the rail-cut test.
-        .env("RDMA_VM_MEM", "4096")
+        .env("RDMA_VM_MEM", "3072")
         .current_dir(workspace_root())
         .output()
         .unwrap();
