@@ -73,6 +73,8 @@ impl RdmaRails {
             qp: QpConfig {
                 timeout: config.rdma_timeout,
                 retry_cnt: config.rdma_retry_cnt,
+                min_rnr_timer: config.rdma_min_rnr_timer,
+                rnr_retry: config.rdma_rnr_retry,
                 ..QpConfig::default()
             },
             qps_per_rail: config.rdma_qps_per_rail,

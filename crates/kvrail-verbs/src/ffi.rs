@@ -606,7 +606,7 @@ impl QueuePair {
         at.dest_qp_num = remote.qp_num;
         at.rq_psn = remote.psn;
         at.max_dest_rd_atomic = rd_atom(self.device.limits.max_qp_rd_atom);
-        at.min_rnr_timer = 12;
+        at.min_rnr_timer = self.config.min_rnr_timer.min(31);
         at.ah_attr.is_global = 1;
         at.ah_attr.grh.dgid.raw = remote.gid;
         at.ah_attr.grh.sgid_index = self.device.gid_index;
@@ -624,8 +624,7 @@ impl QueuePair {
         at.qp_state = ibv_qp_state::IBV_QPS_RTS;
         at.timeout = self.config.timeout;
         at.retry_cnt = self.config.retry_cnt.min(7);
-        // Receivers re-post their slots at once; waiting for one is always worth it.
-        at.rnr_retry = 7;
+        at.rnr_retry = self.config.rnr_retry.min(7);
         at.sq_psn = self.psn;
         at.max_rd_atomic = rd_atom(self.device.limits.max_qp_init_rd_atom);
         let m = M::IBV_QP_STATE.0

@@ -84,6 +84,11 @@ pub struct QpConfig {
     pub timeout: u8,
     /// Retries before the queue pair fails (7 means "for ever" on Soft-RoCE: avoid).
     pub retry_cnt: u8,
+    /// How long a sender waits after our "receiver not ready" NAK (IB encoding:
+    /// 12 = 0.64 ms, 20 = 10.24 ms, 26 = 81.92 ms, 31 = 491.52 ms).
+    pub min_rnr_timer: u8,
+    /// Retries after a "receiver not ready" NAK (7 = for ever).
+    pub rnr_retry: u8,
 }
 
 impl Default for QpConfig {
@@ -94,6 +99,9 @@ impl Default for QpConfig {
             // About 67 ms per try and 0.5 s before a dead path fails the queue pair.
             timeout: 14,
             retry_cnt: 6,
+            // 0.64 ms: receivers re-post their slots as soon as they reap them.
+            min_rnr_timer: 12,
+            rnr_retry: 7,
         }
     }
 }
