@@ -1,7 +1,9 @@
-//! QUIC between two real `kvrail` processes: chosen over TCP when both sides have
-//! certificates, every byte verified; peers whose certificate is from another CA
-//! or expired are refused by the TLS handshake, logged and counted, and no byte
-//! reaches the destination region.
+//! Authenticated peers between two real `kvrail` processes: QUIC is chosen over
+//! TCP when both sides have certificates, every byte verified; TCP handshakes are
+//! signed with the same certificates. Peers whose certificate is from another CA,
+//! expired, or missing are refused (over QUIC by the TLS handshake, over TCP by
+//! the signed handshake), logged and counted, and no byte reaches the
+//! destination region.
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
 use std::path::Path;
@@ -36,7 +38,13 @@ struct Nodes {
 
 async fn start(certs: &Path, name: &str) -> Nodes {
     let dir = certs.display().to_string();
-    let pair = Pair::start(&["--tls-dir", &dir, "--slice-bytes", "262144"]);
+    let both = ["--tls-dir", &dir, "--slice-bytes", "262144"];
+    start_each(&both, &both, name).await
+}
+
+async fn start_each(prefill: &[&str], decode: &[&str], name: &str) -> Nodes {
+    let lo = [std::net::IpAddr::from([127, 0, 0, 1])];
+    let pair = Pair::start_each(&lo, &lo, prefill, decode);
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
     let layout = dense_layout(4, 2, NUM_BLOCKS, BLOCK_BYTES);
@@ -135,12 +143,20 @@ async fn quic_is_chosen_when_both_have_certificates_and_moves_every_byte() {
     assert!(n.pair.prefill.log().contains("transport chosen for peer"));
 }
 
-/// Replaces prefill's certificate with one that decode must refuse.
-async fn refused(name: &str, spoil: impl FnOnce(&Path)) {
+/// Replaces prefill's certificate with one that decode must refuse, over
+/// `transport`; decode must count the refusal under `reason`.
+async fn refused(name: &str, transport: &str, reason: &str, spoil: impl FnOnce(&Path)) {
     let certs = tempfile::tempdir().unwrap();
     cluster_certs(certs.path());
     spoil(certs.path());
-    let mut n = start(certs.path(), name).await;
+    let dir = certs.path().display().to_string();
+    let both = ["--tls-dir", &dir, "--transports", transport];
+    let n = start_each(&both, &both, name).await;
+    refused_by_decode(n, reason).await;
+}
+
+/// Prefill's push fails; decode logs and counts why; no byte reaches decode.
+async fn refused_by_decode(mut n: Nodes, reason: &str) {
     let (result, dst) = n.push(3, 8).await;
     match result {
         Err(e) => assert!(e.contains("refused") || e.contains("QUIC"), "{e}"),
@@ -160,7 +176,7 @@ async fn refused(name: &str, spoil: impl FnOnce(&Path)) {
         metric_sum(
             &text,
             "kvrail_handshakes_refused_total",
-            &["reason=\"tls\""]
+            &[&format!("reason=\"{reason}\"")]
         ) >= 1.0,
         "{text}"
     );
@@ -171,22 +187,75 @@ async fn refused(name: &str, spoil: impl FnOnce(&Path)) {
     assert!(region.iter().all(|&b| b == 0), "bytes reached decode");
 }
 
+fn from_another_ca(dir: &Path) {
+    let other = tempfile::tempdir().unwrap();
+    cluster_certs(other.path());
+    for f in ["prefill.pem", "prefill.key"] {
+        std::fs::copy(other.path().join(f), dir.join(f)).unwrap();
+    }
+}
+
+fn expired(dir: &Path) {
+    generate::node(dir, "prefill", Validity::expired()).unwrap();
+}
+
 #[tokio::test]
 async fn a_peer_with_a_certificate_from_another_ca_is_refused() {
-    refused("quic-other-ca", |dir| {
-        let other = tempfile::tempdir().unwrap();
-        cluster_certs(other.path());
-        for f in ["prefill.pem", "prefill.key"] {
-            std::fs::copy(other.path().join(f), dir.join(f)).unwrap();
-        }
-    })
-    .await;
+    refused("quic-other-ca", "quic", "tls", from_another_ca).await;
 }
 
 #[tokio::test]
 async fn a_peer_with_an_expired_certificate_is_refused() {
-    refused("quic-expired", |dir| {
-        generate::node(dir, "prefill", Validity::expired()).unwrap();
-    })
-    .await;
+    refused("quic-expired", "quic", "tls", expired).await;
+}
+
+#[tokio::test]
+async fn tcp_refuses_a_peer_with_a_certificate_from_another_ca() {
+    refused("tcp-other-ca", "tcp", "certificate", from_another_ca).await;
+}
+
+#[tokio::test]
+async fn tcp_refuses_a_peer_with_an_expired_certificate() {
+    refused("tcp-expired", "tcp", "certificate", expired).await;
+}
+
+/// A node without certificates (`--insecure`) cannot reach one that has them:
+/// it has no QUIC, and its TCP hello carries no certificate.
+#[tokio::test]
+async fn a_peer_without_a_certificate_is_refused() {
+    let certs = tempfile::tempdir().unwrap();
+    cluster_certs(certs.path());
+    let dir = certs.path().display().to_string();
+    let n = start_each(&["--insecure"], &["--tls-dir", &dir], "no-cert").await;
+    refused_by_decode(n, "no_certificate").await;
+}
+
+/// TCP between nodes with certificates: the handshake is signed both ways and
+/// the transfer goes through, verified.
+#[tokio::test]
+async fn tcp_between_nodes_with_certificates_is_authenticated() {
+    let certs = tempfile::tempdir().unwrap();
+    cluster_certs(certs.path());
+    let dir = certs.path().display().to_string();
+    let both = ["--tls-dir", &dir, "--transports", "tcp"];
+    let mut n = start_each(&both, &both, "tcp-auth").await;
+    let (id, dst) = n.push(5, 32).await;
+    let s =
+        n.p.wait(id.unwrap(), Some(Duration::from_secs(60)))
+            .await
+            .unwrap();
+    assert_eq!(s.state, TransferState::Done as i32, "{s:?}");
+    assert_eq!(
+        verify(&n.d_kv, 5, 0..4, &dst).unwrap(),
+        4 * 2 * 32 * BLOCK_BYTES
+    );
+    let peers = n.p.list_peers().await.unwrap();
+    assert_eq!(peers.peers[0].transport, "tcp", "{peers:?}");
+    let text = scrape(n.pair.decode.metrics.unwrap());
+    assert_eq!(
+        metric_sum(&text, "kvrail_handshakes_refused_total", &[]),
+        0.0,
+        "{text}"
+    );
+    assert!(metric_sum(&text, "kvrail_bytes_received_total", &["transport=\"tcp\""]) > 0.0);
 }

@@ -170,6 +170,17 @@ impl Pair {
         decode_ips: &[std::net::IpAddr],
         extra: &[&str],
     ) -> Pair {
+        Pair::start_each(prefill_ips, decode_ips, extra, extra)
+    }
+
+    /// As [`Pair::start_on`], with flags of each node's own. A node given no
+    /// `--tls-dir` runs with `--insecure` (unauthenticated TCP).
+    pub fn start_each(
+        prefill_ips: &[std::net::IpAddr],
+        decode_ips: &[std::net::IpAddr],
+        prefill_extra: &[&str],
+        decode_extra: &[&str],
+    ) -> Pair {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pp, dp, mp) = (free_port(), free_port(), free_port());
         let dm = free_port();
@@ -179,7 +190,8 @@ impl Pair {
                   peer: &str,
                   peer_port: u16,
                   peer_ips: &[std::net::IpAddr],
-                  metrics: Option<u16>| {
+                  metrics: Option<u16>,
+                  extra: &[&str]| {
             let socket = dir.path().join(format!("{node}.sock"));
             let listen = SocketAddr::new(ips[0], port);
             let rails: Vec<String> = peer_ips
@@ -203,6 +215,9 @@ impl Pair {
                 args.push(format!("127.0.0.1:{m}"));
             }
             args.extend(extra.iter().map(|s| s.to_string()));
+            if !extra.contains(&"--tls-dir") && !extra.contains(&"--insecure") {
+                args.push("--insecure".into());
+            }
             let mut s = Sidecar {
                 node: node.into(),
                 socket,
@@ -222,6 +237,7 @@ impl Pair {
             dp,
             decode_ips,
             Some(mp),
+            prefill_extra,
         );
         let decode = mk(
             "decode",
@@ -231,6 +247,7 @@ impl Pair {
             pp,
             prefill_ips,
             Some(dm),
+            decode_extra,
         );
         Pair {
             prefill,

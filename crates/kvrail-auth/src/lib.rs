@@ -215,6 +215,26 @@ impl Identity {
         message: &[u8],
         signature: &[u8],
     ) -> Result<(), AuthError> {
+        self.verify_certificate(peer, cert)?;
+        let fail = |reason: String| AuthError::Peer {
+            peer: peer.to_string(),
+            reason,
+        };
+        let der = CertificateDer::from(cert.to_vec());
+        let ee = webpki::EndEntityCert::try_from(&der).map_err(|e| fail(e.to_string()))?;
+        let algs = self.provider.signature_verification_algorithms.all;
+        if algs
+            .iter()
+            .any(|alg| ee.verify_signature(*alg, message, signature).is_ok())
+        {
+            Ok(())
+        } else {
+            Err(fail("signature does not match its certificate".into()))
+        }
+    }
+
+    /// Checks that `cert` chains to our CA, is valid now and names `peer`.
+    pub fn verify_certificate(&self, peer: &str, cert: &[u8]) -> Result<(), AuthError> {
         let fail = |reason: String| AuthError::Peer {
             peer: peer.to_string(),
             reason,
@@ -238,16 +258,7 @@ impl Identity {
         verifier
             .verify_server_cert(&der, &[], &name, &[], now)
             .map_err(|e| fail(format!("certificate: {e}")))?;
-        let ee = webpki::EndEntityCert::try_from(&der).map_err(|e| fail(e.to_string()))?;
-        let algs = self.provider.signature_verification_algorithms.all;
-        if algs
-            .iter()
-            .any(|alg| ee.verify_signature(*alg, message, signature).is_ok())
-        {
-            Ok(())
-        } else {
-            Err(fail("signature does not match its certificate".into()))
-        }
+        Ok(())
     }
 }
 

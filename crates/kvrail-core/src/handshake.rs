@@ -17,6 +17,45 @@ pub enum HandshakeError {
     NotHello,
 }
 
+/// Bytes of the random nonce each side of an authenticated TCP handshake sends.
+pub const NONCE_BYTES: usize = 32;
+
+/// Which side of an authenticated TCP handshake signs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signer {
+    Dialer,
+    Acceptor,
+}
+
+/// What a side of an authenticated TCP handshake signs: both node names, the
+/// session, rail and connection, and both nonces, under the signer's role, so a
+/// signature is good for this one connection and never for the other side.
+pub fn transcript(
+    signer: Signer,
+    hello: &pb::Hello,
+    acceptor: &str,
+    acceptor_nonce: &[u8],
+) -> Vec<u8> {
+    let mut t = Vec::with_capacity(160);
+    let mut field = |bytes: &[u8]| {
+        t.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+        t.extend_from_slice(bytes);
+    };
+    field(b"kvrail tcp handshake v1");
+    field(match signer {
+        Signer::Dialer => b"dialer",
+        Signer::Acceptor => b"acceptor",
+    });
+    field(hello.node_name.as_bytes());
+    field(acceptor.as_bytes());
+    field(&hello.session_id.to_be_bytes());
+    field(&hello.rail_index.to_be_bytes());
+    field(&hello.connection_index.to_be_bytes());
+    field(&hello.nonce);
+    field(acceptor_nonce);
+    t
+}
+
 /// Checks a dialer's hello on the accepting side.
 pub fn check_hello(
     hello: &pb::Hello,
@@ -61,6 +100,73 @@ mod tests {
             transports: vec!["tcp".into()],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn transcripts_differ_by_signer_and_by_every_field() {
+        let h = pb::Hello {
+            nonce: vec![1; NONCE_BYTES],
+            session_id: 9,
+            ..hello()
+        };
+        let base = transcript(Signer::Acceptor, &h, "decode", &[2; NONCE_BYTES]);
+        assert_eq!(
+            base,
+            transcript(Signer::Acceptor, &h, "decode", &[2; NONCE_BYTES])
+        );
+        let others = [
+            transcript(Signer::Dialer, &h, "decode", &[2; NONCE_BYTES]),
+            transcript(Signer::Acceptor, &h, "decodf", &[2; NONCE_BYTES]),
+            transcript(Signer::Acceptor, &h, "decode", &[3; NONCE_BYTES]),
+            transcript(
+                Signer::Acceptor,
+                &pb::Hello {
+                    session_id: 10,
+                    ..h.clone()
+                },
+                "decode",
+                &[2; NONCE_BYTES],
+            ),
+            transcript(
+                Signer::Acceptor,
+                &pb::Hello {
+                    rail_index: 1,
+                    ..h.clone()
+                },
+                "decode",
+                &[2; NONCE_BYTES],
+            ),
+            transcript(
+                Signer::Acceptor,
+                &pb::Hello {
+                    connection_index: 1,
+                    ..h.clone()
+                },
+                "decode",
+                &[2; NONCE_BYTES],
+            ),
+            transcript(
+                Signer::Acceptor,
+                &pb::Hello {
+                    nonce: vec![4; NONCE_BYTES],
+                    ..h.clone()
+                },
+                "decode",
+                &[2; NONCE_BYTES],
+            ),
+        ];
+        for o in &others {
+            assert_ne!(&base, o);
+        }
+        // Length prefixes: moving a byte from one name to the other changes it.
+        let shifted = pb::Hello {
+            node_name: "prefilld".into(),
+            ..h.clone()
+        };
+        assert_ne!(
+            transcript(Signer::Acceptor, &h, "decode", &[2; NONCE_BYTES]),
+            transcript(Signer::Acceptor, &shifted, "ecode", &[2; NONCE_BYTES])
+        );
     }
 
     #[test]

@@ -612,7 +612,8 @@ impl Session {
             | Body::HelloAck(_)
             | Body::Pong(_)
             | Body::RdmaConnect(_)
-            | Body::RdmaAccept(_) => {}
+            | Body::RdmaAccept(_)
+            | Body::HelloProof(_) => {}
         }
     }
 

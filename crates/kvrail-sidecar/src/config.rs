@@ -54,6 +54,11 @@ pub struct Config {
     pub rdma_timeout: u8,
     /// Queue pair retries before it fails (7 retries for ever on Soft-RoCE).
     pub rdma_retry_cnt: u8,
+    /// How long a sender waits after our "receiver not ready" NAK (IB encoding:
+    /// 12 = 0.64 ms, 26 = 82 ms).
+    pub rdma_min_rnr_timer: u8,
+    /// Retries after a "receiver not ready" NAK (7 = for ever).
+    pub rdma_rnr_retry: u8,
     /// Transports in order of preference; each peer pair uses the first both
     /// sides have ("rdma" rides on the chosen stream transport's connections).
     /// Empty: rdma, quic (when `tls_dir` is set), tcp; see [`Config::transport_order`].
@@ -61,6 +66,9 @@ pub struct Config {
     /// Directory of the cluster CA and node certificates (`kvrail certs`):
     /// `ca.pem`, `NODE.pem`, `NODE.key`. Needed for QUIC.
     pub tls_dir: Option<PathBuf>,
+    /// Allow TCP peer connections without authentication (no `tls_dir` needed).
+    /// Anyone who reaches a rail port can then pose as a peer.
+    pub insecure: bool,
     /// QUIC: largest UDP payload MTU discovery may reach.
     pub quic_max_udp_payload: u16,
     /// QUIC: per-stream and per-connection receive windows, and the send window.
@@ -94,8 +102,11 @@ impl Default for Config {
             rdma_busy_poll_us: 0,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,
+            rdma_min_rnr_timer: 12,
+            rdma_rnr_retry: 7,
             transports: vec![],
             tls_dir: None,
+            insecure: false,
             quic_max_udp_payload: 6550,
             quic_stream_window: 32 << 20,
             quic_connection_window: 64 << 20,
@@ -182,8 +193,12 @@ impl Config {
         {
             return bad("rdma_qps_per_rail must be 1..=8, and connections plus queue pairs at most 64 over all rails");
         }
-        if self.rdma_timeout > 31 || self.rdma_retry_cnt > 7 {
-            return bad("rdma_timeout must be 0..=31 and rdma_retry_cnt 0..=7");
+        if self.rdma_timeout > 31
+            || self.rdma_retry_cnt > 7
+            || self.rdma_min_rnr_timer > 31
+            || self.rdma_rnr_retry > 7
+        {
+            return bad("rdma_timeout and rdma_min_rnr_timer must be 0..=31, rdma_retry_cnt and rdma_rnr_retry 0..=7");
         }
         if self
             .transports
@@ -198,6 +213,9 @@ impl Config {
             .any(|t| t == "quic" || t == "tcp")
         {
             return bad("transports needs quic or tcp (RDMA sets up over one of them)");
+        }
+        if self.wants("tcp") && self.tls_dir.is_none() && !self.insecure {
+            return bad("tcp between sidecars is authenticated with the node's certificate: set tls_dir (see `kvrail certs`), or pass --insecure to run it unauthenticated");
         }
         if self.transports.iter().any(|t| t == "quic") && self.tls_dir.is_none() {
             return bad("quic needs tls_dir with the cluster's certificates (kvrail certs), or leave quic out of transports");
@@ -300,6 +318,13 @@ mod tests {
             "#,
         )
         .unwrap();
+        // TCP without an identity only when asked for in so many words.
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--insecure") && e.contains("tls_dir"), "{e}");
+        let c = Config {
+            insecure: true,
+            ..c
+        };
         c.validate().unwrap();
         assert_eq!(c.peers[0].rails.len(), 2);
         assert_eq!(c.connections_per_rail, 4);
@@ -310,6 +335,11 @@ mod tests {
             ..c.clone()
         };
         assert_eq!(with_certs.transport_order(), ["rdma", "quic", "tcp"]);
+        let secure = Config {
+            insecure: false,
+            ..with_certs
+        };
+        secure.validate().unwrap();
         let p = Config::parse_peer("b=127.0.0.1:1,127.0.0.1:2").unwrap();
         assert_eq!(p.rails.len(), 2);
         assert!(Config::parse_peer("b").is_err());

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use kvrail_auth::{Identity, IdentityFiles};
-use kvrail_core::handshake::{check_hello, HandshakeError};
+use kvrail_core::handshake::{check_hello, transcript, HandshakeError, Signer, NONCE_BYTES};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
@@ -61,6 +61,8 @@ pub struct Shared {
     /// Stream transports (quic, tcp) in our order of preference.
     pub transports: Vec<Arc<dyn Transport>>,
     pub rdma: RdmaRails,
+    /// This node's certificate and key (`tls_dir`), if it has them.
+    pub identity: Option<Arc<Identity>>,
     next_transfer: AtomicU64,
 }
 
@@ -81,6 +83,15 @@ impl Shared {
             progress_timeout: self.config.progress_timeout(),
             rails: self.config.rail_config(),
             probes_rails: dialer,
+        }
+    }
+
+    /// The identity TCP handshakes over `transport` are authenticated with; None
+    /// for other transports (QUIC's TLS did it) and with `insecure`.
+    fn tcp_identity(&self, transport: &str) -> Option<&Identity> {
+        match (transport, self.config.insecure) {
+            ("tcp", false) => self.identity.as_deref(),
+            _ => None,
         }
     }
 
@@ -285,6 +296,7 @@ impl Shared {
                 expected_peer: peer.name.clone(),
                 rail_local_addr: local.map(|a| a.ip().to_string()).unwrap_or_default(),
                 rail_peer_addr: addr.to_string(),
+                ..Default::default()
             };
             match self.dial_one(&transport, local, addr, hello, timeout).await {
                 Ok((conn, offers)) => match link.attach(conn, rail) {
@@ -377,7 +389,13 @@ impl Shared {
                 unreachable(e)
             }
         };
-        let frame = wire::encode_control(&wire::message(Body::Hello(hello)));
+        let mut hello = hello;
+        let identity = self.tcp_identity(transport.name());
+        if let Some(id) = identity {
+            hello.certificate = id.certificate().to_vec();
+            hello.nonce = random_nonce();
+        }
+        let frame = wire::encode_control(&wire::message(Body::Hello(hello.clone())));
         conn.writer.write_control(&frame).await.map_err(|e| {
             failed(
                 e.to_string(),
@@ -396,6 +414,34 @@ impl Shared {
             })?;
         match reply {
             Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => {
+                if let Some(id) = identity {
+                    let refused = |reason: String| DialError::Refused {
+                        peer: peer.clone(),
+                        reason,
+                    };
+                    if ack.certificate.is_empty() {
+                        return Err(refused("peer did not authenticate its tcp handshake (it runs without certificates, or --insecure)".into()));
+                    }
+                    let signed = transcript(Signer::Acceptor, &hello, &ack.node_name, &ack.nonce);
+                    id.verify_peer(&peer, &ack.certificate, &signed, &ack.signature)
+                        .map_err(|e| refused(format!("tcp authentication: {e}")))?;
+                    let proof = id
+                        .sign(&transcript(
+                            Signer::Dialer,
+                            &hello,
+                            &ack.node_name,
+                            &ack.nonce,
+                        ))
+                        .map_err(|e| refused(format!("cannot sign our tcp handshake: {e}")))?;
+                    let frame =
+                        wire::encode_control(&wire::message(Body::HelloProof(pb::HelloProof {
+                            signature: proof,
+                        })));
+                    conn.writer
+                        .write_control(&frame)
+                        .await
+                        .map_err(|e| unreachable(e.to_string()))?;
+                }
                 Ok((conn, ack.transports))
             }
             Frame::Control(Body::HelloAck(ack)) => Err(DialError::Refused {
@@ -468,13 +514,43 @@ impl Shared {
             };
             return self.refuse(conn, from, e.to_string(), label).await;
         }
-        let ack = pb::HelloAck {
+        let mut ack = pb::HelloAck {
             protocol_version: u32::from(PROTOCOL_VERSION),
             node_name: self.config.node.clone(),
             transports: offered.clone(),
             rail_count: self.config.listen.len() as u32,
             rail_index: hello.rail_index,
+            ..Default::default()
         };
+        let identity = self.tcp_identity(transport);
+        if let Some(id) = identity {
+            if hello.certificate.is_empty() {
+                let reason = format!("peer {:?} presented no certificate on tcp (it runs without tls_dir, or --insecure)", hello.node_name);
+                return self.refuse(conn, from, reason, "no_certificate").await;
+            }
+            if hello.nonce.len() != NONCE_BYTES {
+                let reason = format!("tcp handshake nonce of {} bytes", hello.nonce.len());
+                return self.refuse(conn, from, reason, "malformed").await;
+            }
+            if let Err(e) = id.verify_certificate(&hello.node_name, &hello.certificate) {
+                return self.refuse(conn, from, e.to_string(), "certificate").await;
+            }
+            ack.certificate = id.certificate().to_vec();
+            ack.nonce = random_nonce();
+            match id.sign(&transcript(
+                Signer::Acceptor,
+                &hello,
+                &ack.node_name,
+                &ack.nonce,
+            )) {
+                Ok(sig) => ack.signature = sig,
+                Err(e) => {
+                    warn!("cannot sign a tcp handshake: {e}");
+                    return;
+                }
+            }
+        }
+        let acceptor_nonce = ack.nonce.clone();
         if conn
             .writer
             .write_control(&wire::encode_control(&wire::message(Body::HelloAck(ack))))
@@ -482,6 +558,41 @@ impl Shared {
             .is_err()
         {
             return;
+        }
+        if let Some(id) = identity {
+            // The dialer proves it holds its certificate's key before it gets a session.
+            let proof =
+                tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut())).await;
+            let signature = match proof {
+                Ok(Ok(Frame::Control(Body::HelloProof(p)))) => p.signature,
+                Ok(Ok(_)) => {
+                    return self
+                        .refuse(
+                            conn,
+                            from,
+                            "expected the tcp handshake proof".into(),
+                            "malformed",
+                        )
+                        .await
+                }
+                Ok(Err(e)) => return self.refuse(conn, from, e.to_string(), "malformed").await,
+                Err(_) => {
+                    return self
+                        .refuse(
+                            conn,
+                            from,
+                            "no tcp handshake proof in time".into(),
+                            "timeout",
+                        )
+                        .await
+                }
+            };
+            let signed = transcript(Signer::Dialer, &hello, &self.config.node, &acceptor_nonce);
+            if let Err(e) =
+                id.verify_peer(&hello.node_name, &hello.certificate, &signed, &signature)
+            {
+                return self.refuse(conn, from, e.to_string(), "proof").await;
+            }
         }
         let key = (hello.node_name.clone(), hello.session_id);
         let link = self
@@ -657,12 +768,15 @@ impl Daemon {
     pub async fn start(config: Config) -> anyhow::Result<Daemon> {
         config.validate()?;
         let identity = match &config.tls_dir {
-            Some(dir) => Some(
+            Some(dir) => Some(Arc::new(
                 Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))
                     .map_err(|e| anyhow::anyhow!("node identity: {e}"))?,
-            ),
+            )),
             None => None,
         };
+        if config.insecure && config.wants("tcp") {
+            warn!("--insecure: tcp peer connections are not authenticated; anyone who reaches a rail port can pose as a peer");
+        }
         let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
         for name in &config.transport_order() {
             match name.as_str() {
@@ -701,6 +815,7 @@ impl Daemon {
             inbound: DashMap::new(),
             transports: transports.clone(),
             rdma: RdmaRails::discover(&config),
+            identity: identity.clone(),
             next_transfer: AtomicU64::new(0),
         });
         if let Some(addr) = config.metrics_addr {
@@ -781,4 +896,8 @@ async fn accept_loop(
             }
         }
     }
+}
+
+fn random_nonce() -> Vec<u8> {
+    (0..NONCE_BYTES).map(|_| rand::random::<u8>()).collect()
 }

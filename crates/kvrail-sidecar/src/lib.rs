@@ -75,6 +75,9 @@ pub struct ServeArgs {
     /// Directory with ca.pem, NODE.pem and NODE.key (see `kvrail certs`).
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
+    /// Accept and make TCP peer connections without authentication.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl ServeArgs {
@@ -130,6 +133,9 @@ impl ServeArgs {
         }
         if let Some(v) = &self.tls_dir {
             c.tls_dir = Some(v.clone());
+        }
+        if self.insecure {
+            c.insecure = true;
         }
         if !self.transports.is_empty() {
             c.transports = self.transports.clone();
