@@ -76,32 +76,52 @@ fn bench_prints_one_json_result_per_measurement() {
         String::from_utf8_lossy(&out.stderr)
     );
     let lines = json_lines(&out.stdout);
-    let kinds: Vec<(String, String, u64)> = lines
+    let (compares, points): (Vec<_>, Vec<_>) = lines.iter().partition(|v| v["bench"] == "compare");
+    let kinds: Vec<(String, String, String, u64)> = points
         .iter()
         .map(|v| {
             (
+                v["transport"].as_str().unwrap().to_string(),
                 v["bench"].as_str().unwrap().to_string(),
                 v["op"].as_str().unwrap().to_string(),
                 v["bytes"].as_u64().unwrap(),
             )
         })
         .collect();
-    for expected in [
-        ("single", "push", 1 << 20),
-        ("single", "pull", 65536),
-        ("scattered", "push", 16 * 160 * 1024),
-        ("latency", "push", 4096),
-    ] {
-        assert!(
-            kinds.contains(&(expected.0.to_string(), expected.1.to_string(), expected.2)),
-            "{expected:?} missing from {kinds:?}"
-        );
+    // Both transports of the default `--transport tcp,quic`, in one run.
+    for transport in ["tcp", "quic"] {
+        for (bench, op, bytes) in [
+            ("single", "push", 1 << 20),
+            ("single", "pull", 65536),
+            ("scattered", "push", 16 * 160 * 1024),
+            ("latency", "push", 4096),
+        ] {
+            let want = (
+                transport.to_string(),
+                bench.to_string(),
+                op.to_string(),
+                bytes,
+            );
+            assert!(kinds.contains(&want), "{want:?} missing from {kinds:?}");
+        }
     }
-    for v in &lines {
-        assert_eq!(v["transport"], "tcp");
+    for v in &points {
         assert!(v["p50_us"].as_u64().unwrap() > 0, "{v}");
         if v["bench"] != "latency" {
             assert!(v["gbps"].as_f64().unwrap() > 0.0, "{v}");
         }
+    }
+    // Every throughput point of quic is put against the same point of tcp.
+    let throughput = points
+        .iter()
+        .filter(|v| v["transport"] == "quic" && v["bench"] != "latency")
+        .count();
+    assert_eq!(compares.len(), throughput, "{compares:?}");
+    for c in &compares {
+        assert_eq!((&c["transport"], &c["vs"]), (&"quic".into(), &"tcp".into()));
+        let expected = c["gbps"].as_f64().unwrap() / c["vs_gbps"].as_f64().unwrap();
+        // Rates are printed to 3 decimals, the ratio comes from the exact ones.
+        let ratio = c["ratio"].as_f64().unwrap();
+        assert!((ratio - expected).abs() <= 0.05 * expected + 0.002, "{c}");
     }
 }

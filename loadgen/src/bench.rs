@@ -58,10 +58,13 @@ pub struct BenchArgs {
         default_value = "iperf3,perftest,single,scattered,vllm,latency"
     )]
     pub only: Vec<String>,
-    /// tcp: two sidecars on loopback. rdma: the sidecars on the rail addresses of
+    /// Transports to measure, one after the other in this run, comma-separated.
+    /// tcp, quic: two sidecars on loopback using only that transport (quic with
+    /// certificates of a fresh CA); every quic point is then compared with the tcp
+    /// one. rdma (alone): the sidecars on the rail addresses of
     /// `--node-a`/`--node-b` with verbs (run it inside `shared/rdma-vm/run`).
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
-    pub transport: String,
+    #[arg(long, value_delimiter = ',', default_value = "tcp,quic", value_parser = ["tcp", "quic", "rdma"])]
+    pub transport: Vec<String>,
     /// RDMA: the prefill node's rail addresses (its devices are found by them).
     #[arg(
         long,
@@ -558,48 +561,134 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if !args.rails.is_empty() {
         return crate::rails::run(args, scattered).await;
     }
-    let mut opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
-    let (cluster, devices) = if args.transport == "rdma" {
-        let devices = rdma_devices(&args)?;
-        let rails = args.rdma_rails;
-        opts.metrics = true;
-        opts.extra_args = vec!["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()];
-        let cluster =
-            LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await?;
-        eprintln!(
-            "kvrail bench: 2 sidecars, rdma over {rails} rail(s) ({}), {} queue pairs per rail, slices of {}",
-            devices
-                .iter()
-                .map(|d| format!("{} -> {}", d.client, d.server))
-                .collect::<Vec<_>>()
-                .join(", "),
-            args.rdma_qps,
-            human_bytes(args.slice_bytes),
-        );
-        (cluster, devices)
-    } else {
-        eprintln!(
-            "kvrail bench: 2 sidecars on loopback, tcp, {} connections, slices of {}, window {}",
-            args.connections,
-            human_bytes(args.slice_bytes),
-            human_bytes(args.window_bytes)
-        );
-        (LocalCluster::start(&opts).await?, Vec::new())
+    let rdma = args.transport.iter().any(|t| t == "rdma");
+    if rdma && args.transport.len() > 1 {
+        bail!("--transport rdma runs alone (inside the RDMA VM)");
+    }
+    let mut baselines = Baselines::default();
+    let mut results: Vec<(&'static str, Vec<serde_json::Value>)> = Vec::new();
+    for name in &args.transport {
+        let transport: &'static str = match name.as_str() {
+            "rdma" => "rdma",
+            "quic" => "quic",
+            _ => "tcp",
+        };
+        let mut opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
+        let (cluster, devices) = if rdma {
+            let devices = rdma_devices(&args)?;
+            let rails = args.rdma_rails;
+            opts.metrics = true;
+            opts.extra_args = vec!["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()];
+            opts.transports = vec!["rdma".into(), "tcp".into()];
+            let cluster =
+                LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await?;
+            eprintln!(
+                "kvrail bench: 2 sidecars, rdma over {rails} rail(s) ({}), {} queue pairs per rail, slices of {}",
+                devices
+                    .iter()
+                    .map(|d| format!("{} -> {}", d.client, d.server))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                args.rdma_qps,
+                human_bytes(args.slice_bytes),
+            );
+            (cluster, devices)
+        } else {
+            opts.transports = vec![transport.into()];
+            eprintln!(
+                "kvrail bench: 2 sidecars on loopback, {transport}, {} connections, slices of {}, window {}",
+                args.connections,
+                human_bytes(args.slice_bytes),
+                human_bytes(args.window_bytes)
+            );
+            (LocalCluster::start(&opts).await?, Vec::new())
+        };
+        let mut bench = Bench::start(cluster, &args, file_bytes, transport).await?;
+        baselines.apply(&mut bench);
+        let result = run_parts(
+            &mut bench,
+            &wants,
+            &devices,
+            &scattered,
+            &vllm,
+            scattered_layout,
+            vllm_layout,
+        )
+        .await;
+        bench.remove_files();
+        result?;
+        baselines.keep(&bench);
+        results.push((transport, std::mem::take(&mut bench.results)));
+    }
+    compare_transports(&results);
+    Ok(())
+}
+
+/// Baselines measured once per run (iperf3) and carried to every transport's points.
+#[derive(Default)]
+struct Baselines {
+    iperf3_gbps: Option<f64>,
+    iperf3_procs_gbps: Option<f64>,
+}
+
+impl Baselines {
+    fn apply(&self, bench: &mut Bench) {
+        bench.iperf3_gbps = self.iperf3_gbps;
+        bench.iperf3_procs_gbps = self.iperf3_procs_gbps;
+    }
+
+    fn keep(&mut self, bench: &Bench) {
+        self.iperf3_gbps = bench.iperf3_gbps;
+        self.iperf3_procs_gbps = bench.iperf3_procs_gbps;
+    }
+}
+
+/// One JSON line per point that every transport measured: each transport's rate
+/// against the first one's (tcp, when it was asked for first).
+fn compare_transports(results: &[(&'static str, Vec<serde_json::Value>)]) {
+    let Some(((base, base_points), rest)) = results.split_first() else {
+        return;
     };
-    let transport = if devices.is_empty() { "tcp" } else { "rdma" };
-    let mut bench = Bench::start(cluster, &args, file_bytes, transport).await?;
-    let result = run_parts(
-        &mut bench,
-        &wants,
-        &devices,
-        &scattered,
-        &vllm,
-        scattered_layout,
-        vllm_layout,
-    )
-    .await;
-    bench.remove_files();
-    result
+    let key = |v: &serde_json::Value| {
+        (
+            v["bench"].as_str().map(String::from),
+            v["op"].as_str().map(String::from),
+            v["bytes"].as_u64(),
+        )
+    };
+    for (transport, points) in rest {
+        for p in points {
+            let (Some(rate), Some(bench)) = (p["gbps"].as_f64(), p["bench"].as_str()) else {
+                continue;
+            };
+            let Some(b) = base_points.iter().find(|b| key(b) == key(p)) else {
+                continue;
+            };
+            let Some(base_rate) = b["gbps"].as_f64().filter(|&r| r > 0.0) else {
+                continue;
+            };
+            let ratio = round3(rate / base_rate);
+            let v = json!({
+                "bench": "compare",
+                "point": bench,
+                "op": p["op"],
+                "bytes": p["bytes"],
+                "transport": transport,
+                "vs": base,
+                "gbps": p["gbps"],
+                "vs_gbps": b["gbps"],
+                "ratio": ratio,
+            });
+            eprintln!(
+                "compare    {bench:<10} {:<5} {:>10}  {transport} {:>8.3} GB/s vs {base} {:>8.3} GB/s: {ratio}x",
+                p["op"].as_str().unwrap_or(""),
+                human_bytes(p["bytes"].as_u64().unwrap_or(0)),
+                rate,
+                base_rate,
+            );
+            println!("{v}");
+        }
+    }
 }
 
 /// The RDMA device of each rail address, both nodes, or why there is none.
@@ -707,7 +796,7 @@ async fn run_parts(
             ib_write_lat = Some(crate::perftest::write_lat(&devices[0], 4096, 1000)?);
         }
     }
-    if wants("iperf3") && devices.is_empty() {
+    if wants("iperf3") && devices.is_empty() && bench.iperf3_gbps.is_none() {
         let n = args.connections;
         let g = iperf3(1, n, args.iperf3_seconds)?;
         bench.iperf3_gbps = Some(g);

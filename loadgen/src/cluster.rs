@@ -47,6 +47,11 @@ pub struct ClusterOptions {
     pub kvrail_binary: Option<PathBuf>,
     /// Serve metrics on a loopback port (see [`LocalCluster::scrape`]).
     pub metrics: bool,
+    /// Give both nodes certificates of a fresh cluster CA (`--tls-dir`): QUIC needs
+    /// them and TCP handshakes are authenticated with them. Without: `--insecure`.
+    pub tls: bool,
+    /// `--transports` of both nodes, in order of preference (default `tcp`).
+    pub transports: Vec<String>,
 }
 
 impl ClusterOptions {
@@ -58,6 +63,8 @@ impl ClusterOptions {
             extra_args: Vec::new(),
             kvrail_binary: None,
             metrics: false,
+            tls: true,
+            transports: vec!["tcp".into()],
         }
     }
 }
@@ -140,6 +147,17 @@ impl LocalCluster {
             })
         };
         let (pa, da) = (addrs(Node::A)?, addrs(Node::B)?);
+        let tls_dir = dir.path().join("tls");
+        if opts.tls {
+            kvrail_auth::generate::ca(&tls_dir)?;
+            for node in ["prefill", "decode"] {
+                kvrail_auth::generate::node(
+                    &tls_dir,
+                    node,
+                    kvrail_auth::generate::Validity::days(1),
+                )?;
+            }
+        }
         let command = |node: Node| match &at {
             Placement::Loopback | Placement::Addresses { .. } => Command::new(&exe),
             Placement::Lab { lab, .. } => lab.command(node, &exe),
@@ -164,6 +182,12 @@ impl LocalCluster {
             for l in listen {
                 cmd.args(["--listen", l]);
             }
+            if opts.tls {
+                cmd.arg("--tls-dir").arg(&tls_dir);
+            } else {
+                cmd.arg("--insecure");
+            }
+            cmd.args(["--transports", &opts.transports.join(",")]);
             let child = cmd
                 .args(["--peer", &format!("{peer}={}", peer_addrs.join(","))])
                 .args(&opts.extra_args)
