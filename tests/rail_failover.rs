@@ -30,6 +30,11 @@ struct Lab {
 
 /// Two 1 Gbit/s rails and a sidecar on each side, or `None` (printed) without root.
 async fn lab(test: &str, extra: &[&str]) -> Option<Lab> {
+    lab_over(test, extra, "tcp").await
+}
+
+/// As [`lab`], the sidecars using only `transport` (both have certificates).
+async fn lab_over(test: &str, extra: &[&str], transport: &str) -> Option<Lab> {
     if let Some(why) = netlab::unavailable() {
         println!("SKIPPED {test}: {why}");
         return None;
@@ -42,6 +47,7 @@ async fn lab(test: &str, extra: &[&str]) -> Option<Lab> {
     let mut opts = ClusterOptions::new(4, 1 << 20, 8 << 20);
     opts.kvrail_binary = Some(kvrail_e2e::binary("kvrail"));
     opts.extra_args = extra.iter().map(|s| s.to_string()).collect();
+    opts.transports = vec![transport.to_string()];
     let cluster = LocalCluster::start_in_lab(&opts, &lab, 2).await.unwrap();
     let mut p = cluster.client(&cluster.prefill).await.unwrap();
     let mut d = cluster.client(&cluster.decode).await.unwrap();
@@ -153,12 +159,17 @@ async fn rail_striping_spreads_a_push_over_both_rails() {
     assert_eq!(rails.iter().map(|r| r.slices_retransmitted).sum::<u64>(), 0);
 }
 
-async fn cut_mid_transfer_then_restore(how: Cut, test: &str) {
-    let Some(mut l) = lab(test, &[]).await else {
+async fn cut_mid_transfer_then_restore(how: Cut, test: &str, transport: &str) {
+    let Some(mut l) = lab_over(test, &[], transport).await else {
         return;
     };
     let id = l.start_push("cut", 2).await;
     l.until_rail_carried(1, 0, TOTAL / 8).await;
+    let peers = l.p.list_peers().await.unwrap();
+    assert!(
+        peers.peers.iter().all(|p| p.transport == transport),
+        "{peers:?}"
+    );
     l.lab.cut(1, how).unwrap();
     let st = l.p.wait(id, Some(Duration::from_secs(60))).await.unwrap();
     assert_eq!(st.state, TransferState::Done as i32, "{:?}", st.failure);
@@ -189,12 +200,17 @@ async fn cut_mid_transfer_then_restore(how: Cut, test: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rail_link_down_mid_transfer_fails_over_and_comes_back() {
-    cut_mid_transfer_then_restore(Cut::LinkDown, "link-down").await;
+    cut_mid_transfer_then_restore(Cut::LinkDown, "link-down", "tcp").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rail_dropping_every_packet_mid_transfer_fails_over_and_comes_back() {
-    cut_mid_transfer_then_restore(Cut::DropAll, "drop-all").await;
+    cut_mid_transfer_then_restore(Cut::DropAll, "drop-all", "tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quic_rail_link_down_mid_transfer_fails_over_and_comes_back() {
+    cut_mid_transfer_then_restore(Cut::LinkDown, "quic-link-down", "quic").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -383,27 +383,25 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     let tcp = metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]);
     assert!(tcp > 0.0, "nothing went over TCP after both rails were cut");
 
-    // 3. Rails back: queue pairs are rebuilt and carry the next push.
+    // 3. Rails back: queue pairs are rebuilt on both and carry the next push.
+    let mark = s.pair.prefill.log().len();
     link(&netdevs[0], "up");
     link(&netdevs[1], "up");
-    // Each rail is back to its 4 streams plus 2 queue pairs.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let peers = s.p.list_peers().await.unwrap();
-        let rails: Vec<u32> = peers
-            .peers
-            .iter()
-            .flat_map(|p| p.rail_status.iter())
-            .filter(|r| r.direction == "out")
-            .map(|r| r.connections)
-            .collect();
-        if rails.len() == 2 && rails.iter().all(|&c| c >= 6) {
+        let log = s.pair.prefill.log();
+        let since = log.get(mark..).unwrap_or_default();
+        let back = |rail: u32| {
+            ["rebuilt", "connected"].iter().any(|how| {
+                since.contains(&format!("RDMA queue pairs {how} peer=decode rail={rail} "))
+            })
+        };
+        if back(0) && back(1) {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "queue pairs not rebuilt ({rails:?}):\n{}",
-            s.pair.prefill.log()
+            "queue pairs not rebuilt on both rails:\n{log}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -123,8 +123,8 @@ pub(crate) struct Bench {
     /// `ib_write_bw` over the same device pairs (RDMA runs).
     ib_write_bw_gbps: Option<f64>,
     contiguous_push_gbps: Option<f64>,
-    /// "tcp" or "rdma": what the sidecars were set up to use.
-    transport: &'static str,
+    /// "tcp", "quic" or "rdma": what the sidecars were set up to use.
+    pub(crate) transport: &'static str,
     next_request: u64,
     /// The prefill worker's notifications: a pulled region may be freed only once served.
     p_notes: tonic::Streaming<kvrail_client::proto::Notification>,

@@ -85,18 +85,27 @@ pub async fn run(args: BenchArgs, scattered: Vec<u64>) -> anyhow::Result<()> {
     );
     let mut counts = vec![1, shapes.len()];
     counts.dedup();
-    let mut single: Option<(f64, f64, Duration)> = None; // push GB/s, scattered GB/s, push p50
-    for &n in &counts {
-        let opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
-        let cluster = LocalCluster::start_in_lab(&opts, &lab, n).await?;
-        let mut bench = Bench::start(cluster, &args, file_bytes, "tcp").await?;
-        let result = measure(&mut bench, n, &rates, sum_rate, &scattered, &mut single).await;
-        let result = match (result, cut) {
-            (Ok(()), Some(how)) if n >= 2 => failover(&mut bench, &lab, how, &single).await,
-            (r, _) => r,
+    for name in &args.transport {
+        let transport: &'static str = match name.as_str() {
+            "tcp" => "tcp",
+            "quic" => "quic",
+            other => bail!("--rails runs tcp and quic, not {other}"),
         };
-        bench.remove_files();
-        result?;
+        let mut single: Option<(f64, f64, Duration)> = None; // push GB/s, scattered GB/s, push p50
+        for &n in &counts {
+            let mut opts =
+                ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
+            opts.transports = vec![transport.into()];
+            let cluster = LocalCluster::start_in_lab(&opts, &lab, n).await?;
+            let mut bench = Bench::start(cluster, &args, file_bytes, transport).await?;
+            let result = measure(&mut bench, n, &rates, sum_rate, &scattered, &mut single).await;
+            let result = match (result, cut) {
+                (Ok(()), Some(how)) if n >= 2 => failover(&mut bench, &lab, how, &single).await,
+                (r, _) => r,
+            };
+            bench.remove_files();
+            result?;
+        }
     }
     Ok(())
 }
@@ -126,7 +135,7 @@ async fn measure(
         let moved: u64 = split.iter().sum::<u64>().max(1);
         let mut v = json!({
             "bench": "rails",
-            "transport": "tcp",
+            "transport": bench.transport,
             "case": case,
             "rails": n,
             "rail_rates_gbytes_per_s": rates[..n].iter().map(|r| round3(*r)).collect::<Vec<_>>(),
@@ -236,7 +245,7 @@ async fn failover(
     let moved_again = split_again.iter().sum::<u64>().max(1);
     let mut v = json!({
         "bench": "rails",
-        "transport": "tcp",
+        "transport": bench.transport,
         "case": "failover",
         "cut": match how { Cut::DropAll => "drop", Cut::LinkDown => "down" },
         "bytes": BIG,
