@@ -7,7 +7,7 @@
 //! cannot). `without_rdma_the_daemon_says_why_and_uses_tcp` runs on the host.
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvrail_auth::generate::{self, Validity};
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{binary, metric_sum, scrape, Pair};
+use kvrail_e2e::{binary, free_port, metric_sum, scrape, Pair, Sidecar};
 use kvrail_examples::{fill, scattered_blocks, verify};
 
 /// Tests share the devices, and some cut rails: one at a time.
@@ -418,6 +418,138 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     );
     s.p_kv.unlink();
     s.d_kv.unlink();
+}
+
+/// One node of the mixed cluster: its sidecar, client and one exposed region.
+struct Node {
+    sidecar: Sidecar,
+    client: Client,
+    kv: KvRegion,
+    region: u64,
+}
+
+/// A cluster of three: `prefill` and `decode` with RDMA (rail 0 of the VM's
+/// nodes A and B), `cpu` without (`--no-rdma`; it listens on node A's address
+/// with a port of its own: nodes are a naming convention in the VM). All have
+/// certificates and the default order rdma, quic, tcp: prefill and decode must
+/// pick RDMA, every pair with `cpu` QUIC. Each pair moves verified bytes.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_mixed_cluster_each_pair_on_its_best_transport() {
+    if !in_vm("rdma_mixed_cluster_each_pair_on_its_best_transport") {
+        return;
+    }
+    let _g = SERIAL.lock().await;
+    let (a, b) = rails();
+    let dir = tempfile::tempdir().unwrap();
+    generate::ca(dir.path()).unwrap();
+    let names = ["prefill", "decode", "cpu"];
+    for node in names {
+        generate::node(dir.path(), node, Validity::days(1)).unwrap();
+    }
+    let listen: Vec<SocketAddr> = [a[0], b[0], a[0]]
+        .iter()
+        .map(|&ip| SocketAddr::new(ip, free_port()))
+        .collect();
+    let layout = dense_layout(4, 2, 32, BLOCK_BYTES);
+    let mut nodes = Vec::new();
+    for (i, node) in names.iter().enumerate() {
+        let mut args = vec!["--tls-dir".to_string(), dir.path().display().to_string()];
+        for (j, peer) in names.iter().enumerate() {
+            if i != j {
+                args.push("--peer".into());
+                args.push(format!("{peer}={}", listen[j]));
+            }
+        }
+        if *node == "cpu" {
+            args.push("--no-rdma".into());
+        }
+        let metrics = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), free_port());
+        let sidecar = Sidecar::start(dir.path(), node, listen[i], Some(metrics), &args);
+        let mut client = sidecar.client().await;
+        let path = kvrail_client::shm_dir().join(format!(
+            "kvrail-test-{}-{}-mixed-{node}",
+            std::process::id(),
+            listen[0].port()
+        ));
+        let kv = KvRegion::create(path, layout).unwrap();
+        let region = client.register_region("w", &kv, true).await.unwrap();
+        nodes.push(Node {
+            sidecar,
+            client,
+            kv,
+            region,
+        });
+    }
+    // (from, to, what the pair must use)
+    let pairs = [
+        (0, 1, "rdma"),
+        (0, 2, "quic"),
+        (2, 1, "quic"),
+        (1, 2, "quic"),
+    ];
+    for (seed, &(from, to, transport)) in pairs.iter().enumerate() {
+        let seed = seed as u64 + 20;
+        let src = scattered_blocks(16, 32, seed);
+        let dst = scattered_blocks(16, 32, seed + 100);
+        fill(&nodes[from].kv, seed, 0..4, &src).unwrap();
+        let (to_region, to_name) = (nodes[to].region, names[to]);
+        let from_region = nodes[from].region;
+        let t = nodes[from]
+            .client
+            .push(
+                "w",
+                &format!("mixed-{seed}"),
+                to_name,
+                blocks(from_region, 0..4, src),
+                blocks(to_region, 0..4, dst.clone()),
+            )
+            .await
+            .unwrap();
+        let st = nodes[from]
+            .client
+            .wait(t.transfer_id, Some(Duration::from_secs(120)))
+            .await
+            .unwrap();
+        assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+        assert_eq!(
+            verify(&nodes[to].kv, seed, 0..4, &dst).unwrap(),
+            4 * 2 * 16 * BLOCK_BYTES,
+            "{} -> {to_name}",
+            names[from]
+        );
+        let text = scrape(nodes[from].sidecar.metrics.unwrap());
+        let peer = format!("peer=\"{to_name}\"");
+        let chosen = format!("transport=\"{transport}\"");
+        assert_eq!(
+            metric_sum(&text, "kvrail_peer_transport", &[&peer, &chosen]),
+            1.0,
+            "{} -> {to_name} does not use {transport}:\n{}",
+            names[from],
+            nodes[from].sidecar.log()
+        );
+        assert!(
+            metric_sum(&text, "kvrail_bytes_sent_total", &[&peer, &chosen]) > 0.0,
+            "{} -> {to_name}: no payload over {transport}",
+            names[from]
+        );
+        for other in ["rdma", "quic", "tcp"].iter().filter(|&&o| o != transport) {
+            let o = format!("transport=\"{other}\"");
+            assert_eq!(
+                metric_sum(&text, "kvrail_bytes_sent_total", &[&peer, &o]),
+                0.0,
+                "{} -> {to_name}: payload over {other} too",
+                names[from]
+            );
+        }
+        println!(
+            "mixed cluster: {} -> {to_name} over {transport}, verified",
+            names[from]
+        );
+    }
+    for n in &nodes {
+        n.kv.unlink();
+    }
 }
 
 /// On a host without RDMA the daemon starts, says why, and moves bytes over TCP.

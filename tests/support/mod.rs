@@ -72,6 +72,41 @@ pub struct Sidecar {
 }
 
 impl Sidecar {
+    /// Starts `kvrail serve --node NODE --socket DIR/NODE.sock --listen LISTEN`
+    /// with `args` (peers, metrics, certificates...) and its log in `dir`.
+    pub fn start(
+        dir: &Path,
+        node: &str,
+        listen: SocketAddr,
+        metrics: Option<SocketAddr>,
+        args: &[String],
+    ) -> Sidecar {
+        let socket = dir.join(format!("{node}.sock"));
+        let mut all = vec![
+            "--node".to_string(),
+            node.to_string(),
+            "--socket".into(),
+            socket.display().to_string(),
+            "--listen".into(),
+            listen.to_string(),
+        ];
+        if let Some(m) = metrics {
+            all.push("--metrics-addr".into());
+            all.push(m.to_string());
+        }
+        all.extend(args.iter().cloned());
+        let mut s = Sidecar {
+            node: node.into(),
+            socket,
+            listen,
+            metrics,
+            child: None,
+            args: all,
+        };
+        s.spawn();
+        s
+    }
+
     fn spawn(&mut self) {
         let log = std::fs::File::create(self.socket.with_extension("log")).expect("log file");
         let child = Command::new(binary("kvrail"))
