@@ -63,6 +63,13 @@ async fn start_each(prefill: &[&str], decode: &[&str], name: &str) -> Nodes {
     }
 }
 
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        self.p_kv.unlink();
+        self.d_kv.unlink();
+    }
+}
+
 impl Nodes {
     async fn push(&mut self, seed: u64, n: usize) -> (Result<u64, String>, Vec<u32>) {
         let src = scattered_blocks(n, NUM_BLOCKS, seed);

@@ -67,6 +67,13 @@ async fn lab_over(test: &str, extra: &[&str], transport: &str) -> Option<Lab> {
     })
 }
 
+impl Drop for Lab {
+    fn drop(&mut self) {
+        self.src.unlink();
+        self.dst.unlink();
+    }
+}
+
 impl Lab {
     /// Starts a 128 MiB push of the whole region; the pattern depends on `seed`.
     async fn start_push(&mut self, req: &str, seed: u64) -> u64 {

@@ -86,6 +86,10 @@ pub struct BenchArgs {
     /// RDMA: queue pairs per rail (perftest runs with as many).
     #[arg(long, default_value_t = 2)]
     pub rdma_qps: usize,
+    /// Extra `kvrail serve` flag for both sidecars (repeatable), e.g.
+    /// `--sidecar-arg=--quic-initial-mtu=6550`.
+    #[arg(long, allow_hyphen_values = true)]
+    pub sidecar_arg: Vec<String>,
     /// iperf3 duration in seconds.
     #[arg(long, default_value_t = 3)]
     pub iperf3_seconds: u32,
@@ -580,6 +584,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             opts.metrics = true;
             opts.extra_args = vec!["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()];
             opts.transports = vec!["rdma".into(), "tcp".into()];
+            opts.extra_args.extend(args.sidecar_arg.iter().cloned());
             let cluster =
                 LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await?;
             eprintln!(
@@ -595,6 +600,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             (cluster, devices)
         } else {
             opts.transports = vec![transport.into()];
+            opts.extra_args.extend(args.sidecar_arg.iter().cloned());
             eprintln!(
                 "kvrail bench: 2 sidecars on loopback, {transport}, {} connections, slices of {}, window {}",
                 args.connections,

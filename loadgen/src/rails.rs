@@ -96,6 +96,7 @@ pub async fn run(args: BenchArgs, scattered: Vec<u64>) -> anyhow::Result<()> {
             let mut opts =
                 ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
             opts.transports = vec![transport.into()];
+            opts.extra_args.extend(args.sidecar_arg.iter().cloned());
             let cluster = LocalCluster::start_in_lab(&opts, &lab, n).await?;
             let mut bench = Bench::start(cluster, &args, file_bytes, transport).await?;
             let result = measure(&mut bench, n, &rates, sum_rate, &scattered, &mut single).await;

@@ -29,6 +29,9 @@ pub struct QuicSettings {
     /// 64 KiB per send call, so a size that packs well (6550 on loopback) beats a
     /// bigger one; on a real link it is capped by the path MTU anyway.
     pub max_udp_payload: u16,
+    /// UDP payload the connection starts with (MTU discovery goes up from there):
+    /// 1200 works on any path; raise it where every rail's MTU is known to allow it.
+    pub initial_mtu: u16,
     /// Per-stream receive window (bytes in flight on one connection's stream).
     pub stream_window: u64,
     /// Connection-level receive window.
@@ -45,6 +48,7 @@ impl Default for QuicSettings {
     fn default() -> Self {
         Self {
             max_udp_payload: 6550,
+            initial_mtu: 1200,
             stream_window: 32 << 20,
             connection_window: 64 << 20,
             send_window: 64 << 20,
@@ -76,6 +80,7 @@ impl QuicSettings {
         let mut mtu = MtuDiscoveryConfig::default();
         mtu.upper_bound(self.max_udp_payload.max(1200));
         t.mtu_discovery_config(Some(mtu));
+        t.initial_mtu(self.initial_mtu.clamp(1200, self.max_udp_payload.max(1200)));
         Ok(t)
     }
 }

@@ -71,6 +71,8 @@ pub struct Config {
     pub insecure: bool,
     /// QUIC: largest UDP payload MTU discovery may reach.
     pub quic_max_udp_payload: u16,
+    /// QUIC: UDP payload a connection starts with (1200 fits any path).
+    pub quic_initial_mtu: u16,
     /// QUIC: per-stream and per-connection receive windows, and the send window.
     pub quic_stream_window: u64,
     pub quic_connection_window: u64,
@@ -108,6 +110,7 @@ impl Default for Config {
             tls_dir: None,
             insecure: false,
             quic_max_udp_payload: 6550,
+            quic_initial_mtu: 1200,
             quic_stream_window: 32 << 20,
             quic_connection_window: 64 << 20,
             quic_send_window: 64 << 20,
@@ -241,6 +244,7 @@ impl Config {
     pub fn quic_settings(&self) -> kvrail_quic::QuicSettings {
         kvrail_quic::QuicSettings {
             max_udp_payload: self.quic_max_udp_payload,
+            initial_mtu: self.quic_initial_mtu,
             stream_window: self.quic_stream_window,
             connection_window: self.quic_connection_window,
             send_window: self.quic_send_window,

@@ -75,6 +75,9 @@ pub struct ServeArgs {
     /// Directory with ca.pem, NODE.pem and NODE.key (see `kvrail certs`).
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
+    /// QUIC: UDP payload connections start with (default 1200; see docs/quic.md).
+    #[arg(long)]
+    pub quic_initial_mtu: Option<u16>,
     /// Accept and make TCP peer connections without authentication.
     #[arg(long)]
     pub insecure: bool,
@@ -133,6 +136,9 @@ impl ServeArgs {
         }
         if let Some(v) = &self.tls_dir {
             c.tls_dir = Some(v.clone());
+        }
+        if let Some(v) = self.quic_initial_mtu {
+            c.quic_initial_mtu = v;
         }
         if self.insecure {
             c.insecure = true;
