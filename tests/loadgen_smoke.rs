@@ -48,6 +48,40 @@ fn demo_replays_trace_requests_and_verifies_them() {
 }
 
 #[test]
+fn demo_compares_transports_on_the_same_requests() {
+    let out = Command::new(binary("loadgen"))
+        .args([
+            "demo",
+            "--requests",
+            "3",
+            "--max-prompt-tokens",
+            "1024",
+            "--quiet",
+            "--transport",
+            "tcp,quic",
+        ])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out.stdout);
+    let transports: Vec<&str> = lines
+        .iter()
+        .map(|v| v["transport"].as_str().unwrap())
+        .collect();
+    assert_eq!(transports, ["tcp", "quic"], "{lines:?}");
+    // The same requests moved, and verified, over each.
+    assert_eq!(lines[0]["kv_bytes_total"], lines[1]["kv_bytes_total"]);
+    assert_eq!(lines[1]["verified_bytes"], lines[1]["kv_bytes_total"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("quic: 3 requests"), "{stderr}");
+}
+
+#[test]
 fn bench_prints_one_json_result_per_measurement() {
     let out = Command::new(binary("loadgen"))
         .args([

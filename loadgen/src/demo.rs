@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvrail_client::proto::NotificationKind;
+use kvrail_client::proto::{NotificationKind, RegionLayout};
 use kvrail_client::{blocks, dense_layout, KvRegion, SharedRegion};
 use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
@@ -43,6 +43,11 @@ pub struct DemoArgs {
     /// Hide the progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Transports to replay the trace over, one after the other in this run
+    /// (same requests, same blocks), comma-separated: tcp, quic. Both are
+    /// authenticated with certificates of a fresh cluster CA.
+    #[arg(long, value_delimiter = ',', default_value = "tcp", value_parser = ["tcp", "quic"])]
+    pub transport: Vec<String>,
 }
 
 /// Per-request outcome.
@@ -67,13 +72,37 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         max_blocks * 2,
         model.block_bytes(),
     );
-    let opts = ClusterOptions::new(
+    let mut rows = Vec::new();
+    for transport in &args.transport {
+        let outcomes = replay(&args, &model, &requests, layout, max_blocks, transport).await?;
+        rows.push(summarize(&args, &model, &outcomes, transport));
+    }
+    eprintln!();
+    eprintln!("transport  transfer p50   transfer p99   GB/s    TTFT p50 (modelled)  TTFT p99   transfer share of TTFT p50 / p99");
+    for row in rows {
+        eprintln!("{row}");
+    }
+    Ok(())
+}
+
+/// Replays `requests` over two fresh sidecars that use `transport`, verifying
+/// every request's blocks.
+async fn replay(
+    args: &DemoArgs,
+    model: &Model,
+    requests: &[trace::Request],
+    layout: RegionLayout,
+    max_blocks: u32,
+    transport: &str,
+) -> anyhow::Result<Vec<Outcome>> {
+    let mut opts = ClusterOptions::new(
         args.connections,
         args.slice_bytes,
         (args.slice_bytes * 8).max(8 << 20),
     );
+    opts.transports = vec![transport.to_string()];
     eprintln!(
-        "kvrail demo: {} requests of {} on {} ({} KiB of KV per token, prompts clipped at {} tokens), 2 sidecars on loopback over tcp",
+        "kvrail demo: {} requests of {} on {} ({} KiB of KV per token, prompts clipped at {} tokens), 2 sidecars on loopback over {transport}",
         requests.len(),
         args.trace.file_name().and_then(|f| f.to_str()).unwrap_or("trace"),
         model.name,
@@ -160,8 +189,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             bar.inc(1);
         }
         bar.finish_and_clear();
-        summarize(&args, &model, &outcomes);
-        Ok::<(), anyhow::Error>(())
+        Ok::<_, anyhow::Error>(outcomes)
     }
     .await;
     p_kv.unlink();
@@ -191,7 +219,8 @@ fn fill_random(mem: &SharedRegion) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome]) {
+/// Prints the JSON summary of one transport's replay; its table row.
+fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome], transport: &str) -> String {
     let mut transfer = Latencies::default();
     let mut ttft = Latencies::default();
     let mut shares: Vec<f64> = Vec::with_capacity(outcomes.len());
@@ -210,7 +239,7 @@ fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome]) {
     let share_mean = shares.iter().sum::<f64>() / shares.len() as f64;
     let v = json!({
         "demo": "trace_push",
-        "transport": "tcp",
+        "transport": transport,
         "model": model.name,
         "trace": args.trace.file_name().and_then(|f| f.to_str()),
         "requests": outcomes.len(),
@@ -228,15 +257,13 @@ fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome]) {
         "ttft_model": "prefill time from the H100 bf16 fit in shared/traces/models.json + measured transfer (not overlapped)",
     });
     println!("{v}");
-    eprintln!();
     eprintln!(
-        "{} requests, {} of KV moved and verified byte for byte",
+        "{transport}: {} requests, {} of KV moved and verified byte for byte",
         outcomes.len(),
         human_bytes(bytes)
     );
-    eprintln!("transport  transfer p50   transfer p99   GB/s    TTFT p50 (modelled)  TTFT p99   transfer share of TTFT p50 / p99");
-    eprintln!(
-        "tcp        {:>9.2} ms   {:>9.2} ms   {:>5.2}   {:>12.1} ms      {:>7.1} ms   {:>5.1}% / {:.1}%",
+    format!(
+        "{transport:<10} {:>9.2} ms   {:>9.2} ms   {:>5.2}   {:>12.1} ms      {:>7.1} ms   {:>5.1}% / {:.1}%",
         transfer.percentile_us(50.0) as f64 / 1000.0,
         transfer.percentile_us(99.0) as f64 / 1000.0,
         gbps(bytes, busy),
@@ -244,5 +271,5 @@ fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome]) {
         ttft.percentile_us(99.0) as f64 / 1000.0,
         pct(&shares, 50.0) * 100.0,
         pct(&shares, 99.0) * 100.0
-    );
+    )
 }
