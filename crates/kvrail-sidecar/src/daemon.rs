@@ -283,6 +283,7 @@ impl Shared {
             self.config.connect_timeout()
         };
         let mut first = None;
+        let mut attached = Vec::new();
         let mut peer_offers = Vec::new();
         for index in 0..self.config.connections_per_rail {
             let hello = pb::Hello {
@@ -302,6 +303,7 @@ impl Shared {
                 Ok((conn, offers)) => match link.attach(conn, rail) {
                     Some(id) => {
                         first.get_or_insert(id);
+                        attached.push(id);
                         peer_offers = offers;
                     }
                     None => return Err(unreachable("session is closed or full".into())),
@@ -313,6 +315,23 @@ impl Shared {
                     break;
                 }
             }
+        }
+        // A slot retired meanwhile may have been reused by a later connection:
+        // a repeated id counts as lost too.
+        let unique: std::collections::HashSet<_> = attached.iter().copied().collect();
+        let lost =
+            attached.len() - unique.len() + unique.iter().filter(|&&id| !link.is_live(id)).count();
+        if probing && lost > 0 {
+            // The peer reported the rail's old connections down while we rebuilt it,
+            // and that took some new ones with it: start the rail over rather than
+            // leave it short of connections for good.
+            let reason = format!(
+                "{lost} of {} new connections closed while the rail was rebuilt",
+                attached.len()
+            );
+            link.retire_rail(rail);
+            link.rail_unreachable(rail, &reason);
+            return Err(unreachable(reason));
         }
         let stream = link.transport;
         let rdma_first = self.config.rank("rdma") < self.config.rank(stream);

@@ -342,6 +342,14 @@ impl PeerLink {
         self.pump(&mut st);
     }
 
+    /// Whether connection `conn` is still open (not retired or failed).
+    pub fn is_live(&self, conn: ConnId) -> bool {
+        self.lock()
+            .conns
+            .get(conn)
+            .is_some_and(|h| h.writer.is_some())
+    }
+
     /// Adds a handshaken connection on `rail` and starts its tasks.
     pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
         self.install(rail, false, |key| {
