@@ -114,46 +114,19 @@ mod tests {
             base,
             transcript(Signer::Acceptor, &h, "decode", &[2; NONCE_BYTES])
         );
+        let changed = |change: fn(&mut pb::Hello)| {
+            let mut v = h.clone();
+            change(&mut v);
+            transcript(Signer::Acceptor, &v, "decode", &[2; NONCE_BYTES])
+        };
         let others = [
             transcript(Signer::Dialer, &h, "decode", &[2; NONCE_BYTES]),
             transcript(Signer::Acceptor, &h, "decodf", &[2; NONCE_BYTES]),
             transcript(Signer::Acceptor, &h, "decode", &[3; NONCE_BYTES]),
-            transcript(
-                Signer::Acceptor,
-                &pb::Hello {
-                    session_id: 10,
-                    ..h.clone()
-                },
-                "decode",
-                &[2; NONCE_BYTES],
-            ),
-            transcript(
-                Signer::Acceptor,
-                &pb::Hello {
-                    rail_index: 1,
-                    ..h.clone()
-                },
-                "decode",
-                &[2; NONCE_BYTES],
-            ),
-            transcript(
-                Signer::Acceptor,
-                &pb::Hello {
-                    connection_index: 1,
-                    ..h.clone()
-                },
-                "decode",
-                &[2; NONCE_BYTES],
-            ),
-            transcript(
-                Signer::Acceptor,
-                &pb::Hello {
-                    nonce: vec![4; NONCE_BYTES],
-                    ..h.clone()
-                },
-                "decode",
-                &[2; NONCE_BYTES],
-            ),
+            changed(|v| v.session_id = 10),
+            changed(|v| v.rail_index = 1),
+            changed(|v| v.connection_index = 1),
+            changed(|v| v.nonce = vec![4; NONCE_BYTES]),
         ];
         for o in &others {
             assert_ne!(&base, o);
