@@ -216,11 +216,23 @@ impl Identity {
         signature: &[u8],
     ) -> Result<(), AuthError> {
         self.verify_certificate(peer, cert)?;
+        self.verify_signature(peer, cert, message, signature)
+    }
+
+    /// Checks that the key of `cert` (already checked with
+    /// [`Identity::verify_certificate`]) made `signature` over `message`.
+    pub fn verify_signature(
+        &self,
+        peer: &str,
+        cert: &[u8],
+        message: &[u8],
+        signature: &[u8],
+    ) -> Result<(), AuthError> {
         let fail = |reason: String| AuthError::Peer {
             peer: peer.to_string(),
             reason,
         };
-        let der = CertificateDer::from(cert.to_vec());
+        let der = CertificateDer::from(cert);
         let ee = webpki::EndEntityCert::try_from(&der).map_err(|e| fail(e.to_string()))?;
         let algs = self.provider.signature_verification_algorithms.all;
         if algs

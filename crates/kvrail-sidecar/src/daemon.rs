@@ -371,7 +371,7 @@ impl Shared {
         transport: &Arc<dyn Transport>,
         local: Option<SocketAddr>,
         addr: SocketAddr,
-        hello: pb::Hello,
+        mut hello: pb::Hello,
         connect_timeout: Duration,
     ) -> Result<(Connection, Vec<String>), DialError> {
         let peer = hello.expected_peer.clone();
@@ -408,7 +408,6 @@ impl Shared {
                 unreachable(e)
             }
         };
-        let mut hello = hello;
         let identity = self.tcp_identity(transport.name());
         if let Some(id) = identity {
             hello.certificate = id.certificate().to_vec();
@@ -606,9 +605,10 @@ impl Shared {
                         .await
                 }
             };
+            // The certificate itself was checked before we answered.
             let signed = transcript(Signer::Dialer, &hello, &self.config.node, &acceptor_nonce);
             if let Err(e) =
-                id.verify_peer(&hello.node_name, &hello.certificate, &signed, &signature)
+                id.verify_signature(&hello.node_name, &hello.certificate, &signed, &signature)
             {
                 return self.refuse(conn, from, e.to_string(), "proof").await;
             }
@@ -918,5 +918,5 @@ async fn accept_loop(
 }
 
 fn random_nonce() -> Vec<u8> {
-    (0..NONCE_BYTES).map(|_| rand::random::<u8>()).collect()
+    rand::random::<[u8; NONCE_BYTES]>().to_vec()
 }
