@@ -20,10 +20,7 @@ const BLOCK_BYTES: u64 = 64 << 10;
 
 /// A cluster directory with a CA and certificates for both nodes.
 fn cluster_certs(dir: &Path) {
-    generate::ca(dir).unwrap();
-    for node in ["prefill", "decode"] {
-        generate::node(dir, node, Validity::days(1)).unwrap();
-    }
+    generate::cluster(dir, &["prefill", "decode"], Validity::days(1)).unwrap();
 }
 
 struct Nodes {

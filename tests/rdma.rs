@@ -145,10 +145,7 @@ async fn setup_on(
     num_blocks: u32,
 ) -> Setup {
     let certs = tempfile::tempdir().unwrap();
-    generate::ca(certs.path()).unwrap();
-    for node in ["prefill", "decode"] {
-        generate::node(certs.path(), node, Validity::days(1)).unwrap();
-    }
+    generate::cluster(certs.path(), &["prefill", "decode"], Validity::days(1)).unwrap();
     let dir = certs.path().display().to_string();
     let mut args = vec!["--tls-dir", &dir, "--transports", "rdma,tcp"];
     args.extend_from_slice(extra);
@@ -442,11 +439,8 @@ async fn rdma_mixed_cluster_each_pair_on_its_best_transport() {
     let _g = SERIAL.lock().await;
     let (a, b) = rails();
     let dir = tempfile::tempdir().unwrap();
-    generate::ca(dir.path()).unwrap();
     let names = ["prefill", "decode", "cpu"];
-    for node in names {
-        generate::node(dir.path(), node, Validity::days(1)).unwrap();
-    }
+    generate::cluster(dir.path(), &names, Validity::days(1)).unwrap();
     let listen: Vec<SocketAddr> = [a[0], b[0], a[0]]
         .iter()
         .map(|&ip| SocketAddr::new(ip, free_port()))

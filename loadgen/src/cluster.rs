@@ -149,14 +149,8 @@ impl LocalCluster {
         let (pa, da) = (addrs(Node::A)?, addrs(Node::B)?);
         let tls_dir = dir.path().join("tls");
         if opts.tls {
-            kvrail_auth::generate::ca(&tls_dir)?;
-            for node in ["prefill", "decode"] {
-                kvrail_auth::generate::node(
-                    &tls_dir,
-                    node,
-                    kvrail_auth::generate::Validity::days(1),
-                )?;
-            }
+            let one_day = kvrail_auth::generate::Validity::days(1);
+            kvrail_auth::generate::cluster(&tls_dir, &["prefill", "decode"], one_day)?;
         }
         let command = |node: Node| match &at {
             Placement::Loopback | Placement::Addresses { .. } => Command::new(&exe),

@@ -120,3 +120,12 @@ pub fn node(dir: &Path, name: &str, validity: Validity) -> Result<PathBuf, AuthE
     write(&cert_path, &cert.pem(), false)?;
     Ok(cert_path)
 }
+
+/// A new cluster in `dir`: its CA, and a certificate for each of `nodes`.
+pub fn cluster(dir: &Path, nodes: &[&str], validity: Validity) -> Result<(), AuthError> {
+    ca(dir)?;
+    for name in nodes {
+        node(dir, name, validity)?;
+    }
+    Ok(())
+}

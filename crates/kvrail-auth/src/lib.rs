@@ -280,13 +280,10 @@ mod tests {
     use crate::generate::{self, Validity};
 
     fn cluster(dir: &Path, nodes: &[&str]) -> Vec<Identity> {
-        generate::ca(dir).unwrap();
+        generate::cluster(dir, nodes, Validity::days(30)).unwrap();
         nodes
             .iter()
-            .map(|n| {
-                generate::node(dir, n, Validity::days(30)).unwrap();
-                Identity::load(n, &IdentityFiles::in_dir(dir, n)).unwrap()
-            })
+            .map(|n| Identity::load(n, &IdentityFiles::in_dir(dir, n)).unwrap())
             .collect()
     }
 
