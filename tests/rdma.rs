@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvrail_auth::generate::{self, Validity};
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{binary, free_port, metric_sum, scrape, Pair, Sidecar};
+use kvrail_e2e::{binary, free_port, metric_sum, scrape, shm_path, Pair, Sidecar};
 use kvrail_examples::{fill, scattered_blocks, verify};
 
 /// Tests share the devices, and some cut rails: one at a time.
@@ -459,13 +459,9 @@ async fn rdma_mixed_cluster_each_pair_on_its_best_transport() {
             args.push("--no-rdma".into());
         }
         let metrics = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), free_port());
-        let sidecar = Sidecar::start(dir.path(), node, listen[i], Some(metrics), &args);
+        let sidecar = Sidecar::start(dir.path(), node, &listen[i..=i], Some(metrics), &args);
         let mut client = sidecar.client().await;
-        let path = kvrail_client::shm_dir().join(format!(
-            "kvrail-test-{}-{}-mixed-{node}",
-            std::process::id(),
-            listen[0].port()
-        ));
+        let path = shm_path(listen[0].port(), &format!("mixed-{node}"));
         let kv = KvRegion::create(path, layout).unwrap();
         let region = client.register_region("w", &kv, true).await.unwrap();
         nodes.push(Node {

@@ -72,12 +72,13 @@ pub struct Sidecar {
 }
 
 impl Sidecar {
-    /// Starts `kvrail serve --node NODE --socket DIR/NODE.sock --listen LISTEN`
-    /// with `args` (peers, metrics, certificates...) and its log in `dir`.
+    /// Starts `kvrail serve --node NODE --socket DIR/NODE.sock`, listening on
+    /// every address of `listen` (one per rail; the first is [`Sidecar::listen`]),
+    /// with `args` (peers, certificates...) and its log in `dir`.
     pub fn start(
         dir: &Path,
         node: &str,
-        listen: SocketAddr,
+        listen: &[SocketAddr],
         metrics: Option<SocketAddr>,
         args: &[String],
     ) -> Sidecar {
@@ -87,9 +88,11 @@ impl Sidecar {
             node.to_string(),
             "--socket".into(),
             socket.display().to_string(),
-            "--listen".into(),
-            listen.to_string(),
         ];
+        for l in listen {
+            all.push("--listen".into());
+            all.push(l.to_string());
+        }
         if let Some(m) = metrics {
             all.push("--metrics-addr".into());
             all.push(m.to_string());
@@ -98,7 +101,7 @@ impl Sidecar {
         let mut s = Sidecar {
             node: node.into(),
             socket,
-            listen,
+            listen: listen[0],
             metrics,
             child: None,
             args: all,
@@ -225,44 +228,20 @@ impl Pair {
                   peer: &str,
                   peer_port: u16,
                   peer_ips: &[std::net::IpAddr],
-                  metrics: Option<u16>,
+                  metrics: u16,
                   extra: &[&str]| {
-            let socket = dir.path().join(format!("{node}.sock"));
-            let listen = SocketAddr::new(ips[0], port);
             let rails: Vec<String> = peer_ips
                 .iter()
                 .map(|ip| SocketAddr::new(*ip, peer_port).to_string())
                 .collect();
-            let mut args = vec![
-                "--node".to_string(),
-                node.to_string(),
-                "--socket".into(),
-                socket.display().to_string(),
-                "--peer".into(),
-                format!("{peer}={}", rails.join(",")),
-            ];
-            for ip in ips {
-                args.push("--listen".into());
-                args.push(SocketAddr::new(*ip, port).to_string());
-            }
-            if let Some(m) = metrics {
-                args.push("--metrics-addr".into());
-                args.push(format!("127.0.0.1:{m}"));
-            }
+            let mut args = vec!["--peer".to_string(), format!("{peer}={}", rails.join(","))];
             args.extend(extra.iter().map(|s| s.to_string()));
             if !extra.contains(&"--tls-dir") && !extra.contains(&"--insecure") {
                 args.push("--insecure".into());
             }
-            let mut s = Sidecar {
-                node: node.into(),
-                socket,
-                listen,
-                metrics: metrics.map(|m| format!("127.0.0.1:{m}").parse().expect("addr")),
-                child: None,
-                args,
-            };
-            s.spawn();
-            s
+            let listen: Vec<SocketAddr> = ips.iter().map(|ip| SocketAddr::new(*ip, port)).collect();
+            let metrics = SocketAddr::new(std::net::IpAddr::from([127, 0, 0, 1]), metrics);
+            Sidecar::start(dir.path(), node, &listen, Some(metrics), &args)
         };
         let prefill = mk(
             "prefill",
@@ -271,7 +250,7 @@ impl Pair {
             "decode",
             dp,
             decode_ips,
-            Some(mp),
+            mp,
             prefill_extra,
         );
         let decode = mk(
@@ -281,7 +260,7 @@ impl Pair {
             "prefill",
             pp,
             prefill_ips,
-            Some(dm),
+            dm,
             decode_extra,
         );
         Pair {
@@ -292,13 +271,14 @@ impl Pair {
     }
 
     pub fn shm_path(&self, name: &str) -> PathBuf {
-        let dir = kvrail_client::shm_dir();
-        dir.join(format!(
-            "kvrail-test-{}-{}-{name}",
-            std::process::id(),
-            self.prefill.listen.port()
-        ))
+        shm_path(self.prefill.listen.port(), name)
     }
+}
+
+/// A shared-memory path unique to this test process and to `port` (a port one of
+/// its sidecars holds, so that tests running at once never share a file).
+pub fn shm_path(port: u16, name: &str) -> PathBuf {
+    kvrail_client::shm_dir().join(format!("kvrail-test-{}-{port}-{name}", std::process::id()))
 }
 
 /// Fetches the Prometheus text from a metrics listener.
