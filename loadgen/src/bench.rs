@@ -106,6 +106,17 @@ pub struct BenchArgs {
     pub rail_cut: String,
 }
 
+impl BenchArgs {
+    /// Cluster options for two sidecars that use `transports` (in that order),
+    /// with this run's connections, slices, window and `--sidecar-arg`s.
+    pub(crate) fn cluster_options(&self, transports: &[&str]) -> ClusterOptions {
+        let mut opts = ClusterOptions::new(self.connections, self.slice_bytes, self.window_bytes);
+        opts.transports = transports.iter().map(|t| t.to_string()).collect();
+        opts.extra_args = self.sidecar_arg.clone();
+        opts
+    }
+}
+
 pub(crate) fn parse_x(spec: &str) -> anyhow::Result<Vec<u64>> {
     spec.split('x')
         .map(|p| parse_size(p).map_err(anyhow::Error::msg))
@@ -585,14 +596,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             "quic" => "quic",
             _ => "tcp",
         };
-        let mut opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
         let (cluster, devices) = if rdma {
             let devices = rdma_devices(&args)?;
             let rails = args.rdma_rails;
+            let mut opts = args.cluster_options(&["rdma", "tcp"]);
             opts.metrics = true;
-            opts.extra_args = vec!["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()];
-            opts.transports = vec!["rdma".into(), "tcp".into()];
-            opts.extra_args.extend(args.sidecar_arg.iter().cloned());
+            opts.extra_args
+                .extend(["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()]);
             let cluster =
                 LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await?;
             eprintln!(
@@ -607,8 +617,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
             (cluster, devices)
         } else {
-            opts.transports = vec![transport.into()];
-            opts.extra_args.extend(args.sidecar_arg.iter().cloned());
+            let opts = args.cluster_options(&[transport]);
             eprintln!(
                 "kvrail bench: 2 sidecars on loopback, {transport}, {} connections, slices of {}, window {}",
                 args.connections,

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::bench::{round3, Bench, BenchArgs};
 use crate::stats::gbps;
-use loadgen::cluster::{ClusterOptions, LocalCluster};
+use loadgen::cluster::LocalCluster;
 use loadgen::netlab::{Cut, NetLab, RailShape};
 
 /// Per rail of the prefill node's outbound session: (state, bytes sent, re-sent slices).
@@ -93,10 +93,7 @@ pub async fn run(args: BenchArgs, scattered: Vec<u64>) -> anyhow::Result<()> {
         };
         let mut single: Option<(f64, f64, Duration)> = None; // push GB/s, scattered GB/s, push p50
         for &n in &counts {
-            let mut opts =
-                ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
-            opts.transports = vec![transport.into()];
-            opts.extra_args.extend(args.sidecar_arg.iter().cloned());
+            let opts = args.cluster_options(&[transport]);
             let cluster = LocalCluster::start_in_lab(&opts, &lab, n).await?;
             let mut bench = Bench::start(cluster, &args, file_bytes, transport).await?;
             let result = measure(&mut bench, n, &rates, sum_rate, &scattered, &mut single).await;
