@@ -380,7 +380,8 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     let tcp = metric_sum(&text, "kvrail_bytes_sent_total", &["transport=\"tcp\""]);
     assert!(tcp > 0.0, "nothing went over TCP after both rails were cut");
 
-    // 3. Rails back: queue pairs are rebuilt on both and carry the next push.
+    // 3. Rails back: queue pairs are rebuilt on both, each rail is up again with
+    // its 4 streams plus 2 queue pairs, and they carry the next push.
     let mark = s.pair.prefill.log().len();
     link(&netdevs[0], "up");
     link(&netdevs[1], "up");
@@ -393,12 +394,21 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
                 since.contains(&format!("RDMA queue pairs {how} peer=decode rail={rail} "))
             })
         };
-        if back(0) && back(1) {
+        let peers = s.p.list_peers().await.unwrap();
+        let rails: Vec<(String, u32)> = peers
+            .peers
+            .iter()
+            .flat_map(|p| p.rail_status.iter())
+            .filter(|r| r.direction == "out")
+            .map(|r| (r.state.clone(), r.connections))
+            .collect();
+        let whole = |r: &(String, u32)| r.0 == "up" && r.1 >= 6;
+        if back(0) && back(1) && rails.len() == 2 && rails.iter().all(whole) {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "queue pairs not rebuilt on both rails:\n{log}"
+            "queue pairs not rebuilt on both rails, or rails not up with all connections ({rails:?}):\n{log}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -411,7 +421,11 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     );
     assert!(
         s.rdma_bytes("0") > r0 && s.rdma_bytes("1") > r1,
-        "rebuilt queue pairs carried nothing"
+        "rebuilt queue pairs carried nothing (rail 0 {r0} -> {}, rail 1 {r1} -> {}; {:?}):\n{}",
+        s.rdma_bytes("0"),
+        s.rdma_bytes("1"),
+        s.p.list_peers().await.unwrap().peers,
+        s.pair.prefill.log()
     );
     s.p_kv.unlink();
     s.d_kv.unlink();
