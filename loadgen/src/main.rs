@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod gpu;
 mod model;
 mod perftest;
 mod rails;
@@ -28,6 +29,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Measure throughput and latency between two local sidecars, with iperf3 side by side.
     Bench(bench::BenchArgs),
+    /// GPU-resident KV through the staged pipeline over TCP loopback, verified on the GPU, against its bounds (needs a CUDA GPU).
+    Gpu(gpu::GpuArgs),
     /// Run a sidecar daemon (same as `kvrail serve`); used to start real sidecar processes.
     #[command(hide = true)]
     Sidecar(kvrail_sidecar::ServeArgs),
@@ -39,6 +42,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Demo(a) => demo::run(a).await,
         Command::Bench(a) => bench::run(a).await,
+        Command::Gpu(a) => gpu::run(a).await,
         Command::Sidecar(a) => kvrail_sidecar::serve(a).await,
     }
 }

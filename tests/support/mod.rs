@@ -287,3 +287,12 @@ pub fn scrape(addr: SocketAddr) -> String {
 }
 
 pub use loadgen::prometheus::sum as metric_sum;
+
+/// Polls `done` until it holds (20 s at most, then panics naming `what`).
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -10,6 +10,8 @@
 //! # let _ = region; Ok(()) }
 //! ```
 
+pub mod gpu;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -185,6 +187,34 @@ impl Client {
                 shm_path: path.to_string_lossy().into_owned(),
                 layout: Some(layout),
                 expose_to_peers,
+                cuda_ipc: None,
+            })
+            .await?;
+        Ok(r.into_inner().region_id)
+    }
+
+    /// Registers GPU memory: `ipc_handle` is the 64-byte CUDA IPC handle of a
+    /// `cuMemAlloc`/`cudaMalloc` allocation on `device`, laid out as `layout` from
+    /// the handle's address. The sidecar opens it for the region's lifetime.
+    pub async fn register_gpu(
+        &mut self,
+        worker_id: &str,
+        ipc_handle: &[u8],
+        device: u32,
+        layout: RegionLayout,
+        expose_to_peers: bool,
+    ) -> Result<u64, ClientError> {
+        let r = self
+            .inner
+            .register_region(RegisterRegionRequest {
+                worker_id: worker_id.into(),
+                shm_path: String::new(),
+                layout: Some(layout),
+                expose_to_peers,
+                cuda_ipc: Some(CudaIpcMemory {
+                    handle: ipc_handle.to_vec(),
+                    device,
+                }),
             })
             .await?;
         Ok(r.into_inner().region_id)

@@ -938,7 +938,11 @@ impl Session {
         let id = header.transfer_id;
         let mut one_sided = false;
         let rail = self.conns.get_mut(conn).map(|c| {
-            c.placing = None;
+            // A staged slice (GPU) was already released from its connection by
+            // `slice_read`, which may be placing the next one by now.
+            if c.placing == Some(header) {
+                c.placing = None;
+            }
             one_sided = c.one_sided;
             c.rail
         });
@@ -970,6 +974,32 @@ impl Session {
             ));
         }
         self.settle_received(id, Some(conn));
+    }
+
+    /// A slice's payload has been read off its connection into a staging buffer,
+    /// from which it is still being copied into place: losing the connection no
+    /// longer affects it, and the connection may start on the next slice. The
+    /// transfer stays open until `slice_placed` or `placement_failed` settles it.
+    pub fn slice_read(&mut self, conn: ConnId, header: SliceHeader) {
+        if let Some(c) = self.conns.get_mut(conn) {
+            if c.placing == Some(header) {
+                c.placing = None;
+            }
+        }
+    }
+
+    /// Placing a slice failed on this side (its device copy): the transfer fails
+    /// once nothing else is being placed into it.
+    pub fn placement_failed(
+        &mut self,
+        conn: ConnId,
+        header: SliceHeader,
+        reason: &str,
+        now: Instant,
+    ) {
+        self.slice_read(conn, header);
+        self.fail(header.transfer_id, ErrorCode::Internal, reason, now);
+        self.abandon_placement(header);
     }
 
     /// A slice accepted for placement could not be read in full (its connection broke).

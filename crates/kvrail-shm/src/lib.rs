@@ -227,6 +227,26 @@ impl SharedRegion {
     }
 }
 
+/// Waits for process `pid` to exit, through a pidfd (readable once the process
+/// has exited) watched by the tokio reactor: no polling, no thread. Fails at once
+/// when the process does not exist (or pidfds are unsupported).
+pub async fn process_exit(pid: i32) -> std::io::Result<()> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: the OwnedFd stays open, and keeps its number, for as long as the
+    // AsyncFd that owns it.
+    let watched =
+        unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(std::io::Error::from)?;
+    let _ready = watched.readable().await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

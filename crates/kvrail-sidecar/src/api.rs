@@ -19,8 +19,9 @@ use tonic::{Request, Response, Status};
 use tracing::info;
 
 use crate::daemon::Shared;
+use crate::daemon::UnregisterError;
 use crate::metrics as m;
-use crate::regions::RegisterError;
+use crate::regions::{RegionSource, RegisterError};
 use crate::transfers::TransferRecord;
 
 /// Binds the API socket (mode 0600) and serves it in the background.
@@ -112,6 +113,17 @@ fn shm_status(e: &ShmError) -> Status {
         }
         ShmError::OutOfBounds { .. } => Status::invalid_argument(e.to_string()),
         _ => Status::failed_precondition(e.to_string()),
+    }
+}
+
+fn gpu_status(e: &kvrail_cuda::CudaError) -> Status {
+    use kvrail_cuda::CudaError as E;
+    match e {
+        E::NoDriver | E::NoDevice { .. } => Status::failed_precondition(e.to_string()),
+        E::BadHandle(_) | E::TooLarge { .. } | E::OutOfBounds(_) => {
+            Status::invalid_argument(e.to_string())
+        }
+        E::Driver { .. } | E::QueueStopped => Status::internal(e.to_string()),
     }
 }
 
@@ -257,18 +269,45 @@ impl Sidecar for Api {
         &self,
         req: Request<RegisterRegionRequest>,
     ) -> Result<Response<RegisterRegionResponse>, Status> {
+        let owner_pid = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred)
+            .and_then(|cred| cred.pid());
         let req = req.into_inner();
         require_text(&req.worker_id, "worker_id")?;
-        if req.shm_path.is_empty() {
-            return Err(Status::invalid_argument("shm_path is required"));
-        }
         let layout = RegionLayout::from(require(&req.layout, "layout")?);
+        let source = match (&req.cuda_ipc, req.shm_path.is_empty()) {
+            (Some(_), false) => {
+                return Err(Status::invalid_argument(
+                    "give either shm_path or cuda_ipc, not both",
+                ))
+            }
+            (None, true) => {
+                return Err(Status::invalid_argument(
+                    "shm_path (host memory) or cuda_ipc (GPU memory) is required",
+                ))
+            }
+            (None, false) => RegionSource::Shm(Path::new(&req.shm_path)),
+            (Some(ipc), true) => {
+                let device = self
+                    .shared
+                    .gpus
+                    .device(ipc.device)
+                    .map_err(|e| gpu_status(&e))?;
+                RegionSource::Gpu {
+                    device,
+                    handle: &ipc.handle,
+                }
+            }
+        };
         let region = self
             .shared
             .registry
             .register(
                 &req.worker_id,
-                Path::new(&req.shm_path),
+                owner_pid,
+                source,
                 layout,
                 req.expose_to_peers,
             )
@@ -277,10 +316,14 @@ impl Sidecar for Api {
                 RegisterError::Layout(l) => {
                     Status::invalid_argument(format!("invalid layout: {l}"))
                 }
+                RegisterError::Gpu(g) => gpu_status(&g),
             })?;
         self.shared.rdma.register_region(&region);
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
-        info!(region = region.id, worker = %req.worker_id, path = %req.shm_path, bytes = region.memory.len(), "region registered");
+        if let Some(pid) = owner_pid {
+            crate::daemon::watch_worker(&self.shared, pid);
+        }
+        info!(region = region.id, worker = %req.worker_id, pid = ?owner_pid, memory = region.memory.kind(), path = %req.shm_path, bytes = region.memory.len(), "region registered");
         Ok(Response::new(RegisterRegionResponse {
             region_id: region.id,
             mapped_bytes: region.memory.len(),
@@ -292,18 +335,13 @@ impl Sidecar for Api {
         req: Request<UnregisterRegionRequest>,
     ) -> Result<Response<UnregisterRegionResponse>, Status> {
         let id = req.into_inner().region_id;
-        if self.shared.registry.get(id).is_none() {
-            return Err(Status::not_found(format!("unknown region {id}")));
-        }
-        if self.shared.region_in_use(id) {
-            return Err(Status::failed_precondition(format!(
+        match self.shared.unregister_region(id) {
+            Ok(()) => Ok(Response::new(UnregisterRegionResponse {})),
+            Err(UnregisterError::Unknown) => Err(Status::not_found(format!("unknown region {id}"))),
+            Err(UnregisterError::InUse) => Err(Status::failed_precondition(format!(
                 "region {id} has transfers in flight; cancel or wait for them first"
-            )));
+            ))),
         }
-        self.shared.rdma.unregister_region(id);
-        self.shared.registry.remove(id);
-        metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
-        Ok(Response::new(UnregisterRegionResponse {}))
     }
 
     async fn push(&self, req: Request<PushRequest>) -> Result<Response<TransferAccepted>, Status> {

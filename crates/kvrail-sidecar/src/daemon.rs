@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::config::{Config, PeerConfig};
+use crate::gpu::GpuDevices;
 use crate::metrics as m;
 use crate::notify::NotificationHub;
 use crate::peer::{DialInfo, PeerLink};
@@ -63,7 +64,20 @@ pub struct Shared {
     pub rdma: RdmaRails,
     /// This node's certificate and key (`tls_dir`), if it has them.
     pub identity: Option<Arc<Identity>>,
+    /// GPUs opened for workers' device regions.
+    pub gpus: GpuDevices,
+    /// Worker processes whose exit we watch (to drop their regions).
+    watched_workers: DashMap<i32, ()>,
     next_transfer: AtomicU64,
+}
+
+/// Why a region could not be unregistered.
+#[derive(Debug, thiserror::Error)]
+pub enum UnregisterError {
+    #[error("unknown region")]
+    Unknown,
+    #[error("region has transfers in flight")]
+    InUse,
 }
 
 impl Shared {
@@ -115,6 +129,20 @@ impl Shared {
 
     pub fn next_transfer_id(&self) -> u64 {
         self.next_transfer.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Drops a region (its RDMA registration and mapping, or its GPU import).
+    pub fn unregister_region(&self, id: u64) -> Result<(), UnregisterError> {
+        if self.registry.get(id).is_none() {
+            return Err(UnregisterError::Unknown);
+        }
+        if self.region_in_use(id) {
+            return Err(UnregisterError::InUse);
+        }
+        self.rdma.unregister_region(id);
+        self.registry.remove(id);
+        metrics::gauge!(m::REGIONS_REGISTERED).set(self.registry.len() as f64);
+        Ok(())
     }
 
     /// Whether any session still moves bytes of this region.
@@ -835,6 +863,8 @@ impl Daemon {
             transports: transports.clone(),
             rdma: RdmaRails::discover(&config),
             identity: identity.clone(),
+            gpus: GpuDevices::new(config.slice_bytes as usize),
+            watched_workers: DashMap::new(),
             next_transfer: AtomicU64::new(0),
         });
         if let Some(addr) = config.metrics_addr {
@@ -919,4 +949,53 @@ async fn accept_loop(
 
 fn random_nonce() -> Vec<u8> {
     rand::random::<[u8; NONCE_BYTES]>().to_vec()
+}
+
+/// Drops the regions of worker process `pid` once it exits (at most one watch per
+/// process), so an exited worker leaves no mapping behind: above all no GPU
+/// memory imported from it. Regions still moving bytes go when they are done.
+pub fn watch_worker(shared: &Arc<Shared>, pid: i32) {
+    if shared.watched_workers.insert(pid, ()).is_some() {
+        return;
+    }
+    let weak = Arc::downgrade(shared);
+    tokio::spawn(async move {
+        if let Err(e) = kvrail_shm::process_exit(pid).await {
+            warn!(
+                pid,
+                "cannot watch worker process, its regions stay until unregistered: {e}"
+            );
+            if let Some(shared) = weak.upgrade() {
+                shared.watched_workers.remove(&pid);
+            }
+            return;
+        }
+        let mut announced = false;
+        loop {
+            let Some(shared) = weak.upgrade() else { return };
+            let mut busy = 0;
+            for id in shared.registry.owned_by(pid) {
+                match shared.unregister_region(id) {
+                    Ok(()) => info!(pid, region = id, "worker exited: region unregistered"),
+                    Err(UnregisterError::InUse) => busy += 1,
+                    Err(UnregisterError::Unknown) => {}
+                }
+            }
+            if busy == 0 {
+                shared.watched_workers.remove(&pid);
+                return;
+            }
+            if !announced {
+                info!(
+                    pid,
+                    regions = busy,
+                    "worker exited: waiting for its transfers to end before dropping its regions"
+                );
+                announced = true;
+            }
+            drop(shared);
+            // Transfers end by completing, failing or timing out; check again soon.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
 }

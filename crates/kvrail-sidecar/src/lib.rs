@@ -7,6 +7,7 @@
 pub mod api;
 pub mod config;
 pub mod daemon;
+pub mod gpu;
 pub mod metrics;
 pub mod notify;
 pub mod peer;

@@ -33,6 +33,8 @@ pub const RDMA_BUILD_NANOS: &str = "kvrail_rdma_build_nanoseconds_total";
 pub const RDMA_POST_NANOS: &str = "kvrail_rdma_post_nanoseconds_total";
 pub const RDMA_WORK_REQUESTS: &str = "kvrail_rdma_work_requests_total";
 pub const RDMA_DESCRIPTORS: &str = "kvrail_rdma_descriptors_total";
+pub const GPU_STAGED_BYTES: &str = "kvrail_gpu_staged_bytes_total";
+pub const GPU_COPY_FAILURES: &str = "kvrail_gpu_copy_failures_total";
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -63,6 +65,12 @@ pub fn install(addr: SocketAddr) -> Result<(), BuildError> {
 
 fn describe() {
     describe_counter!(BYTES_SENT, Unit::Bytes, "Payload bytes written to peers");
+    describe_counter!(
+        GPU_STAGED_BYTES,
+        Unit::Bytes,
+        "GPU region payload copied through pinned staging buffers (direction to_host or to_device)"
+    );
+    describe_counter!(GPU_COPY_FAILURES, "GPU staging copies that failed");
     describe_counter!(
         BYTES_RECEIVED,
         Unit::Bytes,

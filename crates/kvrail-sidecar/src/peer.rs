@@ -4,7 +4,7 @@
 //! writes, its rail changes into closed connections and metrics, and its transfer
 //! events into worker notifications.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -23,15 +23,18 @@ use tracing::{debug, info, warn};
 
 use crate::config::PeerConfig;
 use crate::daemon::Shared;
+use crate::gpu;
 use crate::metrics as m;
 use crate::rdma::{self, OneSidedWork};
-use crate::regions::Region;
+use crate::regions::{Region, RegionMemory};
+use kvrail_cuda::CopyDone;
 
 /// What a writer task puts on its connection.
 enum Outgoing {
     Control(Vec<u8>),
     Slice {
         header: [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+        transfer_id: u64,
         region: Arc<Region>,
         pieces: Vec<(u64, u64)>,
         len: u64,
@@ -169,6 +172,11 @@ impl PeerLink {
         r
     }
 
+    /// The rail a connection belongs to (0 once it is gone).
+    pub fn rail_of(&self, conn: ConnId) -> RailId {
+        self.lock().conns.get(conn).map_or(0, |c| c.rail)
+    }
+
     /// Wakes the timer after a change that may move the next deadline.
     pub fn rearm_timer(&self) {
         self.timer.notify_one();
@@ -229,6 +237,7 @@ impl PeerLink {
                         conn,
                         Outgoing::Slice {
                             header: encode_data_header(header, len),
+                            transfer_id: header.transfer_id,
                             region,
                             pieces,
                             len: u64::from(len),
@@ -621,39 +630,191 @@ async fn writer_task(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let rail_label = rail.to_string();
+    let labels = [
+        ("peer", link.peer.clone()),
+        ("rail", rail_label),
+        ("transport", link.transport.to_string()),
+    ];
+    // Frames in order; slices of GPU regions wait here while their device copy runs.
+    let mut queue: VecDeque<Queued> = VecDeque::new();
+    let mut staging = 0usize;
     let mut batch: Vec<Outgoing> = Vec::with_capacity(WRITE_BATCH_FRAMES);
-    while let Some(first) = rx.recv().await {
-        // Whatever else is already queued goes out in the same system call.
-        batch.push(first);
-        let mut payload: u64 = batch.iter().map(Outgoing::payload_len).sum();
-        while batch.len() < WRITE_BATCH_FRAMES && payload < WRITE_BATCH_BYTES {
+    loop {
+        if queue.is_empty() {
+            let Some(first) = rx.recv().await else { return };
+            staging += link.admit(first, &mut queue);
+        }
+        // Whatever else is already queued goes out in the same system call, and
+        // the next GPU slices start their copies while this one is sent.
+        while queue.len() < WRITE_BATCH_FRAMES && staging < gpu::STAGE_DEPTH {
             match rx.try_recv() {
-                Ok(o) => {
-                    payload += o.payload_len();
-                    batch.push(o);
-                }
+                Ok(o) => staging += link.admit(o, &mut queue),
                 Err(_) => break,
             }
         }
-        let result = write_batch(writer.as_mut(), &batch).await;
+        let result = match queue.pop_front() {
+            Some(Queued::Staging {
+                header,
+                transfer_id,
+                len,
+                device,
+                copy,
+            }) => {
+                staging -= 1;
+                let done = copy.await;
+                let sent = link
+                    .send_staged(writer.as_mut(), &header, transfer_id, len, &device, done)
+                    .await;
+                if let Ok(true) = sent {
+                    metrics::counter!(m::BYTES_SENT, &labels).increment(len as u64);
+                    metrics::counter!(m::SLICES_SENT, &labels).increment(1);
+                    metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_host")
+                        .increment(len as u64);
+                }
+                sent.map(|_| ())
+            }
+            Some(Queued::Ready(o)) => {
+                batch.push(o);
+                let mut payload: u64 = batch.iter().map(Outgoing::payload_len).sum();
+                while batch.len() < WRITE_BATCH_FRAMES && payload < WRITE_BATCH_BYTES {
+                    if !matches!(queue.front(), Some(Queued::Ready(_))) {
+                        break;
+                    }
+                    if let Some(Queued::Ready(o)) = queue.pop_front() {
+                        payload += o.payload_len();
+                        batch.push(o);
+                    }
+                }
+                let r = write_batch(writer.as_mut(), &batch).await;
+                let slices = batch
+                    .iter()
+                    .filter(|o| matches!(o, Outgoing::Slice { .. }))
+                    .count() as u64;
+                if r.is_ok() && slices > 0 {
+                    metrics::counter!(m::BYTES_SENT, &labels).increment(payload);
+                    metrics::counter!(m::SLICES_SENT, &labels).increment(slices);
+                }
+                batch.clear();
+                r
+            }
+            None => Ok(()),
+        };
         if let Err(e) = result {
             link.connection_failed(key, &format!("write failed: {e}"));
             return;
         }
-        let slices = batch
-            .iter()
-            .filter(|o| matches!(o, Outgoing::Slice { .. }))
-            .count() as u64;
-        if slices > 0 {
-            let labels = [
-                ("peer", link.peer.clone()),
-                ("rail", rail_label.clone()),
-                ("transport", link.transport.to_string()),
-            ];
-            metrics::counter!(m::BYTES_SENT, &labels).increment(payload);
-            metrics::counter!(m::SLICES_SENT, &labels).increment(slices);
+    }
+}
+
+/// A frame waiting for its turn on a connection.
+enum Queued {
+    Ready(Outgoing),
+    /// A GPU region's slice being copied into a pinned buffer.
+    Staging {
+        header: [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+        transfer_id: u64,
+        len: usize,
+        device: Arc<gpu::GpuDevice>,
+        copy: oneshot::Receiver<CopyDone>,
+    },
+}
+
+impl PeerLink {
+    /// Queues a frame; a GPU region's slice starts its device-to-host copy now.
+    /// Returns 1 when a copy was started.
+    fn admit(&self, out: Outgoing, queue: &mut VecDeque<Queued>) -> usize {
+        let Outgoing::Slice {
+            header,
+            transfer_id,
+            region,
+            pieces,
+            len,
+        } = out
+        else {
+            queue.push_back(Queued::Ready(out));
+            return 0;
+        };
+        let RegionMemory::Gpu(g) = &region.memory else {
+            queue.push_back(Queued::Ready(Outgoing::Slice {
+                header,
+                transfer_id,
+                region,
+                pieces,
+                len,
+            }));
+            return 0;
+        };
+        let started = g.device.pool.take().and_then(|buffer| {
+            g.device
+                .to_host
+                .to_host(g.memory.clone(), &pieces, buffer)
+                .map_err(|(e, buffer)| {
+                    g.device.pool.give(buffer);
+                    e
+                })
+        });
+        match started {
+            Ok(copy) => {
+                queue.push_back(Queued::Staging {
+                    header,
+                    transfer_id,
+                    len: len as usize,
+                    device: g.device.clone(),
+                    copy,
+                });
+                1
+            }
+            Err(e) => {
+                self.device_copy_failed(transfer_id, &e.to_string());
+                0
+            }
         }
-        batch.clear();
+    }
+
+    /// Sends a staged slice; `Ok(false)` when its copy failed (the transfer fails,
+    /// the connection goes on).
+    async fn send_staged(
+        &self,
+        writer: &mut dyn FrameWriter,
+        header: &[u8],
+        transfer_id: u64,
+        len: usize,
+        device: &gpu::GpuDevice,
+        done: Result<CopyDone, oneshot::error::RecvError>,
+    ) -> std::io::Result<bool> {
+        let CopyDone { buffer, result } = match done {
+            Ok(d) => d,
+            Err(_) => {
+                self.device_copy_failed(transfer_id, "the copy queue stopped");
+                return Ok(false);
+            }
+        };
+        if let Err(e) = result {
+            device.pool.give(buffer);
+            self.device_copy_failed(transfer_id, &e.to_string());
+            return Ok(false);
+        }
+        let r = writer
+            .write_all_vectored(&mut [
+                IoSlice::new(header),
+                IoSlice::new(&buffer.as_slice()[..len]),
+            ])
+            .await;
+        device.pool.give(buffer);
+        r.map(|()| true)
+    }
+
+    fn device_copy_failed(&self, transfer_id: u64, reason: &str) {
+        warn!(peer = %self.peer, transfer = transfer_id, "GPU copy failed: {reason}");
+        metrics::counter!(m::GPU_COPY_FAILURES).increment(1);
+        self.with_session(|s, now| {
+            s.fail(
+                transfer_id,
+                ErrorCode::Internal,
+                &format!("GPU copy failed: {reason}"),
+                now,
+            )
+        });
     }
 }
 
@@ -677,13 +838,11 @@ async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::i
                 pieces,
                 ..
             } => {
+                let Some(host) = region.memory.host() else {
+                    return Err(std::io::Error::other("a GPU slice was not staged"));
+                };
                 bufs.push(IoSlice::new(header));
-                bufs.extend(
-                    region
-                        .memory
-                        .io_slices(pieces)
-                        .map_err(std::io::Error::other)?,
-                );
+                bufs.extend(host.io_slices(pieces).map_err(std::io::Error::other)?);
             }
         }
     }
@@ -747,7 +906,15 @@ async fn read_loop(
                         link.with_session(|s, _| s.slice_abandoned(conn, header));
                         continue;
                     };
-                    let read = match region.memory.io_slices_mut(&pieces) {
+                    let host = match &region.memory {
+                        RegionMemory::Host(host) => host,
+                        RegionMemory::Gpu(g) => {
+                            receive_staged(link, conn, header, payload_len, pieces, g, reader)
+                                .await?;
+                            continue;
+                        }
+                    };
+                    let read = match host.io_slices_mut(&pieces) {
                         Ok(mut bufs) => reader.read_payload(&mut bufs).await,
                         Err(e) => Err(std::io::Error::other(e)),
                     };
@@ -771,6 +938,94 @@ async fn read_loop(
             },
         }
     }
+}
+
+/// Reads a GPU region's slice into a pinned buffer and hands it to the
+/// host-to-device queue; the slice is placed when that copy is done, while this
+/// connection already reads the next one.
+async fn receive_staged(
+    link: &Arc<PeerLink>,
+    conn: ConnId,
+    header: kvrail_core::wire::SliceHeader,
+    payload_len: u32,
+    pieces: Vec<(u64, u64)>,
+    g: &gpu::GpuMemory,
+    reader: &mut dyn FrameReader,
+) -> Result<(), TransportError> {
+    let len = payload_len as usize;
+    let mut buffer = match g.device.pool.take() {
+        Ok(b) if b.len() >= len => b,
+        taken => {
+            let reason = match taken {
+                Ok(b) => {
+                    let size = b.len();
+                    g.device.pool.give(b);
+                    format!("slice of {len} bytes exceeds the {size}-byte staging buffers")
+                }
+                Err(e) => e.to_string(),
+            };
+            reader.discard(u64::from(payload_len)).await?;
+            link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
+            return Ok(());
+        }
+    };
+    let read = reader
+        .read_payload(&mut [std::io::IoSliceMut::new(&mut buffer.as_mut_slice()[..len])])
+        .await;
+    if let Err(e) = read {
+        g.device.pool.give(buffer);
+        link.with_session(|s, _| s.slice_abandoned(conn, header));
+        return Err(e.into());
+    }
+    // The bytes are off the connection: its loss no longer concerns this slice.
+    link.with_session(|s, _| s.slice_read(conn, header));
+    match g
+        .device
+        .to_device
+        .to_device(g.memory.clone(), &pieces, buffer)
+    {
+        Ok(copy) => {
+            let link = link.clone();
+            let device = g.device.clone();
+            tokio::spawn(async move {
+                let outcome = match copy.await {
+                    Ok(CopyDone { buffer, result }) => {
+                        device.pool.give(buffer);
+                        result.map_err(|e| e.to_string())
+                    }
+                    Err(_) => Err("the copy queue stopped".to_string()),
+                };
+                match outcome {
+                    Ok(()) => {
+                        let rail = link.rail_of(conn);
+                        let labels = [
+                            ("peer", link.peer.clone()),
+                            ("rail", rail.to_string()),
+                            ("transport", link.transport.to_string()),
+                        ];
+                        metrics::counter!(m::BYTES_RECEIVED, &labels)
+                            .increment(u64::from(payload_len));
+                        metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
+                        metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_device")
+                            .increment(u64::from(payload_len));
+                        link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
+                    }
+                    Err(reason) => {
+                        warn!(peer = %link.peer, transfer = header.transfer_id, "GPU copy failed: {reason}");
+                        metrics::counter!(m::GPU_COPY_FAILURES).increment(1);
+                        link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
+                    }
+                }
+                link.rearm_timer();
+            });
+        }
+        Err((e, buffer)) => {
+            g.device.pool.give(buffer);
+            let reason = e.to_string();
+            link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
+        }
+    }
+    Ok(())
 }
 
 async fn timer_task(link: Weak<PeerLink>) {

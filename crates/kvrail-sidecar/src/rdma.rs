@@ -98,6 +98,11 @@ impl RdmaRails {
     /// Registers a region with every rail's device (once; the registration lives
     /// until the region is unregistered).
     pub fn register_region(&self, region: &Arc<Region>) {
+        // GPU memory is not registered with verbs (no dma-buf path yet): its
+        // payload is staged and moves over the rail's stream connections.
+        let Some(host) = region.memory.host() else {
+            return;
+        };
         let mut per_rail = Vec::with_capacity(self.devices.len());
         for (rail, dev) in self.devices.iter().enumerate() {
             let Ok(dev) = dev else {
@@ -107,13 +112,7 @@ impl RdmaRails {
             let owner: Arc<dyn std::any::Any + Send + Sync> = region.clone();
             // SAFETY: the mapping lives as long as the Region, which the MR keeps
             // alive through `owner`.
-            let mr = unsafe {
-                dev.register(
-                    region.memory.as_mut_ptr(),
-                    region.memory.len() as usize,
-                    owner,
-                )
-            };
+            let mr = unsafe { dev.register(host.as_mut_ptr(), host.len() as usize, owner) };
             match mr {
                 Ok(mr) => per_rail.push(Some(Arc::new(mr))),
                 Err(e) => {

@@ -6,16 +6,67 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use kvrail_core::{LayoutError, RegionAccess, RegionDirectory, RegionLayout};
+use kvrail_cuda::{CudaError, DeviceMemory};
 use kvrail_shm::{SharedRegion, ShmError};
 
+use crate::gpu::{GpuDevice, GpuMemory};
+
 /// A region the sidecar has mapped.
-#[derive(Debug)]
 pub struct Region {
     pub id: u64,
     pub worker_id: String,
+    /// The registering process (from the socket's peer credentials): its regions
+    /// are dropped when it exits.
+    pub owner_pid: Option<i32>,
     pub layout: RegionLayout,
     pub exposed: bool,
-    pub memory: SharedRegion,
+    pub memory: RegionMemory,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.id)
+            .field("worker_id", &self.worker_id)
+            .field("memory", &self.memory.kind())
+            .field("bytes", &self.memory.len())
+            .finish()
+    }
+}
+
+/// Where a region's bytes live.
+pub enum RegionMemory {
+    /// A shared-memory file, mapped here: sockets and verbs use it directly.
+    Host(SharedRegion),
+    /// A worker's GPU allocation opened from its IPC handle: staged.
+    Gpu(GpuMemory),
+}
+
+impl RegionMemory {
+    pub fn len(&self) -> u64 {
+        match self {
+            RegionMemory::Host(m) => m.len(),
+            RegionMemory::Gpu(g) => g.memory.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn host(&self) -> Option<&SharedRegion> {
+        match self {
+            RegionMemory::Host(m) => Some(m),
+            RegionMemory::Gpu(_) => None,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RegionMemory::Host(_) => "host",
+            RegionMemory::Gpu(_) => "gpu",
+        }
+    }
 }
 
 /// Why a region cannot be registered.
@@ -25,6 +76,17 @@ pub enum RegisterError {
     Shm(#[from] ShmError),
     #[error("invalid layout: {0}")]
     Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Gpu(#[from] CudaError),
+}
+
+/// What a worker registers.
+pub enum RegionSource<'a> {
+    Shm(&'a Path),
+    Gpu {
+        device: Arc<GpuDevice>,
+        handle: &'a [u8],
+    },
 }
 
 /// All regions, by id. Ids are never reused, so a stale id cannot name a new region.
@@ -38,22 +100,47 @@ impl Registry {
     pub fn register(
         &self,
         worker_id: &str,
-        path: &Path,
+        owner_pid: Option<i32>,
+        source: RegionSource<'_>,
         layout: RegionLayout,
         exposed: bool,
     ) -> Result<Arc<Region>, RegisterError> {
-        let memory = SharedRegion::open(path)?;
-        layout.validate(memory.len())?;
+        let memory = match source {
+            RegionSource::Shm(path) => {
+                let m = SharedRegion::open(path)?;
+                layout.validate(m.len())?;
+                RegionMemory::Host(m)
+            }
+            RegionSource::Gpu { device, handle } => {
+                // The layout's extent is what must fit the allocation.
+                layout.validate(u64::MAX)?;
+                let memory = device.gpu.import(handle, layout.extent())?;
+                RegionMemory::Gpu(GpuMemory {
+                    device,
+                    memory: Arc::new(memory),
+                })
+            }
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let region = Arc::new(Region {
             id,
             worker_id: worker_id.to_string(),
+            owner_pid,
             layout,
             exposed,
             memory,
         });
         self.regions.insert(id, region.clone());
         Ok(region)
+    }
+
+    /// Regions registered by process `pid`.
+    pub fn owned_by(&self, pid: i32) -> Vec<u64> {
+        self.regions
+            .iter()
+            .filter(|r| r.owner_pid == Some(pid))
+            .map(|r| r.id)
+            .collect()
     }
 
     pub fn get(&self, id: u64) -> Option<Arc<Region>> {

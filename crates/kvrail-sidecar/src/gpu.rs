@@ -1,0 +1,92 @@
+//! GPU regions: devices opened on first use, each with its staging pool and a
+//! copy queue per direction.
+//!
+//! Payload of a GPU region moves through pinned host buffers: a connection's
+//! writer gathers slice i+1 from the device while slice i is on the wire (up to
+//! [`STAGE_DEPTH`] slices in flight), and a reader hands each received slice to
+//! the host-to-device queue and goes on reading the next one; a slice counts as
+//! placed only when its device copy has finished.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvrail_cuda::{Capabilities, CopyQueue, CudaError, Gpu, ImportedMemory, StagingPool};
+use tracing::info;
+
+/// Slices a connection's writer stages ahead of the one it is sending (triple
+/// buffering: one on the wire, two being copied).
+pub const STAGE_DEPTH: usize = 3;
+
+/// One device as the sidecar uses it.
+pub struct GpuDevice {
+    pub gpu: Arc<Gpu>,
+    pub pool: StagingPool,
+    pub to_host: CopyQueue,
+    pub to_device: CopyQueue,
+}
+
+/// Devices, opened when a worker first registers memory on them.
+pub struct GpuDevices {
+    staging_bytes: usize,
+    devices: Mutex<HashMap<u32, Arc<GpuDevice>>>,
+}
+
+impl GpuDevices {
+    /// Staging buffers hold one slice each.
+    pub fn new(staging_bytes: usize) -> Self {
+        GpuDevices {
+            staging_bytes,
+            devices: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn device(&self, ordinal: u32) -> Result<Arc<GpuDevice>, CudaError> {
+        let mut devices = self.devices.lock().map_err(|_| CudaError::QueueStopped)?;
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let gpu = Gpu::open(ordinal)?;
+        log_capabilities(&gpu);
+        let device = Arc::new(GpuDevice {
+            pool: StagingPool::new(&gpu, self.staging_bytes),
+            to_host: CopyQueue::new(&gpu, &format!("d2h{ordinal}"))?,
+            to_device: CopyQueue::new(&gpu, &format!("h2d{ordinal}"))?,
+            gpu,
+        });
+        devices.insert(ordinal, device.clone());
+        Ok(device)
+    }
+}
+
+/// Said once per device: how its memory will move.
+fn log_capabilities(gpu: &Gpu) {
+    let Capabilities {
+        gpudirect_rdma,
+        dma_buf,
+        integrated,
+    } = gpu.capabilities();
+    let how = if gpudirect_rdma && dma_buf {
+        "the device reports GPUDirect RDMA and dma-buf, but kvrail does not yet register GPU memory with verbs; payload is staged through pinned host buffers"
+    } else {
+        "the device does not support GPUDirect RDMA; payload is staged through pinned host buffers"
+    };
+    info!(
+        device = gpu.ordinal(),
+        name = gpu.name(),
+        gpudirect_rdma,
+        dma_buf,
+        integrated,
+        "GPU opened: {how}{}",
+        if integrated {
+            " (integrated GPU: register KV kept in pinned shared memory as a host region instead, no staging needed)"
+        } else {
+            ""
+        }
+    );
+}
+
+/// A region's device memory, with the device that moves it.
+pub struct GpuMemory {
+    pub device: Arc<GpuDevice>,
+    pub memory: Arc<ImportedMemory>,
+}
