@@ -40,6 +40,17 @@ pub struct GpuArgs {
     /// TCP connections between the sidecars.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
+    /// Slice size (also the size of each pinned staging buffer). 8M: each staged
+    /// slice costs a copy, an event and a wake-up, and 1M slices leave the staged
+    /// path at ~0.6x of TCP (docs/gpu.md).
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    pub slice_bytes: u64,
+    /// Unacknowledged bytes per connection.
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    pub window_bytes: u64,
+    /// Extra `kvrail serve` flags for both sidecars (e.g. `--sidecar-arg=--gpu-stage-depth=4`).
+    #[arg(long = "sidecar-arg", allow_hyphen_values = true)]
+    pub sidecar_args: Vec<String>,
 }
 
 pub async fn run(args: GpuArgs) -> anyhow::Result<()> {
@@ -68,8 +79,9 @@ pub async fn run(args: GpuArgs) -> anyhow::Result<()> {
         json!({"bench": "gpu", "name": "d2h_copy", "bytes": bytes, "gbytes_per_s": d2h})
     );
 
-    let mut opts = ClusterOptions::new(args.connections, 1 << 20, 8 << 20);
+    let mut opts = ClusterOptions::new(args.connections, args.slice_bytes, args.window_bytes);
     opts.transports = vec!["tcp".into()];
+    opts.extra_args = args.sidecar_args.clone();
     let cluster = LocalCluster::start(&opts).await?;
     let mut p = cluster.client(&cluster.prefill).await?;
     let mut d = cluster.client(&cluster.decode).await?;

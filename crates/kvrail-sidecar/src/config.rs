@@ -73,6 +73,9 @@ pub struct Config {
     pub quic_max_udp_payload: u16,
     /// QUIC: UDP payload a connection starts with (1200 fits any path).
     pub quic_initial_mtu: u16,
+    /// GPU regions: slices a connection's writer copies device-to-host ahead of
+    /// the one on the wire (each takes a pinned buffer of `slice_bytes`).
+    pub gpu_stage_depth: usize,
     /// QUIC: per-stream and per-connection receive windows, and the send window.
     pub quic_stream_window: u64,
     pub quic_connection_window: u64,
@@ -111,6 +114,7 @@ impl Default for Config {
             insecure: false,
             quic_max_udp_payload: 6550,
             quic_initial_mtu: 1200,
+            gpu_stage_depth: 3,
             quic_stream_window: 32 << 20,
             quic_connection_window: 64 << 20,
             quic_send_window: 64 << 20,
@@ -181,6 +185,9 @@ impl Config {
             || self.connections_per_rail * self.listen.len().max(1) > 64
         {
             return bad("connections_per_rail must be 1..=64 (in total over all rails)");
+        }
+        if !(1..=64).contains(&self.gpu_stage_depth) {
+            return bad("gpu_stage_depth must be 1..=64");
         }
         if !(4096..=(64 << 20)).contains(&self.slice_bytes) {
             return bad("slice_bytes must be between 4 KiB and 64 MiB");

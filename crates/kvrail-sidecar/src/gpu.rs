@@ -3,7 +3,7 @@
 //!
 //! Payload of a GPU region moves through pinned host buffers: a connection's
 //! writer gathers slice i+1 from the device while slice i is on the wire (up to
-//! [`STAGE_DEPTH`] slices in flight), and a reader hands each received slice to
+//! `gpu_stage_depth` slices in flight), and a reader hands each received slice to
 //! the host-to-device queue and goes on reading the next one; a slice counts as
 //! placed only when its device copy has finished.
 
@@ -12,10 +12,6 @@ use std::sync::{Arc, Mutex};
 
 use kvrail_cuda::{Capabilities, CopyQueue, CudaError, Gpu, ImportedMemory, StagingPool};
 use tracing::info;
-
-/// Slices a connection's writer stages ahead of the one it is sending (triple
-/// buffering: one on the wire, two being copied).
-pub const STAGE_DEPTH: usize = 3;
 
 /// One device as the sidecar uses it.
 pub struct GpuDevice {

@@ -79,6 +79,9 @@ pub struct ServeArgs {
     /// QUIC: UDP payload connections start with (default 1200; see docs/quic.md).
     #[arg(long)]
     pub quic_initial_mtu: Option<u16>,
+    /// GPU regions: slices each connection stages ahead of the one it sends (default 3).
+    #[arg(long)]
+    pub gpu_stage_depth: Option<usize>,
     /// Accept and make TCP peer connections without authentication.
     #[arg(long)]
     pub insecure: bool,
@@ -140,6 +143,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.quic_initial_mtu {
             c.quic_initial_mtu = v;
+        }
+        if let Some(v) = self.gpu_stage_depth {
+            c.gpu_stage_depth = v;
         }
         if self.insecure {
             c.insecure = true;

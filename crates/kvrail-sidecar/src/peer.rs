@@ -639,6 +639,10 @@ async fn writer_task(
     let mut queue: VecDeque<Queued> = VecDeque::new();
     let mut staging = 0usize;
     let mut batch: Vec<Outgoing> = Vec::with_capacity(WRITE_BATCH_FRAMES);
+    let stage_depth = link
+        .shared
+        .upgrade()
+        .map_or(1, |s| s.config.gpu_stage_depth);
     loop {
         if queue.is_empty() {
             let Some(first) = rx.recv().await else { return };
@@ -646,7 +650,7 @@ async fn writer_task(
         }
         // Whatever else is already queued goes out in the same system call, and
         // the next GPU slices start their copies while this one is sent.
-        while queue.len() < WRITE_BATCH_FRAMES && staging < gpu::STAGE_DEPTH {
+        while queue.len() < WRITE_BATCH_FRAMES && staging < stage_depth {
             match rx.try_recv() {
                 Ok(o) => staging += link.admit(o, &mut queue),
                 Err(_) => break,
@@ -661,15 +665,29 @@ async fn writer_task(
                 copy,
             }) => {
                 staging -= 1;
-                let done = copy.await;
-                let sent = link
-                    .send_staged(writer.as_mut(), &header, transfer_id, len, &device, done)
-                    .await;
-                if let Ok(true) = sent {
-                    metrics::counter!(m::BYTES_SENT, &labels).increment(len as u64);
-                    metrics::counter!(m::SLICES_SENT, &labels).increment(1);
-                    metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_host")
-                        .increment(len as u64);
+                let mut staged = vec![(header, transfer_id, len, copy.await)];
+                // Slices behind it whose copies are done already share the write.
+                while let Some(Queued::Staging { copy, .. }) = queue.front_mut() {
+                    let Ok(done) = copy.try_recv() else { break };
+                    if let Some(Queued::Staging {
+                        header,
+                        transfer_id,
+                        len,
+                        ..
+                    }) = queue.pop_front()
+                    {
+                        staging -= 1;
+                        staged.push((header, transfer_id, len, Ok(done)));
+                    }
+                }
+                let sent = link.send_staged(writer.as_mut(), staged, &device).await;
+                if let Ok(bytes) = &sent {
+                    if bytes.slices > 0 {
+                        metrics::counter!(m::BYTES_SENT, &labels).increment(bytes.bytes);
+                        metrics::counter!(m::SLICES_SENT, &labels).increment(bytes.slices);
+                        metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_host")
+                            .increment(bytes.bytes);
+                    }
                 }
                 sent.map(|_| ())
             }
@@ -704,6 +722,20 @@ async fn writer_task(
             return;
         }
     }
+}
+
+/// A staged slice: header, transfer, payload length, and its copy's outcome.
+type StagedSlice = (
+    [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+    u64,
+    usize,
+    Result<CopyDone, oneshot::error::RecvError>,
+);
+
+/// What one write carried.
+struct Sent {
+    slices: u64,
+    bytes: u64,
 }
 
 /// A frame waiting for its turn on a connection.
@@ -771,37 +803,45 @@ impl PeerLink {
         }
     }
 
-    /// Sends a staged slice; `Ok(false)` when its copy failed (the transfer fails,
-    /// the connection goes on).
+    /// Sends staged slices in one write; a slice whose copy failed is left out
+    /// (its transfer fails, the connection goes on).
     async fn send_staged(
         &self,
         writer: &mut dyn FrameWriter,
-        header: &[u8],
-        transfer_id: u64,
-        len: usize,
+        staged: Vec<StagedSlice>,
         device: &gpu::GpuDevice,
-        done: Result<CopyDone, oneshot::error::RecvError>,
-    ) -> std::io::Result<bool> {
-        let CopyDone { buffer, result } = match done {
-            Ok(d) => d,
-            Err(_) => {
-                self.device_copy_failed(transfer_id, "the copy queue stopped");
-                return Ok(false);
+    ) -> std::io::Result<Sent> {
+        let mut ready = Vec::with_capacity(staged.len());
+        for (header, transfer_id, len, done) in staged {
+            match done {
+                Ok(CopyDone {
+                    buffer,
+                    result: Ok(()),
+                }) => ready.push((header, len, buffer)),
+                Ok(CopyDone {
+                    buffer,
+                    result: Err(e),
+                }) => {
+                    device.pool.give(buffer);
+                    self.device_copy_failed(transfer_id, &e.to_string());
+                }
+                Err(_) => self.device_copy_failed(transfer_id, "the copy queue stopped"),
             }
-        };
-        if let Err(e) = result {
-            device.pool.give(buffer);
-            self.device_copy_failed(transfer_id, &e.to_string());
-            return Ok(false);
         }
-        let r = writer
-            .write_all_vectored(&mut [
-                IoSlice::new(header),
-                IoSlice::new(&buffer.as_slice()[..len]),
-            ])
-            .await;
-        device.pool.give(buffer);
-        r.map(|()| true)
+        let mut bufs = Vec::with_capacity(ready.len() * 2);
+        for (header, len, buffer) in &ready {
+            bufs.push(IoSlice::new(header));
+            bufs.push(IoSlice::new(&buffer.as_slice()[..*len]));
+        }
+        let r = writer.write_all_vectored(&mut bufs).await;
+        let sent = Sent {
+            slices: ready.len() as u64,
+            bytes: ready.iter().map(|(_, len, _)| *len as u64).sum(),
+        };
+        for (_, _, buffer) in ready {
+            device.pool.give(buffer);
+        }
+        r.map(|()| sent)
     }
 
     fn device_copy_failed(&self, transfer_id: u64, reason: &str) {
