@@ -229,6 +229,58 @@ async fn gpu_to_host_and_host_to_gpu_mix_in_one_pair() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn unified_memory_is_written_by_the_gpu_and_sent_without_staging() {
+    // The integrated-GPU path: the KV cache is a shared-memory file pinned and
+    // mapped for the GPU; kernels write it in place and the sidecar sends it as
+    // host memory, with no staging copy.
+    let Some(gpu) = gpu_or_skip("unified_memory...") else {
+        return;
+    };
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = small_layout();
+    let src = KvRegion::create(pair.shm_path("um-src"), layout).expect("src");
+    let dst = KvRegion::create(pair.shm_path("um-dst"), layout).expect("dst");
+    let src_gpu = cuda::HostRegistration::pin(&gpu, &src.memory).expect("pin src");
+    let dst_gpu = cuda::HostRegistration::pin(&gpu, &dst.memory).expect("pin dst");
+    let bytes = kvrail_client::layout_extent(&layout);
+    src_gpu.fill(0, bytes, 11, 0).expect("fill on the GPU");
+    let src_id = p.register_region("p", &src, false).await.expect("register");
+    let dst_id = d.register_region("d", &dst, false).await.expect("register");
+    let ids: Vec<u32> = (0..16).collect();
+    let t = p
+        .push(
+            "p",
+            "um-1",
+            "decode",
+            blocks(src_id, 0..4, ids.clone()),
+            blocks(dst_id, 0..4, ids),
+        )
+        .await
+        .expect("push");
+    let s = p.wait(t.transfer_id, None).await.expect("wait");
+    assert_eq!(s.state, TransferState::Done as i32, "{s:?}");
+    // Verified by the GPU through its mapping of the decode side's pages.
+    assert_eq!(
+        dst_gpu.count_mismatches(0, bytes, 11, 0).expect("verify"),
+        0
+    );
+    for s in [&pair.prefill, &pair.decode] {
+        let text = support::scrape(s.metrics.expect("metrics"));
+        assert_eq!(
+            support::metric_sum(&text, "kvrail_gpu_staged_bytes_total", &[]),
+            0.0,
+            "{}",
+            s.node
+        );
+    }
+    drop((src_gpu, dst_gpu));
+    src.unlink();
+    dst.unlink();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bad_gpu_handles_get_clear_errors_and_the_daemon_stays_up() {
     let Some(gpu) = gpu_or_skip("bad_gpu_handles...") else {
         return;

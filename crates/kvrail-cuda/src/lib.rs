@@ -831,19 +831,20 @@ impl Drop for CopyQueue {
 /// through [`device_ptr`](Self::device_ptr) (on integrated GPUs at full memory
 /// speed), and the sidecar moves it as an ordinary host region (registered with
 /// verbs directly where RDMA is present): no staging copy anywhere.
-pub struct HostRegistration {
+pub struct HostRegistration<'a> {
     gpu: Arc<Gpu>,
     host: *mut u8,
     device: sys::CUdeviceptr,
     len: u64,
+    _mapping: std::marker::PhantomData<&'a kvrail_shm::SharedRegion>,
 }
 
 // SAFETY: the registration only records addresses; the mapping's owner keeps it alive.
-unsafe impl Send for HostRegistration {}
+unsafe impl Send for HostRegistration<'_> {}
 // SAFETY: as above.
-unsafe impl Sync for HostRegistration {}
+unsafe impl Sync for HostRegistration<'_> {}
 
-impl fmt::Debug for HostRegistration {
+impl fmt::Debug for HostRegistration<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostRegistration")
             .field("len", &self.len)
@@ -851,19 +852,16 @@ impl fmt::Debug for HostRegistration {
     }
 }
 
-impl HostRegistration {
-    /// Registers `len` bytes at `host`.
-    ///
-    /// # Safety
-    /// `host..host + len` must be a live mapping that outlives the registration.
-    pub unsafe fn new(
-        gpu: &Arc<Gpu>,
-        host: *mut u8,
-        len: u64,
-    ) -> Result<HostRegistration, CudaError> {
+impl<'a> HostRegistration<'a> {
+    /// Pins a worker's shared-memory mapping for the GPU; the registration
+    /// borrows the mapping, so it cannot outlive it.
+    pub fn pin(gpu: &Arc<Gpu>, mapping: &'a kvrail_shm::SharedRegion) -> Result<Self, CudaError> {
+        let host = mapping.as_mut_ptr();
+        let len = mapping.len();
         gpu.bind()?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        // SAFETY: the caller guarantees the range is a live mapping.
+        // SAFETY: `host..host + len` is the live mapping borrowed for 'a, which
+        // outlives the registration (unregistered on drop).
         check("cuMemHostRegister", unsafe {
             sys::cuMemHostRegister_v2(host.cast(), len as usize, flags)
         })?;
@@ -875,6 +873,7 @@ impl HostRegistration {
             host,
             device,
             len,
+            _mapping: std::marker::PhantomData,
         };
         check("cuMemHostGetDevicePointer", r)?;
         Ok(reg)
@@ -932,7 +931,7 @@ fn check_words(
     Ok((offset, len / 4, first_word))
 }
 
-impl Drop for HostRegistration {
+impl Drop for HostRegistration<'_> {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
         // SAFETY: registered in `new`, unregistered once.
