@@ -60,7 +60,7 @@ struct Outcome {
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let model =
         *Model::by_name(&args.model).with_context(|| format!("unknown model {:?}", args.model))?;
-    let requests = trace::read_mooncake(&args.trace, args.requests)?;
+    let requests = trace::read(&args.trace, args.requests)?;
     if requests.is_empty() {
         bail!("{} holds no requests", args.trace.display());
     }
@@ -68,9 +68,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     // A pool twice the largest request, so that each request lands in scattered blocks.
     let layout = dense_layout(
         model.num_layers,
-        model.planes,
+        model.planes(),
         max_blocks * 2,
-        model.block_bytes(),
+        model.block_bytes(1),
     );
     let mut rows = Vec::new();
     for transport in &args.transport {
@@ -106,7 +106,7 @@ async fn replay(
         requests.len(),
         args.trace.file_name().and_then(|f| f.to_str()).unwrap_or("trace"),
         model.name,
-        model.kv_bytes_per_token() / 1024,
+        model.kv_bytes_per_token(1) / 1024,
         args.max_prompt_tokens
     );
     let cluster = LocalCluster::start(&opts).await?;
@@ -205,7 +205,7 @@ fn pick(rng: &mut rand::rngs::StdRng, pool: u32, n: usize) -> Vec<u32> {
     v
 }
 
-fn fill_random(mem: &SharedRegion) -> anyhow::Result<()> {
+pub(crate) fn fill_random(mem: &SharedRegion) -> anyhow::Result<()> {
     let chunk = 4 << 20;
     let mut buf = vec![0u8; chunk];
     let mut rng = rand::rngs::StdRng::seed_from_u64(99);

@@ -7,6 +7,7 @@ mod gpu;
 mod model;
 mod perftest;
 mod rails;
+mod replay;
 mod stats;
 mod trace;
 mod verify;
@@ -27,6 +28,8 @@ struct Cli {
 enum Command {
     /// Replay the first requests of a trace through two local sidecars; print transfer times and TTFT share.
     Demo(demo::DemoArgs),
+    /// Replay a trace through emulated prefill/decode workers and two sidecars per transport; TTFT per transport, live and projected.
+    Replay(replay::ReplayArgs),
     /// Measure throughput and latency between two local sidecars, with iperf3 side by side.
     Bench(bench::BenchArgs),
     /// GPU-resident KV through the staged pipeline over TCP loopback, verified on the GPU, against its bounds (needs a CUDA GPU).
@@ -41,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
     kvrail_sidecar::init_logging();
     match Cli::parse().command {
         Command::Demo(a) => demo::run(a).await,
+        Command::Replay(a) => replay::run(a).await,
         Command::Bench(a) => bench::run(a).await,
         Command::Gpu(a) => gpu::run(a).await,
         Command::Sidecar(a) => kvrail_sidecar::serve(a).await,
