@@ -159,3 +159,174 @@ fn bench_prints_one_json_result_per_measurement() {
         assert!((ratio - expected).abs() <= 0.05 * expected + 0.002, "{c}");
     }
 }
+
+fn replay(args: &[&str]) -> std::process::Output {
+    Command::new(binary("loadgen"))
+        .arg("replay")
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+/// The summary line of one series of a replay.
+fn series<'a>(
+    lines: &'a [serde_json::Value],
+    source: &str,
+    name: &str,
+    overlap: &str,
+) -> &'a serde_json::Value {
+    lines
+        .iter()
+        .find(|v| {
+            v["replay"] == "summary"
+                && v["source"] == source
+                && v["series"] == name
+                && v["overlap"] == overlap
+        })
+        .unwrap_or_else(|| panic!("no {source} {name} {overlap} in {lines:?}"))
+}
+
+#[test]
+fn replay_moves_a_short_trace_live_over_tcp_and_quic_and_projects_it() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = replay(&[
+        "--requests",
+        "6",
+        "--time-scale",
+        "0.05",
+        "--kv-scale",
+        "1/64",
+        "--transport",
+        "tcp,quic",
+        "--overlap",
+        "layer,all",
+        "--prefix-reuse",
+        "--pool-bytes",
+        "128M",
+        "--max-prompt-tokens",
+        "16384",
+        "--quiet",
+        "--out",
+        out_dir.path().to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines = json_lines(&out.stdout);
+    let config = &lines[0];
+    assert_eq!(config["replay"], "config");
+    assert_eq!(config["requests"], 6);
+    let total = config["kv_bytes_total"].as_u64().unwrap();
+    assert!(total > 0);
+    for transport in ["tcp", "quic"] {
+        for overlap in ["layer", "all"] {
+            let s = series(&lines, "live", transport, overlap);
+            assert_eq!(s["requests"], 6, "{s}");
+            // Full-size bytes recorded; a 64th of them really moved.
+            assert_eq!(s["kv_bytes"].as_u64().unwrap(), total);
+            assert_eq!(s["moved_bytes"].as_u64().unwrap(), total / 64);
+            assert_eq!(
+                stderr
+                    .matches(&format!("{transport} {overlap}: 6 requests"))
+                    .count(),
+                1,
+                "{stderr}"
+            );
+        }
+        // Sending each layer as it finishes overlaps prefill; sending after
+        // the last layer cannot.
+        let layer = series(&lines, "live", transport, "layer")["hidden_share"]
+            .as_f64()
+            .unwrap();
+        let all = series(&lines, "live", transport, "all")["hidden_share"]
+            .as_f64()
+            .unwrap();
+        assert!(layer > all && all <= 0.01, "{layer} {all}");
+    }
+    assert!(stderr.contains("verified byte for byte"), "{stderr}");
+    // A free transfer is never slower than a live one; projections cover the
+    // seeds' profiles and one calibrated from each live transport.
+    let ideal = series(&lines, "projected", "ideal", "layer")["ttft_p50_ms"]
+        .as_f64()
+        .unwrap();
+    let live = series(&lines, "live", "tcp", "layer")["ttft_p50_ms"]
+        .as_f64()
+        .unwrap();
+    assert!(ideal <= live, "{ideal} {live}");
+    for name in [
+        "spark-rdma-2rail",
+        "spark-rdma-1rail",
+        "spark-tcp",
+        "calibrated-tcp",
+        "calibrated-quic",
+    ] {
+        for overlap in ["layer", "all"] {
+            series(&lines, "projected", name, overlap);
+        }
+    }
+    // One CSV row per request per series, and the summary file.
+    let csv = std::fs::read_to_string(out_dir.path().join("requests.csv")).unwrap();
+    let series_count = lines.iter().filter(|v| v["replay"] == "summary").count();
+    assert_eq!(csv.lines().count(), 1 + 6 * series_count);
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out_dir.path().join("summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["series"].as_array().unwrap().len(), series_count);
+    if std::path::Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
+        for f in [
+            "ttft_cdf.svg",
+            "ttft_cdf.png",
+            "exposed_vs_kv.svg",
+            "exposed_vs_kv.png",
+        ] {
+            let len = std::fs::metadata(out_dir.path().join(f)).unwrap().len();
+            assert!(len > 1000, "{f}: {len} bytes");
+        }
+    } else {
+        println!("SKIPPED plot files: no DejaVu Sans font");
+    }
+}
+
+#[test]
+fn replay_projects_an_azure_trace_and_names_bad_trace_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = replay(&[
+        "--trace",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../loadgen/traces/azure_code_head.csv"
+        ),
+        "--transport",
+        "none",
+        "--model",
+        "llama-3.1-70b",
+        "--tp",
+        "8",
+        "--quiet",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out.stdout);
+    assert_eq!(lines[0]["requests"], 300);
+    // TP 8 of a 70B model: one KV head per rank, 40 KiB per token.
+    assert_eq!(lines[0]["kv_bytes_per_token_per_rank"], 40960);
+    assert!(lines.iter().all(|v| v["source"] != "live"));
+    series(&lines, "projected", "spark-rdma-2rail", "layer");
+
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"timestamp\":0,\"input_length\":10,\"output_length\":2,\"hash_ids\":[1]}\n{\"timestamp\":1,\"input_length\":-4}\n",
+    )
+    .unwrap();
+    let out = replay(&["--trace", bad.to_str().unwrap(), "--transport", "none"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("bad.jsonl:2"), "{stderr}");
+}

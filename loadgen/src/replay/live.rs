@@ -362,6 +362,20 @@ async fn transfer(
     ))
 }
 
+/// Runs of a request's blocks that are consecutive on both sides, as
+/// (index of the first within the request, source id, destination id, length):
+/// each is one contiguous stretch per layer and plane in both regions.
+fn runs(src: &[u32], dst: &[u32]) -> Vec<(usize, u32, u32, usize)> {
+    let mut out: Vec<(usize, u32, u32, usize)> = Vec::new();
+    for (k, (&a, &b)) in src.iter().zip(dst).enumerate() {
+        match out.last_mut() {
+            Some((_, s, d, n)) if a == *s + *n as u32 && b == *d + *n as u32 => *n += 1,
+            _ => out.push((k, a, b, 1)),
+        }
+    }
+    out
+}
+
 fn stamp_layers(
     s: &Shared,
     job: usize,
@@ -369,15 +383,17 @@ fn stamp_layers(
     ids: &[u32],
 ) -> anyhow::Result<()> {
     let layout = &s.src.layout;
-    let run = s.seed;
-    let chunk = s.geometry.chunk_bytes;
+    let chunk = s.geometry.chunk_bytes as usize;
     for layer in layers {
         for plane in 0..s.geometry.planes {
-            for (k, &b) in ids.iter().enumerate() {
-                let word = stamp(run, job, layer, plane, k).to_le_bytes();
-                let off = block_offset(layout, layer, plane, b);
-                s.src.memory.write_at(off, &word)?;
-                s.src.memory.write_at(off + chunk - 8, &word)?;
+            for (k0, a, _, n) in runs(ids, ids) {
+                let off = block_offset(layout, layer, plane, a);
+                let mut run = s.src.memory.io_slices_mut(&[(off, (n * chunk) as u64)])?;
+                for (i, piece) in run[0].chunks_exact_mut(chunk).enumerate() {
+                    let word = stamp(s.seed, job, layer, plane, k0 + i).to_le_bytes();
+                    piece[..8].copy_from_slice(&word);
+                    piece[chunk - 8..].copy_from_slice(&word);
+                }
             }
         }
     }
@@ -387,21 +403,40 @@ fn stamp_layers(
 /// Compares every chunk of the request with its source, and its stamps.
 fn verify(s: &Shared, job: usize, src_ids: &[u32], dst_ids: &[u32]) -> anyhow::Result<u64> {
     let layout = &s.src.layout;
-    let run = s.seed;
-    let chunk = s.geometry.chunk_bytes;
+    let chunk = s.geometry.chunk_bytes as usize;
     let mut bytes = 0u64;
+    let runs = runs(src_ids, dst_ids);
     for layer in 0..s.geometry.layers {
         for plane in 0..s.geometry.planes {
-            for (k, (&a, &b)) in src_ids.iter().zip(dst_ids).enumerate() {
-                let so = block_offset(layout, layer, plane, a);
-                let dof = block_offset(layout, layer, plane, b);
-                let x = s.src.memory.io_slices(&[(so, chunk)])?;
-                let y = s.dst.memory.io_slices(&[(dof, chunk)])?;
-                let want = stamp(run, job, layer, plane, k).to_le_bytes();
-                if *x[0] != *y[0] || y[0][..8] != want || y[0][y[0].len() - 8..] != want {
-                    bail!("layer {layer} plane {plane}: block {a} -> {b} (#{k}) differs from its source");
+            for &(k0, a, b, n) in &runs {
+                let len = (n * chunk) as u64;
+                let x = s
+                    .src
+                    .memory
+                    .io_slices(&[(block_offset(layout, layer, plane, a), len)])?;
+                let y = s
+                    .dst
+                    .memory
+                    .io_slices(&[(block_offset(layout, layer, plane, b), len)])?;
+                let bad = if *x[0] != *y[0] {
+                    x[0].chunks_exact(chunk)
+                        .zip(y[0].chunks_exact(chunk))
+                        .position(|(p, q)| p != q)
+                } else {
+                    y[0].chunks_exact(chunk).enumerate().position(|(i, q)| {
+                        let want = stamp(s.seed, job, layer, plane, k0 + i).to_le_bytes();
+                        q[..8] != want || q[chunk - 8..] != want
+                    })
+                };
+                if let Some(i) = bad {
+                    bail!(
+                        "layer {layer} plane {plane}: block {} -> {} (#{}) differs from what this request sent",
+                        a + i as u32,
+                        b + i as u32,
+                        k0 + i
+                    );
                 }
-                bytes += chunk;
+                bytes += len;
             }
         }
     }

@@ -265,10 +265,14 @@ fn ttft_cdf<DB: DrawingBackend>(
         } else {
             color.stroke_width(1)
         };
+        // At most ~1000 points per line (and always the last): keeps the SVG small.
+        let step = v.len().div_ceil(1000).max(1);
+        let last = v.len().saturating_sub(1);
         chart
             .draw_series(LineSeries::new(
                 v.iter()
                     .enumerate()
+                    .filter(|(k, _)| k % step == 0 || *k == last)
                     .map(|(k, t)| (t.max(min), (k + 1) as f64 / n)),
                 style,
             ))
@@ -310,11 +314,20 @@ fn exposed_scatter<DB: DrawingBackend>(
         .iter()
         .flat_map(|(_, s)| s.records.iter().map(|r| r.exposed_ms))
         .fold(1.0f64, f64::max);
+    // At most ~2000 requests per series (every k-th): keeps the SVG small.
+    let step = shown
+        .iter()
+        .map(|(_, s)| s.records.len().div_ceil(2000))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let caption = if step > 1 {
+        format!("Exposed KV transfer time against KV size (every {step}th request)")
+    } else {
+        "Exposed KV transfer time against KV size".to_string()
+    };
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Exposed KV transfer time against KV size",
-            ("sans-serif", 24),
-        )
+        .caption(caption, ("sans-serif", 24))
         .margin(12)
         .x_label_area_size(44)
         .y_label_area_size(64)
@@ -329,13 +342,19 @@ fn exposed_scatter<DB: DrawingBackend>(
     for (i, s) in shown {
         let color = Palette99::pick(i).to_rgba();
         chart
-            .draw_series(s.records.iter().filter(|r| r.kv_bytes > 0).map(|r| {
-                Circle::new(
-                    (gib(r.kv_bytes), r.exposed_ms.max(FLOOR_MS)),
-                    2,
-                    color.mix(0.5).filled(),
-                )
-            }))
+            .draw_series(
+                s.records
+                    .iter()
+                    .step_by(step)
+                    .filter(|r| r.kv_bytes > 0)
+                    .map(|r| {
+                        Circle::new(
+                            (gib(r.kv_bytes), r.exposed_ms.max(FLOOR_MS)),
+                            2,
+                            color.mix(0.5).filled(),
+                        )
+                    }),
+            )
             .map_err(plot_err)?
             .label(series_label(s))
             .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
