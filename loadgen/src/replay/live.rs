@@ -336,7 +336,9 @@ async fn transfer(
         }
         waits.push((id, rx, offered, bytes));
     }
-    let end = start + job.prefill_ms;
+    // Prefill ends when the last layer's blocks are written: the modelled time
+    // plus what this emulator took to wake and write them.
+    let end = waits.last().map_or(start + job.prefill_ms, |w| w.2);
     let first_offer = waits.first().map_or(end, |w| w.2);
     let mut done = end;
     for (id, rx, offered, bytes) in waits {

@@ -101,6 +101,12 @@ pub struct ReplayArgs {
     /// Extra projection link: NAME,RAILS,GBIT_PER_RAIL,LATENCY_US (repeatable).
     #[arg(long, value_parser = parse_link)]
     pub link: Vec<LinkProfile>,
+    /// The DGX Spark and `--link` profiles are projected with arrivals at this
+    /// multiple of the trace's times (default 1: as recorded), whatever
+    /// `--time-scale` the live runs used; the free and calibrated links are
+    /// projected on the live runs' arrivals as well.
+    #[arg(long, default_value_t = 1.0)]
+    pub projection_time_scale: f64,
     /// Where per-request CSV/JSON, the summary and the plots go.
     #[arg(long, default_value = "target/kvrail-replay")]
     pub out: PathBuf,
@@ -161,6 +167,8 @@ pub struct Series {
     pub name: String,
     pub live: bool,
     pub overlap: Overlap,
+    /// Arrival times of this series, as a multiple of the trace's.
+    pub time_scale: f64,
     pub records: Vec<Record>,
     pub summary: Summary,
     /// Bytes really moved (live: scaled) per second of transfer in flight.
@@ -301,6 +309,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 name: transport.clone(),
                 live: true,
                 overlap,
+                time_scale: args.time_scale,
                 records: run.records,
                 summary,
                 moved_gbps,
@@ -311,26 +320,46 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
         }
     }
 
-    // Projections of the same requests, at full size, in both overlap modes.
-    let mut profiles: Vec<(Option<LinkProfile>, String)> = vec![(None, "ideal".into())];
+    // Projections at full size, in both overlap modes: the free transfer and
+    // the calibrated links on the live runs' schedule (to set them against
+    // the live rows), and every profile at `--projection-time-scale` (by
+    // default the trace's own arrival times, with prefill instances for them).
+    let real_arrivals = trace::shape(
+        &requests,
+        trace::Shaping {
+            time_scale: args.projection_time_scale,
+            ..shaping
+        },
+    )?;
+    let real_jobs = make_jobs(&args, &model, &real_arrivals);
+    let real_schedule = sim::prefill_schedule(&real_jobs, sim::instances_for(&real_jobs, 0.7));
+    let mut profiles: Vec<(Option<LinkProfile>, f64)> = vec![(None, args.time_scale)];
     let mut seen = std::collections::HashSet::new();
     for (p, _) in &calibrated {
         if seen.insert(p.name.clone()) {
-            profiles.push((Some(p.clone()), p.name.clone()));
+            profiles.push((Some(p.clone()), args.time_scale));
         }
     }
-    for p in LinkProfile::builtin().into_iter().chain(args.link.clone()) {
-        let name = p.name.clone();
-        profiles.push((Some(p), name));
+    if args.projection_time_scale != args.time_scale {
+        profiles.push((None, args.projection_time_scale));
     }
-    for (profile, name) in &profiles {
+    for p in LinkProfile::builtin().into_iter().chain(args.link.clone()) {
+        profiles.push((Some(p), args.projection_time_scale));
+    }
+    for (profile, time_scale) in &profiles {
+        let (jobs, schedule) = if *time_scale == args.time_scale {
+            (&jobs, &schedule)
+        } else {
+            (&real_jobs, &real_schedule)
+        };
         for overlap in [Overlap::LayerWise, Overlap::AllAtOnce] {
-            let records = sim::project(&jobs, &schedule, overlap, profile.as_ref());
+            let records = sim::project(jobs, schedule, overlap, profile.as_ref());
             let summary = sim::summarize(&records);
             series.push(Series {
-                name: name.clone(),
+                name: profile.as_ref().map_or("ideal".into(), |p| p.name.clone()),
                 live: false,
                 overlap,
+                time_scale: *time_scale,
                 records,
                 moved_gbps: summary.gbps,
                 summary,

@@ -25,6 +25,7 @@ fn summary_json(s: &Series, bytes_scale: f64) -> serde_json::Value {
         "source": if s.live { "live" } else { "projected" },
         "series": s.name,
         "overlap": s.overlap.label(),
+        "time_scale": s.time_scale,
         "requests": m.requests,
         "kv_bytes": m.kv_bytes,
         "moved_bytes": if s.live { (m.kv_bytes as f64 * bytes_scale) as u64 } else { m.kv_bytes },
@@ -54,10 +55,11 @@ pub fn print(series: &[Series], links: &[&LinkProfile], bytes_scale: f64) {
     }
     eprintln!();
     eprintln!(
-        "{:<10} {:<18} {:<6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>8} {:>7} {:>8}",
+        "{:<10} {:<18} {:<6} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>8} {:>7} {:>8}",
         "source",
         "series",
         "send",
+        "time",
         "TTFT p50",
         "p90",
         "p99",
@@ -70,10 +72,11 @@ pub fn print(series: &[Series], links: &[&LinkProfile], bytes_scale: f64) {
     for s in series {
         let m = &s.summary;
         eprintln!(
-            "{:<10} {:<18} {:<6} {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2}ms {:>9.2}ms {:>7.2}% {:>6.1}% {:>8.2}",
+            "{:<10} {:<18} {:<6} {:>6} {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2}ms {:>9.2}ms {:>7.2}% {:>6.1}% {:>8.2}",
             if s.live { "live" } else { "projected" },
             s.name,
             s.overlap.label(),
+            format!("x{}", s.time_scale),
             m.ttft_p50_ms,
             m.ttft_p90_ms,
             m.ttft_p99_ms,
@@ -117,15 +120,16 @@ pub fn write(
         serde_json::to_string_pretty(&summary)?,
     )?;
     let mut csv = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.csv"))?);
-    writeln!(csv, "source,series,overlap,index,arrival_ms,prompt_tokens,kv_bytes,queue_ms,prefill_ms,transfer_ms,exposed_ms,ttft_ms")?;
+    writeln!(csv, "source,series,overlap,time_scale,index,arrival_ms,prompt_tokens,kv_bytes,queue_ms,prefill_ms,transfer_ms,exposed_ms,ttft_ms")?;
     for s in series {
         for r in &s.records {
             writeln!(
                 csv,
-                "{},{},{},{},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3}",
+                "{},{},{},{},{},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3}",
                 if s.live { "live" } else { "projected" },
                 s.name,
                 s.overlap.label(),
+                s.time_scale,
                 r.index,
                 r.arrival_ms,
                 r.prompt_tokens,
@@ -189,10 +193,11 @@ fn plotted(series: &[Series]) -> Vec<&Series> {
 
 fn series_label(s: &Series) -> String {
     format!(
-        "{} {} ({})",
+        "{} {} ({}, time x{})",
         if s.live { "live" } else { "projected" },
         s.name,
-        s.overlap.label()
+        s.overlap.label(),
+        s.time_scale
     )
 }
 
