@@ -66,20 +66,8 @@ pub struct BenchArgs {
     /// `--node-a`/`--node-b` with verbs (run it inside `shared/rdma-vm/run`).
     #[arg(long, value_delimiter = ',', default_value = "tcp,quic", value_parser = ["tcp", "quic", "rdma"])]
     pub transport: Vec<String>,
-    /// RDMA: the prefill node's rail addresses (its devices are found by them).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "169.254.100.1,169.254.101.1"
-    )]
-    pub node_a: Vec<IpAddr>,
-    /// RDMA: the decode node's rail addresses.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "169.254.100.2,169.254.101.2"
-    )]
-    pub node_b: Vec<IpAddr>,
+    #[command(flatten)]
+    pub nodes: RdmaNodes,
     /// RDMA: how many rails (the first N addresses of each node); perftest runs on
     /// the same device pairs at once.
     #[arg(long, default_value_t = 1)]
@@ -104,6 +92,26 @@ pub struct BenchArgs {
     /// How the failover case cuts rail 1 mid-transfer: drop (100% loss), down (link down), none.
     #[arg(long, default_value = "drop")]
     pub rail_cut: String,
+}
+
+/// The two RDMA nodes' rail addresses (the RDMA VM's by default), shared by
+/// `bench` and `replay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RdmaNodes {
+    /// RDMA: the prefill node's rail addresses (its devices are found by them).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "169.254.100.1,169.254.101.1"
+    )]
+    pub node_a: Vec<IpAddr>,
+    /// RDMA: the decode node's rail addresses.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "169.254.100.2,169.254.101.2"
+    )]
+    pub node_b: Vec<IpAddr>,
 }
 
 impl BenchArgs {
@@ -603,8 +611,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             opts.metrics = true;
             opts.extra_args
                 .extend(["--rdma-qps-per-rail".into(), args.rdma_qps.to_string()]);
-            let cluster =
-                LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await?;
+            let cluster = LocalCluster::start_on(
+                &opts,
+                &args.nodes.node_a[..rails],
+                &args.nodes.node_b[..rails],
+            )
+            .await?;
             eprintln!(
                 "kvrail bench: 2 sidecars, rdma over {rails} rail(s) ({}), {} queue pairs per rail, slices of {}",
                 devices
@@ -794,11 +806,11 @@ fn compare_transports(results: &[(&'static str, Vec<serde_json::Value>)]) {
 /// The RDMA device of each rail address, both nodes, or why there is none.
 fn rdma_devices(args: &BenchArgs) -> anyhow::Result<Vec<crate::perftest::DevicePair>> {
     let rails = args.rdma_rails;
-    if rails == 0 || rails > args.node_a.len() || rails > args.node_b.len() {
+    if rails == 0 || rails > args.nodes.node_a.len() || rails > args.nodes.node_b.len() {
         bail!(
             "--rdma-rails {rails}: each node has {} and {} addresses",
-            args.node_a.len(),
-            args.node_b.len()
+            args.nodes.node_a.len(),
+            args.nodes.node_b.len()
         );
     }
     (0..rails)
@@ -808,7 +820,7 @@ fn rdma_devices(args: &BenchArgs) -> anyhow::Result<Vec<crate::perftest::DeviceP
                     format!("no RDMA device for {ip} (run this inside shared/rdma-vm/run)")
                 })
             };
-            let (a, b) = (open(args.node_a[r])?, open(args.node_b[r])?);
+            let (a, b) = (open(args.nodes.node_a[r])?, open(args.nodes.node_b[r])?);
             Ok(crate::perftest::DevicePair {
                 server: b.name().to_string(),
                 client: a.name().to_string(),

@@ -8,7 +8,6 @@ mod live;
 mod report;
 pub mod sim;
 
-use std::net::IpAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
@@ -84,20 +83,8 @@ pub struct ReplayArgs {
     /// Extra `kvrail serve` flag for both sidecars (repeatable).
     #[arg(long, allow_hyphen_values = true)]
     pub sidecar_arg: Vec<String>,
-    /// RDMA: the prefill node's rail addresses.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "169.254.100.1,169.254.101.1"
-    )]
-    pub node_a: Vec<IpAddr>,
-    /// RDMA: the decode node's rail addresses.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "169.254.100.2,169.254.101.2"
-    )]
-    pub node_b: Vec<IpAddr>,
+    #[command(flatten)]
+    pub nodes: crate::bench::RdmaNodes,
     /// Extra projection link: NAME,RAILS,GBIT_PER_RAIL,LATENCY_US (repeatable).
     #[arg(long, value_parser = parse_link)]
     pub link: Vec<LinkProfile>,
@@ -416,8 +403,13 @@ async fn start_cluster(args: &ReplayArgs, transport: &str) -> anyhow::Result<Loc
     if transport == "rdma" {
         opts.transports = vec!["rdma".into(), "tcp".into()];
         opts.metrics = true;
-        let rails = args.node_a.len().min(args.node_b.len());
-        LocalCluster::start_on(&opts, &args.node_a[..rails], &args.node_b[..rails]).await
+        let rails = args.nodes.node_a.len().min(args.nodes.node_b.len());
+        LocalCluster::start_on(
+            &opts,
+            &args.nodes.node_a[..rails],
+            &args.nodes.node_b[..rails],
+        )
+        .await
     } else {
         opts.transports = vec![transport.to_string()];
         LocalCluster::start(&opts).await
