@@ -1,0 +1,66 @@
+"""Python client of the kvrail sidecar: register KV-cache memory, push and pull
+blocks between nodes, follow notifications. See clients/python/README.md."""
+
+from .client import (
+    FAILED,
+    PULL_DONE,
+    PULL_SERVED,
+    PUSH_DONE,
+    PUSH_RECEIVED,
+    Blocks,
+    Client,
+    Failure,
+    Notification,
+    Notifications,
+    Transfer,
+    TransferStatus,
+)
+from .errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvrailError,
+    LayoutError,
+    NotFound,
+    PeerUnavailable,
+    SidecarUnavailable,
+    Timeout,
+    TransferFailed,
+)
+from .layout import KvLayout, Layout, PagedLayout, paged_layout
+from .memory import CudaIpc, HostKvCache, SharedMemory, cuda_ipc_of_torch, describe, shm_dir
+
+__all__ = [
+    "FAILED",
+    "PULL_DONE",
+    "PULL_SERVED",
+    "PUSH_DONE",
+    "PUSH_RECEIVED",
+    "AlreadyExists",
+    "Blocks",
+    "Client",
+    "CudaIpc",
+    "Failure",
+    "FailedPrecondition",
+    "HostKvCache",
+    "InvalidArgument",
+    "KvLayout",
+    "KvrailError",
+    "Layout",
+    "LayoutError",
+    "NotFound",
+    "Notification",
+    "Notifications",
+    "PeerUnavailable",
+    "PagedLayout",
+    "SharedMemory",
+    "SidecarUnavailable",
+    "Timeout",
+    "Transfer",
+    "TransferFailed",
+    "TransferStatus",
+    "cuda_ipc_of_torch",
+    "describe",
+    "paged_layout",
+    "shm_dir",
+]

@@ -1,0 +1,406 @@
+"""A synchronous client of the local kvrail sidecar (gRPC on a Unix socket)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from .errors import (
+    KvrailError,
+    PeerUnavailable,
+    SidecarUnavailable,
+    Timeout,
+    TransferFailed,
+    from_status,
+)
+from .layout import Layout
+from .memory import CudaIpc, HostKvCache
+from .v1 import sidecar_pb2 as pb
+from .v1 import sidecar_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+_DEFAULT = object()  # "the client's own timeout"
+
+#: Notification kinds, as their proto names without the prefix.
+PUSH_DONE = "PUSH_DONE"
+PUSH_RECEIVED = "PUSH_RECEIVED"
+PULL_DONE = "PULL_DONE"
+PULL_SERVED = "PULL_SERVED"
+FAILED = "FAILED"
+
+_FAILURE_SIDES = {v: k.removeprefix("FAILURE_SIDE_") for k, v in pb.FailureSide.items()}
+_KINDS = {v: k.removeprefix("NOTIFICATION_KIND_") for k, v in pb.NotificationKind.items()}
+_STATES = {v: k.removeprefix("TRANSFER_STATE_") for k, v in pb.TransferState.items()}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Blocks of one region: every plane of layers ``[layer_start, layer_start +
+    layer_count)`` of each listed block, moved in that order."""
+
+    region_id: int
+    block_ids: Sequence[int]
+    layer_start: int = 0
+    layer_count: int = 1
+
+    def to_proto(self) -> pb.BlockRange:
+        return pb.BlockRange(
+            region_id=self.region_id,
+            layer_start=self.layer_start,
+            layer_count=self.layer_count,
+            block_ids=list(self.block_ids),
+        )
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A transfer the sidecar accepted."""
+
+    transfer_id: int
+    request_id: str
+    total_bytes: int
+    segments: int  # contiguous byte runs after coalescing
+
+
+@dataclass(frozen=True)
+class Failure:
+    side: str  # LOCAL, PEER, RAIL, TIMEOUT, CANCELLED
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    transfer_id: int
+    request_id: str
+    state: str  # QUEUED, IN_FLIGHT, DONE, FAILED
+    total_bytes: int
+    bytes_done: int
+    elapsed_us: int
+    failure: Failure | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("DONE", "FAILED")
+
+    def raise_if_failed(self) -> "TransferStatus":
+        if self.failure is not None and self.state == "FAILED":
+            raise TransferFailed(
+                self.request_id,
+                self.transfer_id,
+                self.failure.side,
+                self.failure.code,
+                self.failure.message,
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Notification:
+    kind: str  # PUSH_DONE, PUSH_RECEIVED, PULL_DONE, PULL_SERVED, FAILED
+    transfer_id: int
+    request_id: str
+    peer: str
+    region_id: int
+    block_ids: tuple[int, ...]
+    bytes: int
+    elapsed_us: int
+    failure: Failure | None = None
+    received_at: float = field(default=0.0, compare=False)  # time.monotonic()
+
+    def raise_if_failed(self) -> "Notification":
+        if self.failure is not None:
+            raise TransferFailed(
+                self.request_id,
+                self.transfer_id,
+                self.failure.side,
+                self.failure.code,
+                self.failure.message,
+            )
+        return self
+
+
+def _failure(msg: pb.Failure, present: bool) -> Failure | None:
+    if not present:
+        return None
+    return Failure(_FAILURE_SIDES.get(msg.side, str(msg.side)), msg.code, msg.message)
+
+
+def _status(s: pb.TransferStatus) -> TransferStatus:
+    return TransferStatus(
+        transfer_id=s.transfer_id,
+        request_id=s.request_id,
+        state=_STATES.get(s.state, str(s.state)),
+        total_bytes=s.total_bytes,
+        bytes_done=s.bytes_done,
+        elapsed_us=s.elapsed_us,
+        failure=_failure(s.failure, s.HasField("failure")),
+    )
+
+
+def _notification(n: pb.Notification) -> Notification:
+    return Notification(
+        kind=_KINDS.get(n.kind, str(n.kind)),
+        transfer_id=n.transfer_id,
+        request_id=n.request_id,
+        peer=n.peer,
+        region_id=n.region_id,
+        block_ids=tuple(n.block_ids),
+        bytes=n.bytes,
+        elapsed_us=n.elapsed_us,
+        failure=_failure(n.failure, n.HasField("failure")),
+        received_at=time.monotonic(),
+    )
+
+
+def _error(e: grpc.RpcError, socket: Path) -> KvrailError:
+    code = e.code() if hasattr(e, "code") else None
+    name = code.name if code is not None else "UNKNOWN"
+    reason = e.details() if hasattr(e, "details") else str(e)
+    if name == "UNAVAILABLE":
+        return SidecarUnavailable(f"sidecar at {socket}: {reason}")
+    if name == "DEADLINE_EXCEEDED":
+        return Timeout(f"sidecar at {socket} did not answer in time: {reason}")
+    return from_status(name, reason or name)
+
+
+class Notifications:
+    """The notifications addressed to one worker, as they happen. Iterate, or
+    ``get(timeout)``; the stream's end (sidecar gone) raises
+    :class:`SidecarUnavailable` instead of blocking."""
+
+    _END = object()
+
+    def __init__(self, call: grpc.Call, socket: Path) -> None:
+        self._call = call
+        self._socket = socket
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, name="kvrail-notifications", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for n in self._call:  # type: ignore[attr-defined]
+                self._queue.put(_notification(n))
+            self._queue.put(SidecarUnavailable(f"sidecar at {self._socket} ended the notification stream"))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                self._queue.put(self._END)
+            else:
+                self._queue.put(_error(e, self._socket))
+
+    def get(self, timeout: float | None = None) -> Notification:
+        """The next notification; :class:`Timeout` after ``timeout`` seconds."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise Timeout(f"no notification within {timeout} s") from None
+        if isinstance(item, Notification):
+            return item
+        # Keep the end for any later call too.
+        self._queue.put(item)
+        if item is self._END:
+            raise StopIteration
+        assert isinstance(item, KvrailError)
+        raise item
+
+    def poll(self) -> list[Notification]:
+        """Every notification already received, without waiting."""
+        out: list[Notification] = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return out
+            if isinstance(item, Notification):
+                out.append(item)
+                continue
+            self._queue.put(item)
+            if out or item is self._END:
+                return out
+            assert isinstance(item, KvrailError)
+            raise item
+
+    def __iter__(self) -> Iterator[Notification]:
+        while True:
+            try:
+                yield self.get()
+            except StopIteration:
+                return
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> "Notifications":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """One worker's connection to its node's sidecar.
+
+    ``timeout`` bounds every call (seconds); :meth:`wait` has its own.
+    """
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str],
+        worker_id: str,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.socket = Path(socket)
+        self.worker_id = worker_id
+        self.timeout = timeout
+        if not self.socket.exists():
+            raise SidecarUnavailable(f"no sidecar socket at {self.socket}")
+        self._channel = grpc.insecure_channel(
+            f"unix:{self.socket}",
+            # gRPC's default :authority for a unix: target is the socket path,
+            # which the sidecar's HTTP/2 stack rejects as malformed.
+            options=[("grpc.default_authority", "localhost")],
+        )
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise SidecarUnavailable(
+                f"no sidecar answers on {self.socket} within {connect_timeout} s"
+            ) from None
+        self._stub = pb_grpc.SidecarStub(self._channel)
+
+    def _call(self, fn: Callable[..., T], req: object, timeout: object = _DEFAULT) -> T:
+        try:
+            return fn(req, timeout=self.timeout if timeout is _DEFAULT else timeout)
+        except grpc.RpcError as e:
+            err = _error(e, self.socket)
+            if isinstance(err, SidecarUnavailable) and self._answers():
+                # The sidecar is up and said UNAVAILABLE itself: a peer it cannot reach.
+                raise PeerUnavailable(err.reason.split(": ", 1)[-1]) from None
+            raise err from None
+
+    def _answers(self) -> bool:
+        try:
+            self._stub.ListPeers(pb.ListPeersRequest(), timeout=1.0)
+            return True
+        except grpc.RpcError:
+            return False
+
+    # Regions -------------------------------------------------------------
+
+    def register_shm(
+        self, path: str | os.PathLike[str], layout: Layout, *, expose: bool = False
+    ) -> int:
+        """Registers a shared-memory file; returns the region id."""
+        r = self._call(
+            self._stub.RegisterRegion,
+            pb.RegisterRegionRequest(
+                worker_id=self.worker_id,
+                shm_path=str(path),
+                layout=layout.to_proto(),
+                expose_to_peers=expose,
+            ),
+        )
+        return int(r.region_id)
+
+    def register_kv_cache(self, kv: HostKvCache, *, expose: bool = False) -> int:
+        """Registers a :class:`HostKvCache`; returns the region id."""
+        return self.register_shm(kv.path, kv.layout, expose=expose)
+
+    def register_cuda(self, ipc: CudaIpc, layout: Layout, *, expose: bool = False) -> int:
+        """Registers GPU memory by CUDA IPC handle (``layout.base_offset`` counts
+        from the allocation's start); returns the region id."""
+        r = self._call(
+            self._stub.RegisterRegion,
+            pb.RegisterRegionRequest(
+                worker_id=self.worker_id,
+                layout=layout.to_proto(),
+                expose_to_peers=expose,
+                cuda_ipc=pb.CudaIpcMemory(handle=ipc.handle, device=ipc.device),
+            ),
+        )
+        return int(r.region_id)
+
+    def unregister(self, region_id: int) -> None:
+        self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id))
+
+    # Transfers -----------------------------------------------------------
+
+    def push(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
+        """Writes local blocks into blocks of a region on ``peer``."""
+        r = self._call(
+            self._stub.Push,
+            pb.PushRequest(
+                request_id=request_id,
+                worker_id=self.worker_id,
+                peer=peer,
+                source=source.to_proto(),
+                destination=destination.to_proto(),
+            ),
+        )
+        return Transfer(r.transfer_id, request_id, r.total_bytes, r.segments)
+
+    def pull(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
+        """Reads blocks of an exposed region on ``peer`` into local blocks."""
+        r = self._call(
+            self._stub.Pull,
+            pb.PullRequest(
+                request_id=request_id,
+                worker_id=self.worker_id,
+                peer=peer,
+                source=source.to_proto(),
+                destination=destination.to_proto(),
+            ),
+        )
+        return Transfer(r.transfer_id, request_id, r.total_bytes, r.segments)
+
+    def wait(self, transfer: Transfer | int, timeout: float | None = None) -> TransferStatus:
+        """Waits until the transfer ends; raises :class:`TransferFailed` if it failed
+        and :class:`Timeout` if it is still running after ``timeout`` seconds."""
+        tid = transfer.transfer_id if isinstance(transfer, Transfer) else transfer
+        ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        # Waiting forever has no deadline of its own: a dead sidecar breaks the
+        # connection, which ends the call.
+        deadline = None if timeout is None else timeout + self.timeout
+        s = _status(self._call(self._stub.Wait, pb.WaitRequest(transfer_id=tid, timeout_ms=ms), deadline))
+        if not s.finished:
+            raise Timeout(f"transfer {s.request_id!r} still {s.state} after {timeout} s")
+        return s.raise_if_failed()
+
+    def status(self, transfer: Transfer | int) -> TransferStatus:
+        tid = transfer.transfer_id if isinstance(transfer, Transfer) else transfer
+        return _status(self._call(self._stub.GetTransfer, pb.GetTransferRequest(transfer_id=tid)))
+
+    def cancel(self, transfer: Transfer | int) -> TransferStatus:
+        """Cancels a transfer this worker started; returns its status after."""
+        tid = transfer.transfer_id if isinstance(transfer, Transfer) else transfer
+        return _status(self._call(self._stub.Cancel, pb.CancelRequest(transfer_id=tid)))
+
+    def notifications(self, worker_id: str | None = None) -> Notifications:
+        """Subscribes to this worker's notifications (replacing an earlier
+        subscription; ones that arrived before are delivered first)."""
+        call = self._stub.Subscribe(pb.SubscribeRequest(worker_id=worker_id or self.worker_id))
+        return Notifications(call, self.socket)
+
+    def peers(self) -> pb.ListPeersResponse:
+        """This node's name and its peers (rails, transport, per-rail counters)."""
+        return self._call(self._stub.ListPeers, pb.ListPeersRequest())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,162 @@
+"""Memory the sidecar can map: shared-memory files for host KV caches, and CUDA
+IPC handles of GPU tensors."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import LayoutError
+from .layout import KvLayout, Layout, PagedLayout, paged_layout
+
+# Address ranges of the shared-memory files this process mapped, so that a tensor
+# handed over later (as vLLM hands its KV caches to a connector) can be traced
+# back to the file the sidecar has to map.
+_mapped: dict[int, tuple[int, Path]] = {}
+_mapped_lock = threading.Lock()
+
+
+def shm_dir() -> Path:
+    """Where shared-memory files go: ``$KVRAIL_SHM_DIR`` or ``/dev/shm``."""
+    return Path(os.environ.get("KVRAIL_SHM_DIR", "/dev/shm"))
+
+
+class SharedMemory:
+    """A file on a tmpfs, sized and mapped shared; the sidecar maps the same file."""
+
+    def __init__(self, path: str | os.PathLike[str], nbytes: int) -> None:
+        if nbytes <= 0:
+            raise LayoutError(f"shared memory of {nbytes} bytes")
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+        #: The whole file as bytes.
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = int(self.array.__array_interface__["data"][0])
+        with _mapped_lock:
+            _mapped[self.address] = (self.address + nbytes, self.path)
+
+    def unlink(self) -> None:
+        """Removes the file (the mapping stays valid until the last view goes)."""
+        with _mapped_lock:
+            _mapped.pop(self.address, None)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "SharedMemory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unlink()
+
+
+def find_shared_memory(address: int) -> tuple[Path, int]:
+    """The file and the offset in it of an address inside a :class:`SharedMemory`."""
+    with _mapped_lock:
+        for start, (end, path) in _mapped.items():
+            if start <= address < end:
+                return path, address - start
+    raise LayoutError(
+        f"address {address:#x} is not in shared memory created by kvrail "
+        "(allocate host KV caches with kvrail.HostKvCache or kvrail.SharedMemory)"
+    )
+
+
+class HostKvCache:
+    """A paged KV cache in host shared memory, as vLLM lays it out: one array per
+    layer (``[2, num_blocks, *block_shape]`` for ``flash_attn``,
+    ``[num_blocks, 2, *block_shape]`` for ``flash_infer``, ``[num_blocks,
+    *block_shape]`` for ``mla``), layers back to back in one file."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        num_layers: int,
+        num_blocks: int,
+        block_shape: Sequence[int],
+        dtype: Any = np.float16,
+        kv_layout: KvLayout = "flash_attn",
+    ) -> None:
+        dtype = np.dtype(dtype)
+        if kv_layout == "flash_attn":
+            shape = (2, num_blocks, *block_shape)
+        elif kv_layout == "flash_infer":
+            shape = (num_blocks, 2, *block_shape)
+        elif kv_layout == "mla":
+            shape = (num_blocks, *block_shape)
+        else:
+            raise LayoutError(f"unknown kv_layout {kv_layout!r}")
+        layer_bytes = int(np.prod(shape)) * dtype.itemsize
+        self.memory = SharedMemory(path, num_layers * layer_bytes)
+        self.kv_layout: KvLayout = kv_layout
+        #: One array per layer, views of the shared file.
+        self.layers: list[np.ndarray] = [
+            self.memory.array[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).reshape(shape)
+            for i in range(num_layers)
+        ]
+        paged = paged_layout(self.layers, kv_layout)
+        self.layout: Layout = paged.layout.shifted(paged.address - self.memory.address)
+
+    @property
+    def path(self) -> Path:
+        return self.memory.path
+
+    def block(self, layer: int, plane: int, block: int) -> np.ndarray:
+        """One block's bytes (a writable view)."""
+        off = self.layout.block_offset(layer, plane, block)
+        return self.memory.array[off : off + self.layout.block_bytes]
+
+    def unlink(self) -> None:
+        self.memory.unlink()
+
+
+@dataclass(frozen=True)
+class CudaIpc:
+    """GPU memory as the sidecar imports it: the allocation's IPC handle, its device,
+    and where the layout starts inside the allocation."""
+
+    handle: bytes
+    device: int
+    offset: int
+
+
+def cuda_ipc_of_torch(tensor: Any) -> CudaIpc:
+    """The CUDA IPC handle of the allocation holding a torch CUDA tensor.
+
+    The memory must come from cudaMalloc (torch's default caching allocator), not
+    from a stream-ordered pool (``expandable_segments`` or ``cudaMallocAsync``).
+    """
+    if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
+        raise LayoutError("not a CUDA tensor")
+    storage = tensor.untyped_storage()
+    # (device, handle, size, offset of the storage in the allocation, ...)
+    shared = storage._share_cuda_()
+    device, handle, offset = int(shared[0]), bytes(shared[1]), int(shared[3])
+    if len(handle) != 64:
+        raise LayoutError(f"unexpected CUDA IPC handle of {len(handle)} bytes")
+    return CudaIpc(handle, device, offset + (tensor.data_ptr() - storage.data_ptr()))
+
+
+def describe(layers: Sequence[Any], kv_layout: KvLayout | None = None) -> tuple[PagedLayout, Path | CudaIpc]:
+    """The layout of per-layer KV tensors and what the sidecar should map: the
+    shared-memory file (host tensors) or the CUDA IPC allocation (GPU tensors).
+    The returned layout's ``base_offset`` is the offset inside that memory."""
+    paged = paged_layout(layers, kv_layout)
+    if paged.device == "cpu":
+        path, offset = find_shared_memory(paged.address)
+        return PagedLayout(paged.layout.shifted(offset), paged.address, paged.device), path
+    ipc = cuda_ipc_of_torch(layers[0])
+    return PagedLayout(paged.layout.shifted(ipc.offset), paged.address, paged.device), ipc

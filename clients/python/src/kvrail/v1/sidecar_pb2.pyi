@@ -1,0 +1,288 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
+    TRANSFER_STATE_QUEUED: _ClassVar[TransferState]
+    TRANSFER_STATE_IN_FLIGHT: _ClassVar[TransferState]
+    TRANSFER_STATE_DONE: _ClassVar[TransferState]
+    TRANSFER_STATE_FAILED: _ClassVar[TransferState]
+
+class FailureSide(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_SIDE_UNSPECIFIED: _ClassVar[FailureSide]
+    FAILURE_SIDE_LOCAL: _ClassVar[FailureSide]
+    FAILURE_SIDE_PEER: _ClassVar[FailureSide]
+    FAILURE_SIDE_RAIL: _ClassVar[FailureSide]
+    FAILURE_SIDE_TIMEOUT: _ClassVar[FailureSide]
+    FAILURE_SIDE_CANCELLED: _ClassVar[FailureSide]
+
+class NotificationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NOTIFICATION_KIND_UNSPECIFIED: _ClassVar[NotificationKind]
+    NOTIFICATION_KIND_PUSH_DONE: _ClassVar[NotificationKind]
+    NOTIFICATION_KIND_PUSH_RECEIVED: _ClassVar[NotificationKind]
+    NOTIFICATION_KIND_PULL_DONE: _ClassVar[NotificationKind]
+    NOTIFICATION_KIND_PULL_SERVED: _ClassVar[NotificationKind]
+    NOTIFICATION_KIND_FAILED: _ClassVar[NotificationKind]
+TRANSFER_STATE_UNSPECIFIED: TransferState
+TRANSFER_STATE_QUEUED: TransferState
+TRANSFER_STATE_IN_FLIGHT: TransferState
+TRANSFER_STATE_DONE: TransferState
+TRANSFER_STATE_FAILED: TransferState
+FAILURE_SIDE_UNSPECIFIED: FailureSide
+FAILURE_SIDE_LOCAL: FailureSide
+FAILURE_SIDE_PEER: FailureSide
+FAILURE_SIDE_RAIL: FailureSide
+FAILURE_SIDE_TIMEOUT: FailureSide
+FAILURE_SIDE_CANCELLED: FailureSide
+NOTIFICATION_KIND_UNSPECIFIED: NotificationKind
+NOTIFICATION_KIND_PUSH_DONE: NotificationKind
+NOTIFICATION_KIND_PUSH_RECEIVED: NotificationKind
+NOTIFICATION_KIND_PULL_DONE: NotificationKind
+NOTIFICATION_KIND_PULL_SERVED: NotificationKind
+NOTIFICATION_KIND_FAILED: NotificationKind
+
+class RegionLayout(_message.Message):
+    __slots__ = ("num_layers", "planes_per_layer", "num_blocks", "block_bytes", "base_offset", "layer_stride", "plane_stride", "block_stride")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PLANES_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    PLANE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    planes_per_layer: int
+    num_blocks: int
+    block_bytes: int
+    base_offset: int
+    layer_stride: int
+    plane_stride: int
+    block_stride: int
+    def __init__(self, num_layers: _Optional[int] = ..., planes_per_layer: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., base_offset: _Optional[int] = ..., layer_stride: _Optional[int] = ..., plane_stride: _Optional[int] = ..., block_stride: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("worker_id", "shm_path", "layout", "expose_to_peers", "cuda_ipc")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EXPOSE_TO_PEERS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shm_path: str
+    layout: RegionLayout
+    expose_to_peers: bool
+    cuda_ipc: CudaIpcMemory
+    def __init__(self, worker_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., layout: _Optional[_Union[RegionLayout, _Mapping]] = ..., expose_to_peers: bool = ..., cuda_ipc: _Optional[_Union[CudaIpcMemory, _Mapping]] = ...) -> None: ...
+
+class CudaIpcMemory(_message.Message):
+    __slots__ = ("handle", "device")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    device: int
+    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ("region_id", "mapped_bytes")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    mapped_bytes: int
+    def __init__(self, region_id: _Optional[int] = ..., mapped_bytes: _Optional[int] = ...) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("region_id",)
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    def __init__(self, region_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockRange(_message.Message):
+    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    layer_start: int
+    layer_count: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("request_id", "worker_id", "peer", "source", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    peer: str
+    source: BlockRange
+    destination: BlockRange
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., peer: _Optional[str] = ..., source: _Optional[_Union[BlockRange, _Mapping]] = ..., destination: _Optional[_Union[BlockRange, _Mapping]] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("request_id", "worker_id", "peer", "source", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    peer: str
+    source: BlockRange
+    destination: BlockRange
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., peer: _Optional[str] = ..., source: _Optional[_Union[BlockRange, _Mapping]] = ..., destination: _Optional[_Union[BlockRange, _Mapping]] = ...) -> None: ...
+
+class TransferAccepted(_message.Message):
+    __slots__ = ("transfer_id", "total_bytes", "segments")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    total_bytes: int
+    segments: int
+    def __init__(self, transfer_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., segments: _Optional[int] = ...) -> None: ...
+
+class WaitRequest(_message.Message):
+    __slots__ = ("transfer_id", "timeout_ms")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    timeout_ms: int
+    def __init__(self, transfer_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GetTransferRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    def __init__(self, transfer_id: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    def __init__(self, transfer_id: _Optional[int] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("side", "code", "message")
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    side: FailureSide
+    code: str
+    message: str
+    def __init__(self, side: _Optional[_Union[FailureSide, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TransferStatus(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "state", "total_bytes", "bytes_done", "failure", "elapsed_us")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_US_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    request_id: str
+    state: TransferState
+    total_bytes: int
+    bytes_done: int
+    failure: Failure
+    elapsed_us: int
+    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., total_bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ...) -> None: ...
+
+class Notification(_message.Message):
+    __slots__ = ("kind", "transfer_id", "request_id", "peer", "region_id", "block_ids", "bytes", "failure", "elapsed_us")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_US_FIELD_NUMBER: _ClassVar[int]
+    kind: NotificationKind
+    transfer_id: int
+    request_id: str
+    peer: str
+    region_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    bytes: int
+    failure: Failure
+    elapsed_us: int
+    def __init__(self, kind: _Optional[_Union[NotificationKind, str]] = ..., transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., peer: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class ListPeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("name", "rails", "connected", "transport", "rail_status")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RAILS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RAIL_STATUS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rails: _containers.RepeatedScalarFieldContainer[str]
+    connected: bool
+    transport: str
+    rail_status: _containers.RepeatedCompositeFieldContainer[RailStatus]
+    def __init__(self, name: _Optional[str] = ..., rails: _Optional[_Iterable[str]] = ..., connected: bool = ..., transport: _Optional[str] = ..., rail_status: _Optional[_Iterable[_Union[RailStatus, _Mapping]]] = ...) -> None: ...
+
+class RailStatus(_message.Message):
+    __slots__ = ("rail", "direction", "state", "connections", "bytes_sent", "bytes_received", "slices_sent", "slices_retransmitted", "transitions", "rate_bytes_per_sec", "last_failure")
+    RAIL_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SLICES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SLICES_RETRANSMITTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONS_FIELD_NUMBER: _ClassVar[int]
+    RATE_BYTES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    rail: int
+    direction: str
+    state: str
+    connections: int
+    bytes_sent: int
+    bytes_received: int
+    slices_sent: int
+    slices_retransmitted: int
+    transitions: int
+    rate_bytes_per_sec: float
+    last_failure: str
+    def __init__(self, rail: _Optional[int] = ..., direction: _Optional[str] = ..., state: _Optional[str] = ..., connections: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., slices_sent: _Optional[int] = ..., slices_retransmitted: _Optional[int] = ..., transitions: _Optional[int] = ..., rate_bytes_per_sec: _Optional[float] = ..., last_failure: _Optional[str] = ...) -> None: ...
+
+class ListPeersResponse(_message.Message):
+    __slots__ = ("node_name", "peers")
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_name: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, node_name: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...

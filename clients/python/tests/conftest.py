@@ -1,0 +1,131 @@
+"""Real `kvrail serve` processes on loopback for the Python tests.
+
+The daemon binary comes from ``$KVRAIL_BIN`` (the Rust test that runs these sets
+it), else the workspace's target/release or target/debug build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import kvrail
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def kvrail_bin() -> Path:
+    env = os.environ.get("KVRAIL_BIN")
+    if env:
+        return Path(env)
+    built = [REPO / "target" / p / "kvrail" for p in ("release", "debug")]
+    built = [b for b in built if b.exists()]
+    if built:
+        return max(built, key=lambda b: b.stat().st_mtime)
+    found = shutil.which("kvrail")
+    if found:
+        return Path(found)
+    pytest.fail("no kvrail binary: build it (cargo build -p kvrail-sidecar) or set KVRAIL_BIN")
+
+
+def free_port() -> int:
+    """A port free for TCP and UDP (the sidecar's QUIC shares the rail's port)."""
+    for _ in range(100):
+        with socket.socket() as t:
+            t.bind(("127.0.0.1", 0))
+            port = t.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                try:
+                    u.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port")
+
+
+class Sidecar:
+    """One `kvrail serve` process; its log is ``<dir>/<node>.log``."""
+
+    def __init__(self, dir: Path, node: str, port: int, peer: str, peer_port: int, *extra: str) -> None:
+        self.node = node
+        self.socket = dir / f"{node}.sock"
+        self.log_path = dir / f"{node}.log"
+        self.args = [
+            str(kvrail_bin()),
+            "serve",
+            "--node", node,
+            "--socket", str(self.socket),
+            "--listen", f"127.0.0.1:{port}",
+            "--peer", f"{peer}=127.0.0.1:{peer_port}",
+            "--insecure",
+            *extra,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        if self.socket.exists():
+            self.socket.unlink()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=log)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar {self.node} exited: {self.log()}")
+            if self.socket.exists():
+                try:
+                    with kvrail.Client(self.socket, "probe", connect_timeout=1.0) as c:
+                        c.peers()
+                    return
+                except kvrail.KvrailError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar {self.node} did not come up: {self.log()}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class Pair:
+    def __init__(self, dir: Path, *extra: str) -> None:
+        pp, dp = free_port(), free_port()
+        self.dir = dir
+        self.prefill = Sidecar(dir, "prefill", pp, "decode", dp, *extra)
+        self.decode = Sidecar(dir, "decode", dp, "prefill", pp, *extra)
+
+    def shm(self, name: str) -> Path:
+        """A shared-memory path unique to this pair."""
+        return kvrail.shm_dir() / f"kvrail-pytest-{os.getpid()}-{self.dir.name}-{name}"
+
+    def stop(self) -> None:
+        self.prefill.kill()
+        self.decode.kill()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    p = Pair(tmp_path)
+    try:
+        yield p
+    finally:
+        p.stop()
+        for f in kvrail.shm_dir().glob(f"kvrail-pytest-{os.getpid()}-{tmp_path.name}-*"):
+            f.unlink()

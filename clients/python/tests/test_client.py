@@ -1,0 +1,161 @@
+"""The Python client against two real sidecars on loopback."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import kvrail
+from kvrail import Blocks, Client, HostKvCache
+
+BLOCK_SHAPE = (16, 2, 64)  # tokens per block, KV heads, head size: 4 KiB of fp16
+
+
+def make_cache(pair, name: str, layers: int = 4, blocks: int = 32) -> HostKvCache:
+    return HostKvCache(pair.shm(name), layers, blocks, BLOCK_SHAPE, np.float16)
+
+
+def fill(kv: HostKvCache, block_ids: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for layer in kv.layers:
+        for b in block_ids:
+            layer[:, b] = rng.integers(0, 1 << 16, size=layer[:, b].shape, dtype=np.uint16).view(np.float16)
+
+
+def same_blocks(a: HostKvCache, a_ids: list[int], b: HostKvCache, b_ids: list[int]) -> bool:
+    return all(
+        np.array_equal(la[:, i].view(np.uint16), lb[:, j].view(np.uint16))
+        for la, lb in zip(a.layers, b.layers)
+        for i, j in zip(a_ids, b_ids)
+    )
+
+
+def test_push_moves_every_byte_and_notifies_both_sides(pair):
+    src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid, did = p.register_kv_cache(src), d.register_kv_cache(dst)
+        src_ids, dst_ids = [3, 7, 1, 30], [0, 9, 10, 31]
+        fill(src, src_ids, seed=1)
+        dst.memory.array[:] = 0
+        with d.notifications() as dn, p.notifications() as pn:
+            t = p.push("req-1", "decode", Blocks(sid, src_ids, 0, 4), Blocks(did, dst_ids, 0, 4))
+            assert t.total_bytes == 4 * 2 * 4 * src.layout.block_bytes
+            n = dn.get(timeout=20).raise_if_failed()
+            assert (n.kind, n.request_id, n.peer) == (kvrail.PUSH_RECEIVED, "req-1", "prefill")
+            assert n.region_id == did and list(n.block_ids) == dst_ids
+            assert pn.get(timeout=20).kind == kvrail.PUSH_DONE
+        s = p.wait(t, timeout=20)
+        assert s.state == "DONE" and s.bytes_done == t.total_bytes
+        assert same_blocks(src, src_ids, dst, dst_ids)
+        # Nothing outside the destination blocks was written.
+        untouched = [b for b in range(32) if b not in dst_ids]
+        assert all(not layer[:, untouched].view(np.uint16).any() for layer in dst.layers)
+
+
+def test_pull_reads_an_exposed_region(pair):
+    src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid = p.register_kv_cache(src, expose=True)
+        did = d.register_kv_cache(dst)
+        fill(src, [5, 6], seed=2)
+        with p.notifications() as pn:
+            t = d.pull("req-pull", "prefill", Blocks(sid, [5, 6], 1, 3), Blocks(did, [20, 2], 1, 3))
+            d.wait(t, timeout=20)
+            served = pn.get(timeout=20)
+            assert served.kind == kvrail.PULL_SERVED and served.request_id == "req-pull"
+        assert all(
+            np.array_equal(src.layers[layer][:, s].view(np.uint16), dst.layers[layer][:, t_].view(np.uint16))
+            for layer in (1, 2, 3)
+            for s, t_ in ((5, 20), (6, 2))
+        )
+        assert not dst.layers[0].view(np.uint16).any()
+
+
+def test_unknown_peer_and_out_of_range_blocks_are_clear_errors(pair):
+    src = make_cache(pair, "src")
+    with Client(pair.prefill.socket, "p0") as p:
+        sid = p.register_kv_cache(src)
+        with pytest.raises(kvrail.NotFound) as e:
+            p.push("r", "nobody", Blocks(sid, [0]), Blocks(1, [0]))
+        assert "nobody" in e.value.reason
+        with pytest.raises(kvrail.InvalidArgument):
+            p.push("r", "decode", Blocks(sid, [32]), Blocks(1, [0]))
+        with pytest.raises(kvrail.InvalidArgument):
+            p.push("r", "decode", Blocks(sid, [0], 3, 2), Blocks(1, [0], 3, 2))
+        with pytest.raises(kvrail.NotFound):
+            p.push("r", "decode", Blocks(sid + 100, [0]), Blocks(1, [0]))
+        # A layout reaching past the file is refused by the sidecar.
+        bigger = kvrail.Layout.dense(8, 2, 32, src.layout.block_bytes)
+        with pytest.raises(kvrail.InvalidArgument):
+            p.register_shm(src.path, bigger)
+        # The push to a region the peer does not have fails on the peer's side.
+        with p.notifications() as pn:
+            t = p.push("r2", "decode", Blocks(sid, [0]), Blocks(999, [0]))
+            n = pn.get(timeout=20)
+            assert n.kind == kvrail.FAILED and n.request_id == "r2"
+            with pytest.raises(kvrail.TransferFailed) as f:
+                n.raise_if_failed()
+            assert f.value.side == "PEER"
+        with pytest.raises(kvrail.TransferFailed):
+            p.wait(t, timeout=20)
+
+
+def test_sidecar_not_running(tmp_path):
+    with pytest.raises(kvrail.SidecarUnavailable):
+        Client(tmp_path / "nothing.sock", "w")
+    # A socket file nobody serves.
+    import socket as s
+
+    path = tmp_path / "dead.sock"
+    sock = s.socket(s.AF_UNIX)
+    sock.bind(str(path))
+    sock.close()
+    with pytest.raises(kvrail.SidecarUnavailable):
+        Client(path, "w", connect_timeout=1.0)
+
+
+def test_sidecar_restart_mid_request_raises_and_recovers(pair):
+    src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
+    with Client(pair.prefill.socket, "p0") as p:
+        sid = p.register_kv_cache(src)
+        d = Client(pair.decode.socket, "d0")
+        did = d.register_kv_cache(dst)
+        dn = d.notifications()
+        p.wait(p.push("warm", "decode", Blocks(sid, [0]), Blocks(did, [0])), timeout=20)
+        assert dn.get(timeout=20).kind == kvrail.PUSH_RECEIVED
+        # Frozen, the decode sidecar accepts nothing; the push is in flight when it dies.
+        pair.decode.proc.send_signal(signal.SIGSTOP)
+        t = p.push("r-mid", "decode", Blocks(sid, list(range(32)), 0, 4), Blocks(did, list(range(32)), 0, 4))
+        pair.decode.kill()
+        with pytest.raises(kvrail.TransferFailed) as failed:
+            p.wait(t, timeout=60)
+        assert failed.value.side in ("PEER", "RAIL", "TIMEOUT"), failed.value
+        # The decode worker's stream and calls fail instead of hanging.
+        with pytest.raises(kvrail.SidecarUnavailable):
+            dn.get(timeout=20)
+        with pytest.raises(kvrail.SidecarUnavailable):
+            d.peers()
+        d.close()
+        # The prefill sidecar is up; it says the peer is unreachable.
+        with pytest.raises(kvrail.PeerUnavailable) as e:
+            p.push("r-dead", "decode", Blocks(sid, [0]), Blocks(did, [0]))
+        assert "decode" in str(e.value) or "connect" in str(e.value), e.value
+        # After a restart the region must be registered again, and pushes work.
+        pair.decode.start()
+        with Client(pair.decode.socket, "d0") as d2:
+            did2 = d2.register_kv_cache(dst)
+            fill(src, [1], seed=3)
+            # The prefill sidecar finds the peer back at its next probe of the rail.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    t = p.push("r-again", "decode", Blocks(sid, [1], 0, 4), Blocks(did2, [1], 0, 4))
+                    break
+                except kvrail.PeerUnavailable:
+                    assert time.monotonic() < deadline, "peer not back within 30 s"
+                    time.sleep(0.1)
+            p.wait(t, timeout=60)
+            assert same_blocks(src, [1], dst, [1])
