@@ -1,0 +1,573 @@
+"""A KV connector with the shape of vLLM's ``KVConnectorBase_V1``, moving KV
+blocks through the local kvrail sidecar.
+
+Two modes (``kv_connector_extra_config["mode"]``):
+
+* ``pull`` (default, as vLLM's NixlConnector): the prefill engine finishes the
+  request, keeps its blocks and returns ``kv_transfer_params`` naming them; the
+  decode engine reads them in ``start_load_kv`` and the prefill side frees them
+  when the sidecar reports them served (or after ``send_timeout_s``).
+* ``push``: the decode engine allocates blocks first and hands their location
+  (:meth:`KvrailConnector.push_target`) to the prefill engine through the
+  router; the prefill engine writes each layer from ``save_kv_layer`` as soon
+  as it is computed, so the transfer overlaps the rest of the forward pass.
+
+vLLM is imported only when installed; otherwise the same call sequence is driven
+by :mod:`kvrail.engine_sim` (tests and examples).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .client import (
+    FAILED,
+    PULL_DONE,
+    PULL_SERVED,
+    PUSH_DONE,
+    PUSH_RECEIVED,
+    Blocks,
+    Client,
+    Notification,
+    Notifications,
+)
+from .errors import KvrailError, LayoutError
+from .memory import describe, shm_dir
+
+log = logging.getLogger("kvrail.connector")
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1 as _ConnectorBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as _MetadataBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        SCHEDULER = 0
+        WORKER = 1
+
+    class _MetadataBase:  # type: ignore[no-redef]
+        pass
+
+    class _ConnectorBase:  # type: ignore[no-redef]
+        """The parts of vLLM's base class this connector relies on."""
+
+        def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._role = role
+            self._connector_metadata: Any = None
+
+        @property
+        def role(self) -> KVConnectorRole:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+
+# Region table entries: (region id, first layer, layer count).
+RegionTable = list[tuple[int, int, int]]
+
+
+@dataclass
+class LoadSpec:
+    """Decode side: where a request's KV comes from and goes to."""
+
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_node: str
+    remote_regions: RegionTable
+    remote_request_id: str
+
+
+@dataclass
+class SaveSpec:
+    """Prefill side, push mode: which local blocks go where, layer by layer."""
+
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_node: str
+    remote_regions: RegionTable
+    remote_request_id: str
+
+
+@dataclass
+class KvrailConnectorMetadata(_MetadataBase):  # type: ignore[misc]
+    """What the scheduler-side connector tells the workers for one step."""
+
+    load: dict[str, LoadSpec] = field(default_factory=dict)
+    save: dict[str, SaveSpec] = field(default_factory=dict)
+    # Pull mode prefill: requests whose blocks wait to be read, and how many blocks.
+    send: dict[str, int] = field(default_factory=dict)
+    # Requests aborted while their KV was still arriving.
+    cancel: set[str] = field(default_factory=set)
+
+
+def _extra(vllm_config: Any) -> dict[str, Any]:
+    cfg = vllm_config.kv_transfer_config
+    return dict(getattr(cfg, "kv_connector_extra_config", None) or {})
+
+
+def _status_name(request: Any) -> str:
+    s = getattr(request, "status", None)
+    return getattr(s, "name", str(s))
+
+
+def _layer_region(table: RegionTable, layer: int) -> tuple[int, int]:
+    """(region id, layer index inside it) of a layer."""
+    for rid, start, count in table:
+        if start <= layer < start + count:
+            return rid, layer - start
+    raise KvrailError(f"layer {layer} is in no region of {table}")
+
+
+def _overlaps(a: RegionTable, b: RegionTable) -> list[tuple[int, int, int, int, int]]:
+    """(region a, first layer in a, region b, first layer in b, layer count) for
+    every run of layers both tables cover, so one transfer moves each run."""
+    out = []
+    for ra, sa, ca in a:
+        for rb, sb, cb in b:
+            lo, hi = max(sa, sb), min(sa + ca, sb + cb)
+            if lo < hi:
+                out.append((ra, lo - sa, rb, lo - sb, hi - lo))
+    return out
+
+
+class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
+    """vLLM KV connector over kvrail. Configure with ``kv_connector_extra_config``:
+
+    ``socket`` (the sidecar's Unix socket, required), ``mode`` (``pull`` or
+    ``push``), ``worker_id`` (default ``vllm-<engine_id>``), ``region_table``
+    (file where the worker publishes its regions for the scheduler; default
+    under ``/dev/shm``), ``timeout_s`` (default 120: a prefill frees blocks
+    nobody read after this; a decode gives up on pushed layers that did not
+    arrive and reports their blocks as load errors), ``kv_layout`` (``flash_attn``, ``flash_infer``, ``mla``;
+    default: from the tensors' shapes).
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = _extra(vllm_config)
+        cfg = vllm_config.kv_transfer_config
+        if "socket" not in extra:
+            raise KvrailError("kv_connector_extra_config needs 'socket': the kvrail sidecar's Unix socket")
+        self.socket = Path(extra["socket"])
+        self.mode: str = extra.get("mode", "pull")
+        if self.mode not in ("pull", "push"):
+            raise KvrailError(f"mode must be 'pull' or 'push', not {self.mode!r}")
+        engine = str(getattr(cfg, "engine_id", None) or "0")
+        self.worker_id: str = extra.get("worker_id", f"vllm-{engine}")
+        self.region_table_path = Path(
+            extra.get("region_table", shm_dir() / f"kvrail-{self.worker_id}-regions.json")
+        )
+        self.timeout_s = float(extra.get("timeout_s", 120.0))
+        self.kv_layout = extra.get("kv_layout")
+        self.client = Client(self.socket, self.worker_id)
+        self.node: str = self.client.peers().node_name
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerState()
+        else:
+            self._work = _WorkerState(self.client.notifications())
+
+    # ------------------------------------------------------------------
+    # Scheduler side
+    # ------------------------------------------------------------------
+
+    def _regions(self) -> RegionTable:
+        """The regions the worker registered, as it published them."""
+        try:
+            data = json.loads(self.region_table_path.read_text())
+        except (OSError, ValueError) as e:
+            raise KvrailError(
+                f"no region table at {self.region_table_path} (has the worker registered its KV caches?): {e}"
+            ) from None
+        return [tuple(r) for r in data["regions"]]  # type: ignore[misc]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        rid = request.request_id
+        if params.get("do_remote_prefill") and num_external_tokens > 0:
+            local = list(blocks.get_block_ids()[0])
+            if self.mode == "push":
+                # Decode first: the prefill engine will write into these blocks.
+                self._sched.push_targets[rid] = {
+                    "do_remote_decode": True,
+                    "push_to": {
+                        "remote_node": self.node,
+                        "remote_regions": self._regions(),
+                        "remote_block_ids": local,
+                        "remote_request_id": rid,
+                    },
+                }
+                self._sched.loading[rid] = LoadSpec(local, local, "", [], rid)
+            else:
+                remote = list(params["remote_block_ids"])
+                # Blocks already computed locally (prefix cache) are not read again.
+                remote = remote[len(remote) - len(local) :] if len(local) < len(remote) else remote
+                self._sched.loading[rid] = LoadSpec(
+                    local,
+                    remote,
+                    params["remote_node"],
+                    [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
+                    params["remote_request_id"],
+                )
+            self._sched.new_loads[rid] = self._sched.loading[rid]
+            params["do_remote_prefill"] = False  # once
+        elif self.mode == "push" and params.get("push_to"):
+            self._sched.pushing[rid] = params["push_to"]
+            self._sched.prefill_blocks[rid] = list(blocks.get_block_ids()[0])
+            self._sched.prompt_tokens[rid] = len(request.prompt_token_ids)
+
+    def push_target(self, request_id: str) -> dict[str, Any] | None:
+        """Push mode, decode side: the ``kv_transfer_params`` the router gives the
+        prefill engine for this request (after its blocks were allocated here)."""
+        return self._sched.push_targets.pop(request_id, None)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvrailConnectorMetadata:
+        s = self._sched
+        meta = KvrailConnectorMetadata(load=s.new_loads, send=s.new_sends, cancel=s.new_cancels)
+        s.new_loads, s.new_sends, s.new_cancels = {}, {}, set()
+        if self.mode == "push":
+            # Blocks added in later steps of a chunked prefill.
+            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+            for i, rid in enumerate(getattr(cached, "req_ids", []) or []):
+                new = cached.new_block_ids[i]
+                if rid in s.prefill_blocks and new:
+                    s.prefill_blocks[rid].extend(new[0])
+            computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            if cached is not None:
+                computed.update(zip(cached.req_ids or [], cached.num_computed_tokens or []))
+            for rid, target in list(s.pushing.items()):
+                scheduled = scheduler_output.num_scheduled_tokens.get(rid)
+                if scheduled is None:
+                    continue
+                # Push once, in the step that computes the prompt's last token.
+                if computed.get(rid, 0) + scheduled >= s.prompt_tokens.get(rid, 0):
+                    local = s.prefill_blocks[rid]
+                    remote = list(target["remote_block_ids"])
+                    n = min(len(local), len(remote))
+                    meta.save[rid] = SaveSpec(
+                        local[:n],
+                        remote[:n],
+                        target["remote_node"],
+                        [tuple(r) for r in target["remote_regions"]],  # type: ignore[misc]
+                        target["remote_request_id"],
+                    )
+                    del s.pushing[rid]
+                    s.prompt_tokens.pop(rid, None)
+                    s.pushed.add(rid)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        s = self._sched
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None) or {}
+        aborted = _status_name(request) == "FINISHED_ABORTED"
+        if rid in s.loading:
+            # Decode side. Aborted while the KV was still arriving: stop the
+            # transfers before vLLM reuses the blocks.
+            del s.loading[rid]
+            if aborted:
+                s.new_cancels.add(rid)
+                return True, None
+            return False, None
+        if self.mode == "push":
+            s.pushing.pop(rid, None)
+            s.prefill_blocks.pop(rid, None)
+            s.prompt_tokens.pop(rid, None)
+            if rid in s.pushed:
+                s.pushed.discard(rid)
+                # The blocks are being read by pushes: free them once those end.
+                return True, None
+            return False, None
+        if not params.get("do_remote_decode") or aborted or not block_ids:
+            return False, None
+        s.new_sends[rid] = len(block_ids)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_node": self.node,
+            "remote_regions": self._regions(),
+            "remote_block_ids": list(block_ids),
+            "remote_request_id": rid,
+        }
+
+    # ------------------------------------------------------------------
+    # Worker side
+    # ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Registers the KV caches (one region if the layers are evenly spaced in
+        one allocation, else one per layer) and publishes the region table."""
+        w = self._work
+        w.layer_names = list(kv_caches)
+        tensors = list(kv_caches.values())
+        expose = self.mode == "pull"
+        try:
+            groups = [(0, tensors)]
+            described = [describe(tensors, self.kv_layout)]
+        except LayoutError as e:
+            if "evenly spaced" not in str(e):
+                raise
+            groups = [(i, [t]) for i, t in enumerate(tensors)]
+            described = [describe([t], self.kv_layout) for t in tensors]
+        for (start, group), (paged, memory) in zip(groups, described):
+            if isinstance(memory, Path):
+                rid = self.client.register_shm(memory, paged.layout, expose=expose)
+            else:
+                rid = self.client.register_cuda(memory, paged.layout, expose=expose)
+            w.regions.append((rid, start, len(group)))
+            w.block_bytes = paged.layout.block_bytes
+            w.planes = paged.layout.planes_per_layer
+        tmp = self.region_table_path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"node": self.node, "worker_id": self.worker_id, "layers": w.layer_names, "regions": w.regions})
+        )
+        tmp.replace(self.region_table_path)  # readers never see half a file
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        w = self._work
+        meta: KvrailConnectorMetadata = self._get_connector_metadata()
+        for rid in meta.cancel:
+            w.cancel(self.client, rid)
+        for rid, spec in meta.load.items():
+            w.receiving[rid] = set()
+            w.local_blocks[rid] = spec.local_block_ids
+            if self.mode == "push":
+                w.push_expected[rid] = len(w.layer_names)
+                w.push_deadline[rid] = time.monotonic() + self.timeout_s
+                continue
+            pairs = _overlaps(spec.remote_regions, w.regions)
+            for i, (src, src_layer, dst, dst_layer, count) in enumerate(pairs):
+                name = f"{spec.remote_request_id}@{rid}#{i}"
+                try:
+                    t = self.client.pull(
+                        name,
+                        spec.remote_node,
+                        Blocks(src, spec.remote_block_ids, src_layer, count),
+                        Blocks(dst, spec.local_block_ids, dst_layer, count),
+                    )
+                except KvrailError as e:
+                    log.error("kvrail: pull for %s refused: %s", rid, e)
+                    w.load_errors.update(spec.local_block_ids)
+                    continue
+                w.receiving[rid].add(t.transfer_id)
+                w.transfer_owner[name] = rid
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads finish before the request is scheduled (asynchronous loading), as
+        # with vLLM's NixlConnector; nothing to wait for per layer.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.mode != "push" or not self.has_connector_metadata():
+            return
+        w = self._work
+        meta: KvrailConnectorMetadata = self._get_connector_metadata()
+        layer = w.layer_names.index(layer_name)
+        src_region, src_layer = _layer_region(w.regions, layer)
+        for rid, spec in meta.save.items():
+            dst_region, dst_layer = _layer_region(spec.remote_regions, layer)
+            name = f"{spec.remote_request_id}/L{layer}"
+            try:
+                t = self.client.push(
+                    name,
+                    spec.remote_node,
+                    Blocks(src_region, spec.local_block_ids, src_layer, 1),
+                    Blocks(dst_region, spec.remote_block_ids, dst_layer, 1),
+                )
+            except KvrailError as e:
+                log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
+                continue
+            w.sending.setdefault(rid, set()).add(t.transfer_id)
+            w.transfer_owner[name] = rid
+
+    def wait_for_save(self) -> None:
+        # Pushes read blocks vLLM keeps until get_finished reports the request
+        # (request_finished returned True), so the forward pass need not wait.
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        w = self._work
+        if self.has_connector_metadata():
+            meta: KvrailConnectorMetadata = self._get_connector_metadata()
+            for rid, nblocks in meta.send.items():
+                w.serve_expected[rid] = nblocks * len(w.layer_names) * w.planes * w.block_bytes
+                w.serve_deadline[rid] = time.monotonic() + self.timeout_s
+        w.finished_seen.update(finished_req_ids)
+        for n in w.notes.poll():
+            w.on_notification(n)
+        return w.collect()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        w = self._work
+        out, w.load_errors = w.load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            w = self._work
+            for rid in list(w.receiving):
+                w.cancel(self.client, rid)
+            w.notes.close()
+            for rid, _, _ in w.regions:
+                try:
+                    self.client.unregister(rid)
+                except KvrailError as e:
+                    log.warning("kvrail: unregister %d: %s", rid, e)
+            try:
+                self.region_table_path.unlink()
+            except FileNotFoundError:
+                pass
+        self.client.close()
+
+
+@dataclass
+class _SchedulerState:
+    loading: dict[str, LoadSpec] = field(default_factory=dict)
+    new_loads: dict[str, LoadSpec] = field(default_factory=dict)
+    new_sends: dict[str, int] = field(default_factory=dict)
+    new_cancels: set[str] = field(default_factory=set)
+    push_targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pushing: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pushed: set[str] = field(default_factory=set)
+    prefill_blocks: dict[str, list[int]] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class _WorkerState:
+    """What the worker-side connector tracks between steps."""
+
+    def __init__(self, notes: Notifications) -> None:
+        self.notes = notes
+        self.layer_names: list[str] = []
+        self.regions: RegionTable = []
+        self.block_bytes = 0
+        self.planes = 0
+        # request -> transfer ids still running (decode: pulls; prefill: pushes)
+        self.receiving: dict[str, set[int]] = {}
+        self.sending: dict[str, set[int]] = {}
+        self.transfer_owner: dict[str, str] = {}  # transfer request name -> request
+        self.local_blocks: dict[str, list[int]] = {}
+        # push mode, decode side: layers expected and arrived per request
+        self.push_expected: dict[str, int] = {}
+        self.push_arrived: dict[str, int] = {}
+        self.push_deadline: dict[str, float] = {}
+        # pull mode, prefill side: bytes to be read, bytes read, give-up time
+        self.serve_expected: dict[str, int] = {}
+        self.served: dict[str, int] = {}
+        self.serve_deadline: dict[str, float] = {}
+        self.finished_seen: set[str] = set()
+        self.done_sending: set[str] = set()
+        self.done_receiving: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.cancelled: set[str] = set()
+
+    def cancel(self, client: Client, rid: str) -> None:
+        self.cancelled.add(rid)
+        for tid in list(self.receiving.get(rid, ())):
+            try:
+                client.cancel(tid)
+            except KvrailError as e:  # already finished: its notification says how
+                log.info("kvrail: cancel %d of %s: %s", tid, rid, e)
+
+    def on_notification(self, n: Notification) -> None:
+        if n.kind == PUSH_RECEIVED:
+            rid = n.request_id.rsplit("/L", 1)[0]
+            self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
+            return
+        if n.kind == PULL_SERVED:
+            rid = n.request_id.split("@", 1)[0]
+            self.served[rid] = self.served.get(rid, 0) + n.bytes
+            return
+        owner = self.transfer_owner.pop(n.request_id, None)
+        if owner is None:
+            if n.kind == FAILED:
+                log.warning("kvrail: %s failed: %s", n.request_id, n.failure)
+                # A peer's push into this worker's blocks failed: that layer is lost.
+                rid = n.request_id.rsplit("/L", 1)[0]
+                if rid in self.push_expected:
+                    self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
+                    self.load_errors.update(self.local_blocks.get(rid, ()))
+            return
+        if n.kind == FAILED:
+            log.error("kvrail: transfer %s of %s failed: %s", n.request_id, owner, n.failure)
+        if n.kind in (PULL_DONE, FAILED) and owner in self.receiving:
+            self.receiving[owner].discard(n.transfer_id)
+            if n.kind == FAILED and owner not in self.cancelled:
+                self.load_errors.update(self.local_blocks.get(owner, ()))
+        if n.kind in (PUSH_DONE, FAILED) and owner in self.sending:
+            self.sending[owner].discard(n.transfer_id)
+
+    def collect(self) -> tuple[set[str] | None, set[str] | None]:
+        now = time.monotonic()
+        for rid, pending in list(self.receiving.items()):
+            expected = self.push_expected.get(rid)
+            if expected is not None:
+                # A peer's pushes cannot be cancelled from here: even an aborted
+                # request keeps its blocks until every layer landed or failed.
+                if self.push_arrived.get(rid, 0) < expected:
+                    if now <= self.push_deadline[rid]:
+                        continue
+                    log.warning("kvrail: pushed KV of %s incomplete after the timeout", rid)
+                    self.load_errors.update(self.local_blocks.get(rid, ()))
+            elif pending:
+                continue
+            del self.receiving[rid]
+            self.push_expected.pop(rid, None)
+            self.push_deadline.pop(rid, None)
+            self.push_arrived.pop(rid, None)
+            self.local_blocks.pop(rid, None)
+            self.cancelled.discard(rid)
+            self.done_receiving.add(rid)
+        for rid, pending in list(self.sending.items()):
+            if not pending:
+                del self.sending[rid]
+                self.done_sending.add(rid)
+        for rid, expected in list(self.serve_expected.items()):
+            late = now > self.serve_deadline[rid]
+            if self.served.get(rid, 0) >= expected or late:
+                if late:
+                    log.warning("kvrail: %s not read within the send timeout; freeing its blocks", rid)
+                del self.serve_expected[rid], self.serve_deadline[rid]
+                self.served.pop(rid, None)
+                self.done_sending.add(rid)
+        # vLLM only takes finished sends of requests it has reported finished.
+        sending = self.done_sending & self.finished_seen
+        self.done_sending -= sending
+        self.finished_seen -= sending
+        receiving, self.done_receiving = self.done_receiving, set()
+        return (sending or None), (receiving or None)

@@ -1,0 +1,126 @@
+"""The vLLM-shaped connector driven through vLLM's call sequence (kvrail.engine_sim)
+between two real sidecars: a 32-layer, 2,000-token Llama-3.1-8B request in pull
+and in push mode, aborts, and bad input."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+import kvrail
+from kvrail.connector import KVConnectorRole, KvrailConnector
+from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, vllm_config
+
+# Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16 (as 2-byte words), 16-token blocks.
+LAYERS, BLOCK_SHAPE, NUM_BLOCKS, PROMPT = 32, (16, 8, 128), 136, 2000
+
+
+def engines(pair, mode: str, **extra):
+    def engine(side, name, role):
+        kv = kvrail.HostKvCache(pair.shm(name), LAYERS, NUM_BLOCKS, BLOCK_SHAPE, np.uint16)
+        return MiniEngine(side.socket, mode, name, role, kv, **extra)
+
+    return engine(pair.prefill, "p", "kv_producer"), engine(pair.decode, "d", "kv_consumer")
+
+
+def test_pull_mode_moves_a_llama8b_request(pair):
+    p, d = engines(pair, "pull")
+    assert p.kv.layout.block_bytes == 32768
+    params = p.prefill(Request("req-1", list(range(PROMPT)), {"do_remote_decode": True}), seed=7)
+    assert params is not None and params["remote_node"] == "prefill" and len(params["remote_block_ids"]) == 125
+    assert "req-1" in p.held  # blocks kept for the decode side to read
+    req = Request("req-1", list(range(PROMPT)), params)
+    blocks = d.admit_remote(req)
+    d.run_until(lambda: "req-1" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert mismatched_layers(d.kv, blocks, seed=7) == []
+    # The prefill side frees its blocks once the sidecar reports them read.
+    p.run_until(lambda: "req-1" in p.finished_sending)
+    assert len(p.free) == NUM_BLOCKS
+    assert d.finish(req) is None
+    assert len(d.free) == NUM_BLOCKS
+
+
+def test_push_mode_moves_a_llama8b_request_layer_by_layer(pair):
+    p, d = engines(pair, "push")
+    dreq = Request("req-2", list(range(PROMPT)), {"do_remote_prefill": True})
+    blocks = d.admit_remote(dreq)
+    target = d.scheduler.push_target("req-2")
+    assert target is not None and target["push_to"]["remote_block_ids"] == blocks
+    p.prefill(Request("req-2p", list(range(PROMPT)), target), seed=11)
+    p.run_until(lambda: "req-2p" in p.finished_sending)
+    d.run_until(lambda: "req-2" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert mismatched_layers(d.kv, blocks, seed=11) == []
+    assert len(p.free) == NUM_BLOCKS
+
+
+def test_aborted_prefill_frees_at_once_and_sends_nothing(pair):
+    p, _ = engines(pair, "pull")
+    params = p.prefill(Request("req-3", list(range(100)), {"do_remote_decode": True}), seed=1, abort=True)
+    assert params is None and "req-3" not in p.held and len(p.free) == NUM_BLOCKS
+
+
+def test_decode_abort_mid_pull_cancels_before_blocks_are_reused(pair):
+    p, d = engines(pair, "pull", timeout_s=2)
+    # One request through first, so the decode sidecar's link to the prefill exists.
+    warm = Request("warm", list(range(32)), p.prefill(Request("warm", list(range(32)), {"do_remote_decode": True}), 1))
+    d.admit_remote(warm)
+    d.run_until(lambda: "warm" in d.finished_recving)
+    d.finish(warm)
+    params = p.prefill(Request("req-4", list(range(PROMPT)), {"do_remote_decode": True}), seed=3)
+    req = Request("req-4", list(range(PROMPT)), params)
+    pair.prefill.proc.send_signal(signal.SIGSTOP)  # the pull cannot finish
+    try:
+        d.admit_remote(req)
+        d.step()  # the pull starts
+        assert d.worker._work.receiving["req-4"], "pull in flight"
+        assert d.finish(req, abort=True) is None
+        assert "req-4" not in d.free and len(d.free) < NUM_BLOCKS  # held until cancelled
+        d.run_until(lambda: "req-4" in d.finished_recving, timeout=30)
+        assert d.worker.get_block_ids_with_load_errors() == set()  # cancelled, not failed
+    finally:
+        pair.prefill.proc.send_signal(signal.SIGCONT)
+    # Nobody read the prefill blocks: freed after the connector's timeout.
+    p.run_until(lambda: "req-4" in p.finished_sending, timeout=30)
+
+
+def test_unknown_remote_node_is_a_load_error_not_a_hang(pair):
+    _, d = engines(pair, "pull")
+    params = {
+        "do_remote_prefill": True,
+        "remote_node": "nobody",
+        "remote_regions": [[1, 0, LAYERS]],
+        "remote_block_ids": list(range(10)),
+        "remote_request_id": "x",
+    }
+    req = Request("req-5", list(range(160)), params)
+    blocks = d.admit_remote(req)
+    d.run_until(lambda: "req-5" in d.finished_recving, timeout=30)
+    assert d.worker.get_block_ids_with_load_errors() == set(blocks)
+
+
+def test_bad_configuration_and_layouts(pair, tmp_path):
+    with pytest.raises(kvrail.KvrailError, match="socket"):
+        KvrailConnector(_no_socket(), KVConnectorRole.WORKER)
+    with pytest.raises(kvrail.SidecarUnavailable):
+        KvrailConnector(vllm_config(str(tmp_path / "none.sock"), "pull", "e", "kv_both"), KVConnectorRole.WORKER)
+    with pytest.raises(kvrail.KvrailError, match="mode"):
+        KvrailConnector(vllm_config(str(pair.prefill.socket), "sideways", "e", "kv_both"), KVConnectorRole.WORKER)
+    w = KvrailConnector(vllm_config(str(pair.prefill.socket), "pull", "e", "kv_both"), KVConnectorRole.WORKER)
+    kv = kvrail.HostKvCache(pair.shm("bad"), 2, 8, BLOCK_SHAPE, np.uint16)
+    with pytest.raises(kvrail.LayoutError):  # layers of different shapes
+        w.register_kv_caches({"a": kv.layers[0], "b": kv.layers[1][:, :4]})
+    with pytest.raises(kvrail.LayoutError):  # not in kvrail's shared memory
+        w.register_kv_caches({"a": np.zeros((2, 8, 16, 8, 128), np.uint16)})
+    with pytest.raises(kvrail.LayoutError):  # a block's bytes are not contiguous
+        w.register_kv_caches({"a": kv.layers[0][:, :, ::2]})
+    w.shutdown()
+
+
+def _no_socket():
+    cfg = vllm_config("", "pull", "e", "kv_both")
+    del cfg.kv_transfer_config.kv_connector_extra_config["socket"]
+    return cfg
