@@ -31,7 +31,14 @@ fn venv(root: &Path, target: &Path) -> Result<PathBuf, String> {
         run(Command::new(&python).args(["-m", "venv"]).arg(&dir))?;
     }
     run(Command::new(&py)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-e",
+        ])
         .arg(format!("{}[test]", root.join("clients/python").display())))?;
     Ok(py)
 }
