@@ -145,6 +145,16 @@ def cuda_ipc_of_torch(tensor: Any) -> CudaIpc:
     # (device, handle, size, offset of the storage in the allocation, ...)
     shared = storage._share_cuda_()
     device, handle, offset = int(shared[0]), bytes(shared[1]), int(shared[3])
+    if len(handle) == 66:
+        # Newer torch prefixes the handle with a version byte (2) and its kind:
+        # b"c" for cudaMalloc memory, b"e" for an expandable segment.
+        version, kind = handle[0], handle[1:2]
+        if version != 2 or kind != b"c":
+            raise LayoutError(
+                f"torch shares this tensor as {kind!r} (version {version}), not cudaMalloc "
+                "memory: run without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            )
+        handle = handle[2:]
     if len(handle) != 64:
         raise LayoutError(f"unexpected CUDA IPC handle of {len(handle)} bytes")
     return CudaIpc(handle, device, offset + (tensor.data_ptr() - storage.data_ptr()))
