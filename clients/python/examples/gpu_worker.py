@@ -17,20 +17,6 @@ import torch
 import kvrail
 
 
-def register(client: kvrail.Client, caches: list[torch.Tensor], expose: bool) -> list[tuple[int, int, int]]:
-    """Regions for the layers: (region id, first layer, layer count)."""
-    try:
-        groups = [(0, caches)]
-        described = [kvrail.describe(caches)]
-    except kvrail.LayoutError:  # separate allocations: one region per layer
-        groups = [(i, [t]) for i, t in enumerate(caches)]
-        described = [kvrail.describe([t]) for t in caches]
-    out = []
-    for (start, group), (paged, ipc) in zip(groups, described):
-        out.append((client.register_cuda(ipc, paged.layout, expose=expose), start, len(group)))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill-socket", required=True)
@@ -49,12 +35,12 @@ def main() -> None:
     src_ids = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(2))[:n].tolist()
     dst_ids = list(range(args.num_blocks - n, args.num_blocks))
     with kvrail.Client(args.prefill_socket, "gpu-prefill") as p, kvrail.Client(args.decode_socket, "gpu-decode") as d:
-        src_regions = register(p, src, expose=args.pull)
-        dst_regions = register(d, dst, expose=False)
+        src_regions = p.register_layers(src, expose=args.pull)
+        dst_regions = d.register_layers(dst)
         start = time.monotonic()
         moved = 0
         # One transfer per layer region pair (vLLM's layers are separate allocations).
-        for (s_rid, s_start, s_count), (d_rid, d_start, d_count) in zip(src_regions, dst_regions):
+        for (s_rid, s_start, s_count, _), (d_rid, d_start, d_count, _) in zip(src_regions, dst_regions):
             assert (s_start, s_count) == (d_start, d_count)
             name = f"gpu-{s_start}"
             if args.pull:
@@ -72,9 +58,9 @@ def main() -> None:
         untouched = torch.ones(args.num_blocks, dtype=torch.bool, device="cuda")
         untouched[di] = False
         clean = all(not t[:, untouched].view(torch.int16).any().item() for t in dst)
-        for rid, _, _ in src_regions:
+        for rid, *_ in src_regions:
             p.unregister(rid)
-        for rid, _, _ in dst_regions:
+        for rid, *_ in dst_regions:
             d.unregister(rid)
     print(json.dumps({"worker": "gpu", "mode": "pull" if args.pull else "push", "layers": args.layers, "blocks": n,
                       "bytes": moved, "seconds": round(secs, 4), "gbit_per_s": round(moved * 8 / secs / 1e9, 2),

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
@@ -16,12 +16,13 @@ from .errors import (
     KvrailError,
     PeerUnavailable,
     SidecarUnavailable,
+    LayersNotEvenlySpaced,
     Timeout,
     TransferFailed,
     from_status,
 )
-from .layout import Layout
-from .memory import CudaIpc, HostKvCache
+from .layout import KvLayout, Layout
+from .memory import CudaIpc, HostKvCache, describe
 from .v1 import sidecar_pb2 as pb
 from .v1 import sidecar_pb2_grpc as pb_grpc
 
@@ -75,6 +76,9 @@ class Failure:
     code: str
     message: str
 
+    def error(self, request_id: str, transfer_id: int) -> TransferFailed:
+        return TransferFailed(request_id, transfer_id, self.side, self.code, self.message)
+
 
 @dataclass(frozen=True)
 class TransferStatus:
@@ -92,13 +96,7 @@ class TransferStatus:
 
     def raise_if_failed(self) -> "TransferStatus":
         if self.failure is not None and self.state == "FAILED":
-            raise TransferFailed(
-                self.request_id,
-                self.transfer_id,
-                self.failure.side,
-                self.failure.code,
-                self.failure.message,
-            )
+            raise self.failure.error(self.request_id, self.transfer_id)
         return self
 
 
@@ -117,13 +115,7 @@ class Notification:
 
     def raise_if_failed(self) -> "Notification":
         if self.failure is not None:
-            raise TransferFailed(
-                self.request_id,
-                self.transfer_id,
-                self.failure.side,
-                self.failure.code,
-                self.failure.message,
-            )
+            raise self.failure.error(self.request_id, self.transfer_id)
         return self
 
 
@@ -331,6 +323,26 @@ class Client:
         )
         return int(r.region_id)
 
+    def register_layers(
+        self, layers: Sequence[Any], kv_layout: KvLayout | None = None, *, expose: bool = False
+    ) -> list[tuple[int, int, int, Layout]]:
+        """Registers per-layer KV tensors (host tensors in kvrail shared memory, or
+        torch CUDA tensors): one region when the layers are evenly spaced in one
+        allocation, else one per layer. Returns (region id, first layer, layer
+        count, layout) per region, in layer order."""
+        try:
+            groups = [(0, len(layers), describe(layers, kv_layout))]
+        except LayersNotEvenlySpaced:
+            groups = [(i, 1, describe([t], kv_layout)) for i, t in enumerate(layers)]
+        out = []
+        for start, count, (paged, memory) in groups:
+            if isinstance(memory, CudaIpc):
+                rid = self.register_cuda(memory, paged.layout, expose=expose)
+            else:
+                rid = self.register_shm(memory, paged.layout, expose=expose)
+            out.append((rid, start, count, paged.layout))
+        return out
+
     def unregister(self, region_id: int) -> None:
         self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id))
 
@@ -338,23 +350,19 @@ class Client:
 
     def push(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
         """Writes local blocks into blocks of a region on ``peer``."""
-        r = self._call(
-            self._stub.Push,
-            pb.PushRequest(
-                request_id=request_id,
-                worker_id=self.worker_id,
-                peer=peer,
-                source=source.to_proto(),
-                destination=destination.to_proto(),
-            ),
-        )
-        return Transfer(r.transfer_id, request_id, r.total_bytes, r.segments)
+        return self._transfer(self._stub.Push, pb.PushRequest, request_id, peer, source, destination)
 
     def pull(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
         """Reads blocks of an exposed region on ``peer`` into local blocks."""
+        return self._transfer(self._stub.Pull, pb.PullRequest, request_id, peer, source, destination)
+
+    def _transfer(
+        self, rpc: Callable[..., Any], message: Any, request_id: str, peer: str, source: Blocks, destination: Blocks
+    ) -> Transfer:
+        # PushRequest and PullRequest have the same fields.
         r = self._call(
-            self._stub.Pull,
-            pb.PullRequest(
+            rpc,
+            message(
                 request_id=request_id,
                 worker_id=self.worker_id,
                 peer=peer,

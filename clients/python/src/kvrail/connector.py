@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,8 @@ from .client import (
     Notification,
     Notifications,
 )
-from .errors import KvrailError, LayoutError
-from .memory import describe, shm_dir
+from .errors import KvrailError
+from .memory import shm_dir
 
 log = logging.getLogger("kvrail.connector")
 
@@ -334,24 +333,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         one allocation, else one per layer) and publishes the region table."""
         w = self._work
         w.layer_names = list(kv_caches)
-        tensors = list(kv_caches.values())
-        expose = self.mode == "pull"
-        try:
-            groups = [(0, tensors)]
-            described = [describe(tensors, self.kv_layout)]
-        except LayoutError as e:
-            if "evenly spaced" not in str(e):
-                raise
-            groups = [(i, [t]) for i, t in enumerate(tensors)]
-            described = [describe([t], self.kv_layout) for t in tensors]
-        for (start, group), (paged, memory) in zip(groups, described):
-            if isinstance(memory, Path):
-                rid = self.client.register_shm(memory, paged.layout, expose=expose)
-            else:
-                rid = self.client.register_cuda(memory, paged.layout, expose=expose)
-            w.regions.append((rid, start, len(group)))
-            w.block_bytes = paged.layout.block_bytes
-            w.planes = paged.layout.planes_per_layer
+        regions = self.client.register_layers(list(kv_caches.values()), self.kv_layout, expose=self.mode == "pull")
+        w.regions = [(rid, start, count) for rid, start, count, _ in regions]
+        layout = regions[0][3]
+        w.block_bytes, w.planes = layout.block_bytes, layout.planes_per_layer
         tmp = self.region_table_path.with_suffix(".tmp")
         tmp.write_text(
             json.dumps({"node": self.node, "worker_id": self.worker_id, "layers": w.layer_names, "regions": w.regions})

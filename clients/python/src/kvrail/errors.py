@@ -64,6 +64,11 @@ class LayoutError(KvrailError, ValueError):
     status = "INVALID_ARGUMENT"
 
 
+class LayersNotEvenlySpaced(LayoutError):
+    """Per-layer tensors that are not one evenly spaced allocation (vLLM allocates
+    each layer on its own): they need one region per layer."""
+
+
 class TransferFailed(KvrailError):
     """A transfer ended in failure. ``side`` says who failed (``LOCAL``, ``PEER``,
     ``RAIL``, ``TIMEOUT``, ``CANCELLED``), ``code`` is the sidecar's stable reason

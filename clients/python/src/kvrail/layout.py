@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
-from .errors import LayoutError
+from .errors import LayersNotEvenlySpaced, LayoutError
 from .v1 import sidecar_pb2 as pb
 
 #: How a layer's tensor orders its planes (K and V) and blocks.
@@ -228,7 +228,7 @@ def paged_layout(layers: Sequence[Any], kv_layout: KvLayout | None = None) -> Pa
     else:
         gaps = {b.address - a.address for a, b in zip(views, views[1:])}
         if len(gaps) != 1:
-            raise LayoutError(
+            raise LayersNotEvenlySpaced(
                 "layers are not evenly spaced in one allocation; register each layer "
                 "as its own region"
             )
