@@ -42,6 +42,10 @@ pub struct QuicSettings {
     pub gso: bool,
     /// How long an idle or unreachable peer keeps a connection.
     pub idle_timeout: Duration,
+    /// UDP socket send and receive buffer (capped by `net.core.{w,r}mem_max`):
+    /// the kernel's default (208 KiB) drops bursts a busy receiver cannot read
+    /// in time, and every drop halves the congestion window.
+    pub socket_buffer: usize,
 }
 
 impl Default for QuicSettings {
@@ -54,12 +58,14 @@ impl Default for QuicSettings {
             send_window: 64 << 20,
             gso: true,
             idle_timeout: Duration::from_secs(10),
+            socket_buffer: 4 << 20,
         }
     }
 }
 
 impl QuicSettings {
-    fn transport_config(&self) -> io::Result<TransportConfig> {
+    /// The quinn transport configuration these settings describe.
+    pub fn transport_config(&self) -> io::Result<TransportConfig> {
         let var = |v: u64| {
             VarInt::from_u64(v)
                 .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "QUIC window too large"))
@@ -83,12 +89,50 @@ impl QuicSettings {
         t.initial_mtu(self.initial_mtu.clamp(1200, self.max_udp_payload.max(1200)));
         Ok(t)
     }
+
+    /// Endpoint configuration: the largest UDP payload we accept, which peers
+    /// learn from our transport parameters and which caps their MTU discovery
+    /// (quinn's default, 1472, would hold every path to Ethernet size).
+    pub fn endpoint_config(&self) -> io::Result<quinn::EndpointConfig> {
+        let mut config = quinn::EndpointConfig::default();
+        config
+            .max_udp_payload_size(self.max_udp_payload.max(1200))
+            .map_err(invalid)?;
+        Ok(config)
+    }
+
+    /// A UDP socket bound to `addr` with this configuration's buffer sizes, and
+    /// a quinn endpoint on it (serving `server` when given).
+    pub fn endpoint(
+        &self,
+        addr: SocketAddr,
+        server: Option<quinn::ServerConfig>,
+    ) -> io::Result<quinn::Endpoint> {
+        let domain = if addr.is_ipv4() {
+            socket2::Domain::IPV4
+        } else {
+            socket2::Domain::IPV6
+        };
+        let socket =
+            socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
+        // Best effort: the kernel caps both at its maximums rather than failing.
+        socket.set_recv_buffer_size(self.socket_buffer)?;
+        socket.set_send_buffer_size(self.socket_buffer)?;
+        socket.bind(&addr.into())?;
+        quinn::Endpoint::new(
+            self.endpoint_config()?,
+            server,
+            socket.into(),
+            Arc::new(quinn::TokioRuntime),
+        )
+    }
 }
 
 /// The QUIC transport of one node.
 pub struct QuicTransport {
     server: quinn::ServerConfig,
     client: quinn::ClientConfig,
+    settings: QuicSettings,
 }
 
 fn invalid(e: impl std::fmt::Display) -> io::Error {
@@ -109,7 +153,11 @@ impl QuicTransport {
             QuicClientConfig::try_from(client_tls).map_err(invalid)?,
         ));
         client.transport_config(transport);
-        Ok(QuicTransport { server, client })
+        Ok(QuicTransport {
+            server,
+            client,
+            settings: settings.clone(),
+        })
     }
 }
 
@@ -144,7 +192,7 @@ impl Transport for QuicTransport {
     }
 
     async fn listen(&self, addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
-        let endpoint = quinn::Endpoint::server(self.server.clone(), addr)?;
+        let endpoint = self.settings.endpoint(addr, Some(self.server.clone()))?;
         let local = endpoint.local_addr()?;
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(accept_incoming(endpoint.clone(), tx));
@@ -169,7 +217,7 @@ impl Transport for QuicTransport {
             }
         });
         // One endpoint (UDP socket and driver task) per connection: see the module doc.
-        let endpoint = quinn::Endpoint::client(bind)?;
+        let endpoint = self.settings.endpoint(bind, None)?;
         let conn = endpoint
             .connect_with(self.client.clone(), remote, peer)
             .map_err(invalid)?
@@ -374,6 +422,51 @@ mod tests {
         c.writer.write_control(b"ok").await.unwrap();
         kvrail_auth::check_name(&c.peer_certificate.unwrap(), "a").unwrap();
         kvrail_auth::check_name(&dial.await.unwrap(), "b").unwrap();
+    }
+
+    /// quinn's endpoint default (1472) used to cap every path whatever
+    /// `max_udp_payload` said; on loopback discovery must reach the setting.
+    #[tokio::test]
+    async fn mtu_discovery_reaches_the_configured_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = QuicSettings::default();
+        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
+        let server = b
+            .settings
+            .endpoint("127.0.0.1:0".parse().unwrap(), Some(b.server.clone()))
+            .unwrap();
+        let addr = server.local_addr().unwrap();
+        let accept = tokio::spawn(async move {
+            let conn = server.accept().await.unwrap().await.unwrap();
+            let (_, mut recv) = conn.accept_bi().await.unwrap();
+            while recv.read_chunk(usize::MAX, true).await.unwrap().is_some() {}
+            (conn, server)
+        });
+        let client = a
+            .settings
+            .endpoint("127.0.0.1:0".parse().unwrap(), None)
+            .unwrap();
+        let conn = client
+            .connect_with(a.client.clone(), addr, "b")
+            .unwrap()
+            .await
+            .unwrap();
+        let (mut send, _recv) = conn.open_bi().await.unwrap();
+        // Discovery probes run alongside the data; a few MiB give it the round trips.
+        send.write_all(&vec![1u8; 8 << 20]).await.unwrap();
+        send.finish().unwrap();
+        let (server_conn, _server) = accept.await.unwrap();
+        assert_eq!(
+            conn.stats().path.current_mtu,
+            settings.max_udp_payload,
+            "the client's path MTU"
+        );
+        assert_eq!(
+            server_conn.stats().path.current_mtu,
+            settings.max_udp_payload,
+            "the server's path MTU"
+        );
     }
 
     #[tokio::test]

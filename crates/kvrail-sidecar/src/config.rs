@@ -82,6 +82,9 @@ pub struct Config {
     pub quic_send_window: u64,
     /// QUIC: UDP segmentation offload.
     pub quic_gso: bool,
+    /// QUIC: UDP socket send and receive buffer size (the kernel caps it at
+    /// `net.core.wmem_max` / `rmem_max`).
+    pub quic_socket_buffer: usize,
 }
 
 impl Default for Config {
@@ -119,6 +122,7 @@ impl Default for Config {
             quic_connection_window: 64 << 20,
             quic_send_window: 64 << 20,
             quic_gso: true,
+            quic_socket_buffer: 4 << 20,
         }
     }
 }
@@ -256,6 +260,7 @@ impl Config {
             connection_window: self.quic_connection_window,
             send_window: self.quic_send_window,
             gso: self.quic_gso,
+            socket_buffer: self.quic_socket_buffer,
             ..Default::default()
         }
     }
