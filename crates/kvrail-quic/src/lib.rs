@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use kvrail_auth::Identity;
 use kvrail_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -312,16 +313,33 @@ struct QuicFrameWriter {
     _endpoint: Option<quinn::Endpoint>,
 }
 
+fn write_error(e: quinn::WriteError) -> io::Error {
+    match e {
+        quinn::WriteError::ConnectionLost(c) if closed_by_tls(&c) => refused(&c),
+        e => io::Error::other(e),
+    }
+}
+
 #[async_trait]
 impl FrameWriter for QuicFrameWriter {
     async fn write_all_vectored(&mut self, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         for b in bufs.iter() {
-            self.send.write_all(b).await.map_err(|e| match e {
-                quinn::WriteError::ConnectionLost(c) if closed_by_tls(&c) => refused(&c),
-                e => io::Error::other(e),
-            })?;
+            self.send.write_all(b).await.map_err(write_error)?;
         }
         Ok(())
+    }
+
+    fn takes_owned_payload(&self) -> bool {
+        true
+    }
+
+    /// quinn keeps the chunks in its send buffer and encrypts packets straight
+    /// from them: no copy into a buffer of its own.
+    async fn write_chunks(&mut self, mut chunks: Vec<Bytes>) -> io::Result<()> {
+        self.send
+            .write_all_chunks(&mut chunks)
+            .await
+            .map_err(write_error)
     }
 }
 

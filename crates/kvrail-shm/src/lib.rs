@@ -20,6 +20,9 @@ use std::fs::{File, OpenOptions};
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
 
 use memmap2::MmapRaw;
 
@@ -52,6 +55,22 @@ pub enum ShmError {
         len: u64,
         region_len: u64,
     },
+}
+
+/// A bounds-checked range of a mapping, owning a reference to it.
+struct MappedRange {
+    region: Arc<SharedRegion>,
+    offset: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for MappedRange {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `shared_bytes` checked the range against the mapping, which the
+        // `Arc` keeps mapped as long as this view; the bytes are plain data that
+        // any pattern may hold (module docs: the protocol keeps writers apart).
+        unsafe { std::slice::from_raw_parts(self.region.map.as_ptr().add(self.offset), self.len) }
+    }
 }
 
 /// A file mapped shared and read-write.
@@ -163,6 +182,17 @@ impl SharedRegion {
             .collect()
     }
 
+    /// `(offset, len)` as [`Bytes`] that keep the mapping alive, for senders that
+    /// hold payload until the peer acknowledges it (QUIC) instead of copying it.
+    pub fn shared_bytes(self: &Arc<Self>, offset: u64, len: u64) -> Result<Bytes, ShmError> {
+        self.check(offset, len)?;
+        Ok(Bytes::from_owner(MappedRange {
+            region: self.clone(),
+            offset: offset as usize,
+            len: len as usize,
+        }))
+    }
+
     /// Write views of `(offset, len)` ranges, for scattering a socket read into blocks.
     /// The caller guarantees the ranges are disjoint and granted to it (module docs).
     pub fn io_slices_mut(&self, pieces: &[(u64, u64)]) -> Result<Vec<IoSliceMut<'_>>, ShmError> {
@@ -250,6 +280,24 @@ pub async fn process_exit(pid: i32) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_bytes_are_checked_views_that_keep_the_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r");
+        let worker = SharedRegion::create(&path, 8192).unwrap();
+        let sidecar = Arc::new(SharedRegion::open(&path).unwrap());
+        worker.write_at(4096, b"block").unwrap();
+        let view = sidecar.shared_bytes(4096, 5).unwrap();
+        assert!(matches!(
+            sidecar.shared_bytes(8190, 5),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(sidecar.shared_bytes(u64::MAX, 2).is_err());
+        // The sender may hold the view after the region is unregistered.
+        drop(sidecar);
+        assert_eq!(&view[..], b"block");
+    }
 
     #[test]
     fn two_mappings_share_bytes() {

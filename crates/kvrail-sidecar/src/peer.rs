@@ -9,6 +9,8 @@ use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
+use bytes::{Bytes, BytesMut};
+
 use kvrail_core::wire::{
     self, encode_control, encode_data_header, pb, Body, ErrorCode, FRAME_HEADER_LEN,
     SLICE_HEADER_LEN,
@@ -867,7 +869,14 @@ impl Outgoing {
     }
 }
 
+/// Payload pieces at least this long go to a zero-copy writer by reference;
+/// shorter ones (and frame headers) are cheaper to copy into one shared chunk.
+const ZERO_COPY_MIN: u64 = 16 << 10;
+
 async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::io::Result<()> {
+    if writer.takes_owned_payload() {
+        return writer.write_chunks(owned_chunks(batch)?).await;
+    }
     let mut bufs = Vec::with_capacity(batch.len() * 2);
     for out in batch {
         match out {
@@ -887,6 +896,51 @@ async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::i
         }
     }
     writer.write_all_vectored(&mut bufs).await
+}
+
+/// The batch as chunks a zero-copy writer may keep: large payload pieces as
+/// views of their mapped region, everything between them copied together.
+fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
+    let mut chunks = Vec::new();
+    let mut small = BytesMut::new();
+    for out in batch {
+        match out {
+            Outgoing::Control(bytes) => small.extend_from_slice(bytes),
+            Outgoing::Slice {
+                header,
+                region,
+                pieces,
+                ..
+            } => {
+                let Some(host) = region.memory.shared_host() else {
+                    return Err(std::io::Error::other("a GPU slice was not staged"));
+                };
+                small.extend_from_slice(header);
+                for &(offset, len) in pieces {
+                    if len >= ZERO_COPY_MIN {
+                        if !small.is_empty() {
+                            chunks.push(small.split().freeze());
+                        }
+                        chunks.push(
+                            host.shared_bytes(offset, len)
+                                .map_err(std::io::Error::other)?,
+                        );
+                    } else {
+                        let bufs = host
+                            .io_slices(&[(offset, len)])
+                            .map_err(std::io::Error::other)?;
+                        for b in bufs {
+                            small.extend_from_slice(&b);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if !small.is_empty() {
+        chunks.push(small.freeze());
+    }
+    Ok(chunks)
 }
 
 async fn reader_task(

@@ -37,7 +37,7 @@ impl std::fmt::Debug for Region {
 /// Where a region's bytes live.
 pub enum RegionMemory {
     /// A shared-memory file, mapped here: sockets and verbs use it directly.
-    Host(SharedRegion),
+    Host(Arc<SharedRegion>),
     /// A worker's GPU allocation opened from its IPC handle: staged.
     Gpu(GpuMemory),
 }
@@ -55,6 +55,14 @@ impl RegionMemory {
     }
 
     pub fn host(&self) -> Option<&SharedRegion> {
+        match self {
+            RegionMemory::Host(m) => Some(m.as_ref()),
+            RegionMemory::Gpu(_) => None,
+        }
+    }
+
+    /// The host mapping itself, for views that outlive the borrow (zero-copy sends).
+    pub fn shared_host(&self) -> Option<&Arc<SharedRegion>> {
         match self {
             RegionMemory::Host(m) => Some(m),
             RegionMemory::Gpu(_) => None,
@@ -109,7 +117,7 @@ impl Registry {
             RegionSource::Shm(path) => {
                 let m = SharedRegion::open(path)?;
                 layout.validate(m.len())?;
-                RegionMemory::Host(m)
+                RegionMemory::Host(Arc::new(m))
             }
             RegionSource::Gpu { device, handle } => {
                 // The layout's extent is what must fit the allocation.

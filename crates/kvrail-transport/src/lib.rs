@@ -10,6 +10,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use kvrail_core::wire::{self, FrameHeader, WireError, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
 
 pub mod tcp;
@@ -63,6 +64,20 @@ pub struct Connection {
 pub trait FrameWriter: Send {
     /// Writes every byte of `bufs`, in order, gathering them (frames already encoded).
     async fn write_all_vectored(&mut self, bufs: &mut [IoSlice<'_>]) -> io::Result<()>;
+
+    /// Whether this writer keeps [`Bytes`] handed to [`Self::write_chunks`]
+    /// instead of copying them (then callers should prefer that method).
+    fn takes_owned_payload(&self) -> bool {
+        false
+    }
+
+    /// Writes every byte of `chunks`, in order. A writer that sends from its own
+    /// buffers (QUIC keeps data until the peer acknowledges it) holds the chunks
+    /// rather than copying them; the default gathers them into one write.
+    async fn write_chunks(&mut self, chunks: Vec<Bytes>) -> io::Result<()> {
+        let mut bufs: Vec<IoSlice<'_>> = chunks.iter().map(|c| IoSlice::new(c)).collect();
+        self.write_all_vectored(&mut bufs).await
+    }
 
     /// Writes an encoded control frame (header included).
     async fn write_control(&mut self, frame: &[u8]) -> io::Result<()> {
