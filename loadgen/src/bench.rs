@@ -52,11 +52,13 @@ pub struct BenchArgs {
     pub bytes_per_point: Option<u64>,
     /// Which parts to run: single, scattered, vllm, latency, the baseline: iperf3
     /// (tcp) or perftest (rdma), and plan (host cost of building the RDMA work
-    /// requests of the vLLM batch; needs no device and no sidecar).
+    /// requests of the vLLM batch; needs no device and no sidecar), quic-floor
+    /// (QUIC runs: the packet cipher's cost per byte and raw quinn's throughput
+    /// with kvrail's settings, what kvrail's QUIC is measured against).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "iperf3,perftest,single,scattered,vllm,latency,plan"
+        default_value = "iperf3,perftest,quic-floor,single,scattered,vllm,latency,plan"
     )]
     pub only: Vec<String>,
     /// Transports to measure, one after the other in this run, comma-separated.
@@ -165,6 +167,8 @@ pub(crate) struct Point {
     pub(crate) lat: Latencies,
     pub(crate) total: Duration,
     pub(crate) iterations: u64,
+    /// Both sidecars' CPU over the timed iterations.
+    pub(crate) cpu: Option<crate::cpu::CpuUse>,
 }
 
 impl Bench {
@@ -291,6 +295,8 @@ impl Bench {
         let mut lat = Latencies::default();
         let mut total = Duration::ZERO;
         let mut segments = 0;
+        let sidecars = [self.cluster.prefill.pid(), self.cluster.decode.pid()];
+        let cpu_before = crate::cpu::sample(&sidecars);
         for _ in 0..iterations {
             let (d, segs) = self
                 .transfer(op, src_range.clone(), dst_range.clone())
@@ -299,6 +305,10 @@ impl Bench {
             total += d;
             segments = segs;
         }
+        let cpu = match (cpu_before, crate::cpu::sample(&sidecars)) {
+            (Some(before), Some(after)) => after.since(&before, bytes * iterations),
+            _ => None,
+        };
         self.unregister(regions).await?;
         Ok(Point {
             name,
@@ -309,6 +319,7 @@ impl Bench {
             lat,
             total,
             iterations,
+            cpu,
         })
     }
 
@@ -337,6 +348,10 @@ impl Bench {
             "p50_us": p.lat.percentile_us(50.0),
             "p99_us": p.lat.percentile_us(99.0),
         });
+        if let Some(c) = p.cpu {
+            v["sidecar_cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
+            v["machine_busy"] = json!(round3(c.machine_busy));
+        }
         if let Some(i) = self.iperf3_gbps {
             v["ratio_vs_iperf3"] = json!(round3(rate / i));
         }
@@ -355,7 +370,7 @@ impl Bench {
             }
         }
         eprintln!(
-            "{:<10} {:<5} {:>10} {:>7} blk {:>6} seg {:>8.3} GB/s  p50 {:>9} us  p99 {:>9} us{}",
+            "{:<10} {:<5} {:>10} {:>7} blk {:>6} seg {:>8.3} GB/s  p50 {:>9} us  p99 {:>9} us{}{}",
             p.name,
             p.op,
             human_bytes(p.bytes),
@@ -373,7 +388,12 @@ impl Bench {
                 (Some(a), None, _) => format!("  {a}x iperf3"),
                 (_, _, Some(r)) => format!("  {r}x ib_write_bw"),
                 _ => String::new(),
-            }
+            },
+            p.cpu.map_or(String::new(), |c| format!(
+                "  cpu {:.2} ns/B, busy {:.0}%",
+                c.ns_per_byte,
+                c.machine_busy * 100.0
+            )),
         );
         println!("{v}");
         self.results.push(v);
@@ -780,7 +800,14 @@ fn compare_transports(results: &[(&'static str, Vec<serde_json::Value>)]) {
                 continue;
             };
             let ratio = round3(rate / base_rate);
-            let v = json!({
+            let cpu_ratio = match (
+                p["sidecar_cpu_ns_per_byte"].as_f64(),
+                b["sidecar_cpu_ns_per_byte"].as_f64().filter(|&c| c > 0.0),
+            ) {
+                (Some(c), Some(base_c)) => Some(round3(c / base_c)),
+                _ => None,
+            };
+            let mut v = json!({
                 "bench": "compare",
                 "point": bench,
                 "op": p["op"],
@@ -791,12 +818,16 @@ fn compare_transports(results: &[(&'static str, Vec<serde_json::Value>)]) {
                 "vs_gbps": b["gbps"],
                 "ratio": ratio,
             });
+            if let Some(c) = cpu_ratio {
+                v["cpu_per_byte_ratio"] = json!(c);
+            }
             eprintln!(
-                "compare    {bench:<10} {:<5} {:>10}  {transport} {:>8.3} GB/s vs {base} {:>8.3} GB/s: {ratio}x",
+                "compare    {bench:<10} {:<5} {:>10}  {transport} {:>8.3} GB/s vs {base} {:>8.3} GB/s: {ratio}x{}",
                 p["op"].as_str().unwrap_or(""),
                 human_bytes(p["bytes"].as_u64().unwrap_or(0)),
                 rate,
                 base_rate,
+                cpu_ratio.map_or(String::new(), |c| format!(", {c}x the CPU per byte")),
             );
             println!("{v}");
         }
@@ -879,6 +910,56 @@ fn rdma_counters(bench: &mut Bench) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What QUIC costs here before kvrail adds anything: the packet cipher per byte
+/// and raw quinn with kvrail's settings, identities and connection count.
+async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
+    use kvrail_quic::probe;
+    let cipher = probe::packet_cipher_cost(6550, Duration::from_millis(300))?;
+    let v = json!({"bench": "quic-floor", "transport": "quic", "op": "cipher", "packet_bytes": 6550,
+        "seal_ns_per_byte": round3(cipher.seal_ns_per_byte), "open_ns_per_byte": round3(cipher.open_ns_per_byte)});
+    eprintln!(
+        "quic-floor AES-128-GCM, 6550 B packets, one core: seal {:.3} ns/B, open {:.3} ns/B",
+        cipher.seal_ns_per_byte, cipher.open_ns_per_byte
+    );
+    println!("{v}");
+    bench.results.push(v);
+    let tls = bench.cluster.dir.path().join("tls");
+    let identity = |node: &str| {
+        kvrail_auth::Identity::load(node, &kvrail_auth::IdentityFiles::in_dir(&tls, node))
+    };
+    let (sender, receiver) = (identity("prefill")?, identity("decode")?);
+    let settings = kvrail_sidecar::config::Config::default().quic_settings();
+    let connections = bench.args.connections;
+    let bytes = bench.bytes_per_point();
+    let before = crate::cpu::sample(&[std::process::id()]);
+    let gbps = tokio::task::spawn_blocking(move || {
+        probe::raw_throughput(&sender, &receiver, &settings, connections, bytes)
+    })
+    .await??;
+    let cpu = match (before, crate::cpu::sample(&[std::process::id()])) {
+        (Some(b), Some(a)) => a.since(&b, bytes),
+        _ => None,
+    };
+    let mut v = json!({"bench": "quic-floor", "transport": "quic", "op": "raw-quinn", "bytes": bytes,
+        "connections": connections, "gbps": round3(gbps)});
+    if let Some(c) = cpu {
+        v["cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
+        v["machine_busy"] = json!(round3(c.machine_busy));
+    }
+    eprintln!(
+        "quic-floor raw quinn, {connections} connections, {}: {gbps:>8.3} GB/s{}",
+        human_bytes(bytes),
+        cpu.map_or(String::new(), |c| format!(
+            "  cpu {:.2} ns/B, busy {:.0}%",
+            c.ns_per_byte,
+            c.machine_busy * 100.0
+        ))
+    );
+    println!("{v}");
+    bench.results.push(v);
+    Ok(())
+}
+
 async fn run_parts(
     bench: &mut Bench,
     wants: &dyn Fn(&str) -> bool,
@@ -922,6 +1003,9 @@ async fn run_parts(
         eprintln!("iperf3     {n} x -P 1      {g:>8.3} GB/s ({n} processes at once)");
         println!("{v}");
         bench.results.push(v);
+    }
+    if wants("quic-floor") && bench.transport == "quic" {
+        quic_floor(bench).await?;
     }
     if wants("single") {
         let mut sizes = args.sizes.clone();

@@ -21,6 +21,13 @@ pub struct SidecarProcess {
     child: Child,
 }
 
+impl SidecarProcess {
+    /// The process id, for reading its CPU time.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 impl Drop for SidecarProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -2,6 +2,7 @@
 //! that one binary can start real sidecar processes.
 
 mod bench;
+mod cpu;
 mod demo;
 mod gpu;
 mod model;

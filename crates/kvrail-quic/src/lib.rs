@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+
+pub mod probe;
 use kvrail_auth::Identity;
 use kvrail_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};

@@ -1,0 +1,207 @@
+//! What QUIC costs on this machine with no kvrail on top: raw quinn throughput
+//! with kvrail's settings and identities, and the packet cipher's cost per byte.
+//! `loadgen bench --only quic-floor` reports both beside kvrail's QUIC and TCP
+//! points, so the gap between them can be apportioned.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvrail_auth::Identity;
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM};
+
+use crate::{invalid, QuicSettings, QuicTransport};
+
+/// The packet cipher (AES-128-GCM, as negotiated between kvrail nodes) per byte
+/// on one core: sealing on the sender, opening on the receiver.
+#[derive(Debug, Clone, Copy)]
+pub struct CipherCost {
+    pub seal_ns_per_byte: f64,
+    pub open_ns_per_byte: f64,
+}
+
+/// Seals and opens `packet`-byte payloads for about `budget` each, as quinn
+/// does for every packet (ring, the provider kvrail's TLS uses).
+pub fn packet_cipher_cost(packet: usize, budget: Duration) -> io::Result<CipherCost> {
+    let key = || {
+        UnboundKey::new(&AES_128_GCM, &[7u8; 16])
+            .map(LessSafeKey::new)
+            .map_err(|_| invalid("AES-128-GCM key"))
+    };
+    let (sealer, opener) = (key()?, key()?);
+    let nonce = |n: u64| {
+        let mut b = [0u8; 12];
+        b[4..].copy_from_slice(&n.to_be_bytes());
+        Nonce::assume_unique_for_key(b)
+    };
+    let mut buf = vec![0x5au8; packet];
+    let header = [0u8; 24];
+    // Seal: as many packets as fit the budget, keeping one to open.
+    let start = Instant::now();
+    let mut sealed = 0u64;
+    let mut tag = None;
+    while start.elapsed() < budget || sealed == 0 {
+        let t = sealer
+            .seal_in_place_separate_tag(nonce(sealed), Aad::from(&header), &mut buf)
+            .map_err(|_| invalid("seal"))?;
+        tag = Some((sealed, t));
+        sealed += 1;
+    }
+    let seal_time = start.elapsed();
+    let Some((last, tag)) = tag else {
+        return Err(invalid("nothing sealed"));
+    };
+    let mut packet_with_tag = buf.clone();
+    packet_with_tag.extend_from_slice(tag.as_ref());
+    let start = Instant::now();
+    let mut opened = 0u64;
+    while start.elapsed() < budget || opened == 0 {
+        let mut p = packet_with_tag.clone();
+        opener
+            .open_in_place(nonce(last), Aad::from(&header), &mut p)
+            .map_err(|_| invalid("open"))?;
+        opened += 1;
+    }
+    let open_time = start.elapsed();
+    let per_byte = |t: Duration, n: u64| t.as_nanos() as f64 / (n as f64 * packet as f64);
+    Ok(CipherCost {
+        seal_ns_per_byte: per_byte(seal_time, sealed),
+        // Includes copying the packet back, as quinn's receive path copies each datagram.
+        open_ns_per_byte: per_byte(open_time, opened),
+    })
+}
+
+/// Raw quinn: `bytes` over `connections` connections from `sender` to
+/// `receiver`, each side on its own one-thread runtime (as two processes would
+/// be), with kvrail's settings: zero-copy writes, reads dropped unread. GB/s.
+pub fn raw_throughput(
+    sender: &Identity,
+    receiver: &Identity,
+    settings: &QuicSettings,
+    connections: usize,
+    bytes: u64,
+) -> io::Result<f64> {
+    let send_side = QuicTransport::new(sender, settings)?;
+    let receive_side = QuicTransport::new(receiver, settings)?;
+    let receiver_name = receiver.node().to_string();
+    let connections = connections.max(1);
+    let per_connection = bytes / connections as u64;
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+    };
+    let server_rt = runtime()?;
+    let endpoint = {
+        let _guard = server_rt.enter();
+        receive_side.settings.endpoint(
+            ([127, 0, 0, 1], 0).into(),
+            Some(receive_side.server.clone()),
+        )?
+    };
+    let addr = endpoint.local_addr()?;
+    let server = std::thread::spawn(move || {
+        server_rt.block_on(async move {
+            let mut tasks = Vec::new();
+            for _ in 0..connections {
+                let incoming = endpoint
+                    .accept()
+                    .await
+                    .ok_or_else(|| io::Error::other("endpoint closed"))?;
+                tasks.push(tokio::spawn(async move {
+                    let conn = incoming.await.map_err(io::Error::other)?;
+                    let (mut send, mut recv) = conn.accept_bi().await.map_err(io::Error::other)?;
+                    let mut n = 0u64;
+                    while let Some(chunk) = recv
+                        .read_chunk(usize::MAX, true)
+                        .await
+                        .map_err(io::Error::other)?
+                    {
+                        n += chunk.bytes.len() as u64;
+                    }
+                    send.write_all(&n.to_le_bytes())
+                        .await
+                        .map_err(io::Error::other)?;
+                    send.finish().map_err(io::Error::other)?;
+                    let _ = send.stopped().await;
+                    Ok::<_, io::Error>(())
+                }));
+            }
+            for t in tasks {
+                t.await.map_err(io::Error::other)??;
+            }
+            Ok::<_, io::Error>(())
+        })
+    });
+    let client_rt = runtime()?;
+    let elapsed = client_rt.block_on(async move {
+        let mut streams = Vec::new();
+        for _ in 0..connections {
+            let endpoint = send_side
+                .settings
+                .endpoint(SocketAddr::from(([127, 0, 0, 1], 0)), None)?;
+            let conn = endpoint
+                .connect_with(send_side.client.clone(), addr, &receiver_name)
+                .map_err(invalid)?
+                .await
+                .map_err(io::Error::other)?;
+            let (send, recv) = conn.open_bi().await.map_err(io::Error::other)?;
+            streams.push((endpoint, conn, send, recv));
+        }
+        let data = Bytes::from(vec![0x5au8; 1 << 20]);
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        for (endpoint, conn, mut send, mut recv) in streams {
+            let data = data.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut left = per_connection;
+                while left > 0 {
+                    let n = left.min(data.len() as u64) as usize;
+                    send.write_chunk(data.slice(..n))
+                        .await
+                        .map_err(io::Error::other)?;
+                    left -= n as u64;
+                }
+                send.finish().map_err(io::Error::other)?;
+                let mut count = [0u8; 8];
+                recv.read_exact(&mut count)
+                    .await
+                    .map_err(io::Error::other)?;
+                if u64::from_le_bytes(count) != per_connection {
+                    return Err(io::Error::other("the receiver counted other bytes"));
+                }
+                drop((conn, endpoint));
+                Ok::<_, io::Error>(())
+            }));
+        }
+        for t in tasks {
+            t.await.map_err(io::Error::other)??;
+        }
+        Ok::<_, io::Error>(start.elapsed())
+    })?;
+    server
+        .join()
+        .map_err(|_| io::Error::other("receiver thread panicked"))??;
+    Ok((per_connection * connections as u64) as f64 / elapsed.as_secs_f64() / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvrail_auth::generate::{self, Validity};
+    use kvrail_auth::IdentityFiles;
+
+    #[test]
+    fn the_floor_measures_something() {
+        let cost = packet_cipher_cost(6550, Duration::from_millis(20)).unwrap();
+        assert!(cost.seal_ns_per_byte > 0.0 && cost.open_ns_per_byte > 0.0);
+        let dir = tempfile::tempdir().unwrap();
+        generate::cluster(dir.path(), &["a", "b"], Validity::days(1)).unwrap();
+        let id = |n: &str| Identity::load(n, &IdentityFiles::in_dir(dir.path(), n)).unwrap();
+        let gbps =
+            raw_throughput(&id("a"), &id("b"), &QuicSettings::default(), 2, 8 << 20).unwrap();
+        assert!(gbps > 0.0);
+    }
+}

@@ -1,0 +1,96 @@
+//! CPU time from /proc: what the sidecars spend per byte they move, and how busy
+//! the whole machine was meanwhile (a point at 100% is CPU-bound, not waiting).
+
+/// Clock ticks per second of /proc's CPU times (USER_HZ, 100 on Linux).
+const TICKS_PER_S: f64 = 100.0;
+
+/// CPU counters at one instant.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuSample {
+    /// utime + stime of the watched processes, all threads.
+    process_ticks: u64,
+    /// Busy and all ticks of the machine, summed over its cores.
+    machine_busy_ticks: u64,
+    machine_ticks: u64,
+}
+
+/// CPU spent between two samples.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuUse {
+    /// The watched processes' CPU time per byte moved, in nanoseconds.
+    pub ns_per_byte: f64,
+    /// Fraction of all the machine's cores that were busy.
+    pub machine_busy: f64,
+}
+
+/// The counters now, or `None` where /proc cannot tell (then nothing is reported).
+pub fn sample(pids: &[u32]) -> Option<CpuSample> {
+    let mut process_ticks = 0;
+    for pid in pids {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the command name, which is in parentheses and may hold spaces.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of the line, 12 and 13 of `rest`.
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        process_ticks += utime + stime;
+    }
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
+    let ticks: Vec<u64> = cpu
+        .split_whitespace()
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy.
+    let machine_ticks: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some(CpuSample {
+        process_ticks,
+        machine_busy_ticks: machine_ticks - idle,
+        machine_ticks,
+    })
+}
+
+impl CpuSample {
+    /// What was spent from `earlier` to `self` while `bytes` moved.
+    pub fn since(&self, earlier: &CpuSample, bytes: u64) -> Option<CpuUse> {
+        let process = self.process_ticks.checked_sub(earlier.process_ticks)?;
+        let busy = self
+            .machine_busy_ticks
+            .checked_sub(earlier.machine_busy_ticks)?;
+        let all = self.machine_ticks.checked_sub(earlier.machine_ticks)?;
+        if bytes == 0 || all == 0 {
+            return None;
+        }
+        Some(CpuUse {
+            ns_per_byte: process as f64 / TICKS_PER_S * 1e9 / bytes as f64,
+            machine_busy: busy as f64 / all as f64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn our_own_cpu_time_is_counted() {
+        let pid = std::process::id();
+        let before = sample(&[pid]).unwrap();
+        // Burn about 50 ms of CPU (5 ticks) so the counters must move.
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < std::time::Duration::from_millis(60) {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        }
+        std::hint::black_box(x);
+        let after = sample(&[pid]).unwrap();
+        let used = after.since(&before, 1_000_000).unwrap();
+        assert!(used.ns_per_byte > 0.0, "{used:?}");
+        assert!(
+            used.machine_busy > 0.0 && used.machine_busy <= 1.0,
+            "{used:?}"
+        );
+    }
+}
