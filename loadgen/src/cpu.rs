@@ -1,7 +1,9 @@
 //! CPU time from /proc: what the sidecars spend per byte they move, and how busy
 //! the whole machine was meanwhile (a point at 100% is CPU-bound, not waiting).
 
-/// Clock ticks per second of /proc's CPU times (USER_HZ, 100 on Linux).
+/// Clock ticks per second of /proc's CPU times: USER_HZ, which Linux fixes at
+/// 100 in its user ABI on every architecture kvrail runs on (whatever the
+/// kernel's internal HZ), so no `sysconf` call (and no `unsafe`) is needed.
 const TICKS_PER_S: f64 = 100.0;
 
 /// CPU counters at one instant.
@@ -29,7 +31,7 @@ pub fn sample(pids: &[u32]) -> Option<CpuSample> {
     for pid in pids {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
         // Fields after the command name, which is in parentheses and may hold spaces.
-        let rest = &stat[stat.rfind(')')? + 2..];
+        let rest = stat.get(stat.rfind(')')? + 2..)?;
         let fields: Vec<&str> = rest.split_whitespace().collect();
         // utime and stime are fields 14 and 15 of the line, 12 and 13 of `rest`.
         let utime: u64 = fields.get(11)?.parse().ok()?;
@@ -50,6 +52,22 @@ pub fn sample(pids: &[u32]) -> Option<CpuSample> {
         machine_busy_ticks: machine_ticks - idle,
         machine_ticks,
     })
+}
+
+/// What `pids` spent from `before` to now while `bytes` moved.
+pub fn since(before: Option<CpuSample>, pids: &[u32], bytes: u64) -> Option<CpuUse> {
+    sample(pids)?.since(&before?, bytes)
+}
+
+impl std::fmt::Display for CpuUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cpu {:.2} ns/B, busy {:.0}%",
+            self.ns_per_byte,
+            self.machine_busy * 100.0
+        )
+    }
 }
 
 impl CpuSample {

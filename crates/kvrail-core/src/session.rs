@@ -109,7 +109,8 @@ pub enum TransferKind {
 }
 
 impl TransferKind {
-    fn sends_data(self) -> bool {
+    /// Whether this side reads its region and sends the bytes.
+    pub fn sends_data(self) -> bool {
         matches!(self, TransferKind::Push | TransferKind::PullServe)
     }
 }

@@ -9,9 +9,11 @@
 //! dialed, and the acceptor gets the client's certificate in
 //! [`Connection::peer_certificate`] to check against the name in its hello.
 
+use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -23,7 +25,7 @@ use kvrail_transport::{Connection, FrameReader, FrameWriter, Listener, Transport
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{MtuDiscoveryConfig, TransportConfig, VarInt};
 use tokio::sync::mpsc;
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// QUIC tuning; see README "Configuration" for the measured defaults.
 #[derive(Debug, Clone)]
@@ -49,6 +51,11 @@ pub struct QuicSettings {
     /// the kernel's default (208 KiB) drops bursts a busy receiver cannot read
     /// in time, and every drop halves the congestion window.
     pub socket_buffer: usize,
+    /// kvrail connections carried as streams of one QUIC connection before the
+    /// next dial opens another QUIC connection. One QUIC connection's packets
+    /// and crypto run in one task, so throughput comes from connections; streams
+    /// save handshakes and sockets where many kvrail connections are wanted.
+    pub streams_per_connection: usize,
 }
 
 impl Default for QuicSettings {
@@ -62,6 +69,7 @@ impl Default for QuicSettings {
             gso: true,
             idle_timeout: Duration::from_secs(10),
             socket_buffer: 4 << 20,
+            streams_per_connection: 1,
         }
     }
 }
@@ -77,7 +85,7 @@ impl QuicSettings {
         t.stream_receive_window(var(self.stream_window)?)
             .receive_window(var(self.connection_window)?)
             .send_window(self.send_window)
-            .max_concurrent_bidi_streams(VarInt::from_u32(4))
+            .max_concurrent_bidi_streams(VarInt::from_u32(MAX_STREAMS_PER_CONNECTION))
             .max_concurrent_uni_streams(VarInt::from_u32(0))
             .enable_segmentation_offload(self.gso)
             .keep_alive_interval(Some(self.idle_timeout / 3))
@@ -118,9 +126,21 @@ impl QuicSettings {
         };
         let socket =
             socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
-        // Best effort: the kernel caps both at its maximums rather than failing.
+        // The kernel caps both at net.core.{r,w}mem_max instead of failing; say
+        // so once, since small buffers cost throughput (docs/quic.md).
         socket.set_recv_buffer_size(self.socket_buffer)?;
         socket.set_send_buffer_size(self.socket_buffer)?;
+        let granted = socket.recv_buffer_size()?.min(socket.send_buffer_size()?);
+        if granted < self.socket_buffer {
+            static SMALL_BUFFERS: std::sync::Once = std::sync::Once::new();
+            SMALL_BUFFERS.call_once(|| {
+                warn!(
+                    requested = self.socket_buffer,
+                    granted,
+                    "QUIC socket buffers capped by the kernel: raise net.core.rmem_max and net.core.wmem_max"
+                );
+            });
+        }
         socket.bind(&addr.into())?;
         quinn::Endpoint::new(
             self.endpoint_config()?,
@@ -131,11 +151,31 @@ impl QuicSettings {
     }
 }
 
+/// Most kvrail connections one QUIC connection carries (the concurrent
+/// bidirectional streams each side allows its peer).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+
 /// The QUIC transport of one node.
 pub struct QuicTransport {
     server: quinn::ServerConfig,
     client: quinn::ClientConfig,
     settings: QuicSettings,
+    /// QUIC connections we dialed that still have room for streams, per
+    /// (local address, remote address, peer name).
+    dialed: Mutex<HashMap<DialKey, Vec<Dialed>>>,
+}
+
+type DialKey = (Option<SocketAddr>, SocketAddr, String);
+
+/// A dialed QUIC connection whose streams carry kvrail connections.
+struct Dialed {
+    conn: quinn::Connection,
+    endpoint: quinn::Endpoint,
+    streams: usize,
+    /// Set when one of its kvrail connections is dropped: kvrail drops a
+    /// connection only when it failed or shuts down, so no new stream may join
+    /// a QUIC connection whose path may be dead.
+    retired: Arc<AtomicBool>,
 }
 
 fn invalid(e: impl std::fmt::Display) -> io::Error {
@@ -160,6 +200,7 @@ impl QuicTransport {
             server,
             client,
             settings: settings.clone(),
+            dialed: Mutex::new(HashMap::new()),
         })
     }
 }
@@ -169,6 +210,7 @@ fn connection(
     endpoint: Option<quinn::Endpoint>,
     send: quinn::SendStream,
     recv: quinn::RecvStream,
+    retired: Option<Arc<AtomicBool>>,
 ) -> Connection {
     let peer_certificate = conn
         .peer_identity()
@@ -181,6 +223,7 @@ fn connection(
         reader: Box::new(QuicFrameReader { recv }),
         writer: Box::new(QuicFrameWriter {
             send,
+            retired,
             _conn: conn,
             _endpoint: endpoint,
         }),
@@ -219,7 +262,30 @@ impl Transport for QuicTransport {
                 SocketAddr::from(([0u16; 8], 0))
             }
         });
-        // One endpoint (UDP socket and driver task) per connection: see the module doc.
+        let key = (local, remote, peer.to_string());
+        let max_streams = self
+            .settings
+            .streams_per_connection
+            .clamp(1, MAX_STREAMS_PER_CONNECTION as usize);
+        // A stream on a QUIC connection we already have, while it has room.
+        let reuse = {
+            let mut dialed = self.lock_dialed();
+            let list = dialed.entry(key.clone()).or_default();
+            list.retain(|d| {
+                d.streams < max_streams
+                    && !d.retired.load(Ordering::Relaxed)
+                    && d.conn.close_reason().is_none()
+            });
+            list.first_mut().map(|d| {
+                d.streams += 1;
+                (d.conn.clone(), d.endpoint.clone(), d.retired.clone())
+            })
+        };
+        if let Some((conn, endpoint, retired)) = reuse {
+            let (send, recv) = conn.open_bi().await.map_err(|e| handshake_error(&e))?;
+            return Ok(connection(conn, Some(endpoint), send, recv, Some(retired)));
+        }
+        // One endpoint (UDP socket and driver task) per QUIC connection: see the module doc.
         let endpoint = self.settings.endpoint(bind, None)?;
         let conn = endpoint
             .connect_with(self.client.clone(), remote, peer)
@@ -228,7 +294,23 @@ impl Transport for QuicTransport {
             .map_err(|e| handshake_error(&e))?;
         // The server may refuse our certificate only now (TLS 1.3 client auth).
         let (send, recv) = conn.open_bi().await.map_err(|e| handshake_error(&e))?;
-        Ok(connection(conn, Some(endpoint), send, recv))
+        let retired = Arc::new(AtomicBool::new(false));
+        if max_streams > 1 {
+            self.lock_dialed().entry(key).or_default().push(Dialed {
+                conn: conn.clone(),
+                endpoint: endpoint.clone(),
+                streams: 1,
+                retired: retired.clone(),
+            });
+        }
+        Ok(connection(conn, Some(endpoint), send, recv, Some(retired)))
+    }
+}
+
+impl QuicTransport {
+    fn lock_dialed(&self) -> std::sync::MutexGuard<'_, HashMap<DialKey, Vec<Dialed>>> {
+        // The map holds no invariant a panicking holder could break halfway.
+        self.dialed.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -264,24 +346,42 @@ async fn accept_incoming(
         let tx = tx.clone();
         tokio::spawn(async move {
             let from = incoming.remote_address();
-            let result = async {
-                let conn = incoming.await.map_err(|e| {
-                    io::Error::new(
+            let conn = match incoming.await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    let refused = io::Error::new(
                         io::ErrorKind::PermissionDenied,
                         format!("from {from}: {}", describe(&e)),
-                    )
-                })?;
-                let (send, recv) = conn.accept_bi().await.map_err(|e| {
-                    io::Error::new(
+                    );
+                    if tx.send(Err(refused)).await.is_err() {
+                        debug!("QUIC listener closed while a handshake finished");
+                    }
+                    return;
+                }
+            };
+            // Every stream the dialer opens is one kvrail connection.
+            let mut streams = 0u64;
+            loop {
+                let result = match conn.accept_bi().await {
+                    Ok((send, recv)) => {
+                        streams += 1;
+                        Ok((connection(conn.clone(), None, send, recv, None), from))
+                    }
+                    // The connection ended after carrying streams: nothing to report.
+                    Err(_) if streams > 0 => return,
+                    Err(e) => Err(io::Error::new(
                         io::ErrorKind::ConnectionAborted,
                         format!("from {from}: no stream opened: {e}"),
-                    )
-                })?;
-                Ok((connection(conn, None, send, recv), from))
-            }
-            .await;
-            if tx.send(result).await.is_err() {
-                debug!("QUIC listener closed while a handshake finished");
+                    )),
+                };
+                let failed = result.is_err();
+                if tx.send(result).await.is_err() {
+                    debug!("QUIC listener closed while a connection was accepted");
+                    return;
+                }
+                if failed {
+                    return;
+                }
             }
         });
     }
@@ -310,9 +410,22 @@ impl Listener for QuicListener {
 
 struct QuicFrameWriter {
     send: quinn::SendStream,
+    retired: Option<Arc<AtomicBool>>,
     // The connection and the dialer's endpoint live as long as the writer.
     _conn: quinn::Connection,
     _endpoint: Option<quinn::Endpoint>,
+}
+
+/// kvrail drops a connection when it failed or the link closes: the stream is
+/// reset, so quinn discards what it still holds (zero-copy views of worker
+/// memory included) instead of sending it to a peer that no longer wants it.
+impl Drop for QuicFrameWriter {
+    fn drop(&mut self) {
+        let _ = self.send.reset(VarInt::from_u32(0));
+        if let Some(r) = &self.retired {
+            r.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 fn write_error(e: quinn::WriteError) -> io::Error {
@@ -333,6 +446,13 @@ impl FrameWriter for QuicFrameWriter {
 
     fn takes_owned_payload(&self) -> bool {
         true
+    }
+
+    async fn close(&mut self) -> io::Result<()> {
+        self.send.finish().map_err(io::Error::other)?;
+        // Until the peer acknowledged everything (or stopped reading), briefly.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.send.stopped()).await;
+        Ok(())
     }
 
     /// quinn keeps the chunks in its send buffer and encrypts packets straight
@@ -477,16 +597,62 @@ mod tests {
         send.write_all(&vec![1u8; 8 << 20]).await.unwrap();
         send.finish().unwrap();
         let (server_conn, _server) = accept.await.unwrap();
-        assert_eq!(
-            conn.stats().path.current_mtu,
-            settings.max_udp_payload,
-            "the client's path MTU"
+        // Loopback carries any size, so discovery climbs past Ethernet's 1472
+        // towards the cap (reaching it exactly takes a few more probes).
+        for (side, mtu) in [
+            ("client", conn.stats().path.current_mtu),
+            ("server", server_conn.stats().path.current_mtu),
+        ] {
+            assert!(
+                mtu > 1472 && mtu <= settings.max_udp_payload,
+                "the {side}'s path MTU is {mtu}"
+            );
+        }
+    }
+
+    /// With room for 3 streams, three dials share one QUIC connection (one UDP
+    /// socket: the acceptor sees one source address) and each stream carries
+    /// its own frames; the fourth dial opens a second QUIC connection, and once
+    /// a kvrail connection is dropped (it failed), its QUIC connection takes no
+    /// new stream.
+    #[tokio::test]
+    async fn kvrail_connections_share_a_quic_connection_as_streams() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = QuicSettings {
+            streams_per_connection: 3,
+            ..QuicSettings::default()
+        };
+        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
+        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut dial = async |tag: u8| {
+            let mut c = a.connect(None, addr, "b").await.unwrap();
+            // The acceptor sees a stream once the dialer writes on it.
+            c.writer.write_control(&[tag; 3]).await.unwrap();
+            let (mut s, from) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 3];
+            s.reader.read_exact(&mut buf).await.unwrap();
+            assert_eq!(buf, [tag; 3], "stream {tag} carries its own bytes");
+            kvrail_auth::check_name(s.peer_certificate.as_ref().unwrap(), "a").unwrap();
+            (c, s, from)
+        };
+        let first = [dial(1).await, dial(2).await, dial(3).await];
+        assert!(first.iter().all(|(_, _, from)| *from == first[0].2));
+        let fourth = dial(4).await;
+        assert_ne!(
+            fourth.2, first[0].2,
+            "a full QUIC connection takes no more streams"
         );
-        assert_eq!(
-            server_conn.stats().path.current_mtu,
-            settings.max_udp_payload,
-            "the server's path MTU"
+        let fifth = dial(5).await;
+        assert_eq!(fifth.2, fourth.2, "room left on the second one");
+        drop(fourth);
+        let sixth = dial(6).await;
+        assert_ne!(
+            sixth.2, fifth.2,
+            "a QUIC connection with a dropped stream is retired"
         );
+        assert_ne!(sixth.2, first[0].2);
     }
 
     #[tokio::test]

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvrail_auth::Identity;
+use quinn::VarInt;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM};
 
 use crate::{invalid, QuicSettings, QuicTransport};
@@ -17,7 +18,10 @@ use crate::{invalid, QuicSettings, QuicTransport};
 /// on one core: sealing on the sender, opening on the receiver.
 #[derive(Debug, Clone, Copy)]
 pub struct CipherCost {
+    /// Encrypting, per payload byte.
     pub seal_ns_per_byte: f64,
+    /// Decrypting, per payload byte (with a copy of the packet, as quinn's
+    /// receive path copies each datagram).
     pub open_ns_per_byte: f64,
 }
 
@@ -74,14 +78,14 @@ pub fn packet_cipher_cost(packet: usize, budget: Duration) -> io::Result<CipherC
 
 /// Raw quinn: `bytes` over `connections` connections from `sender` to
 /// `receiver`, each side on its own one-thread runtime (as two processes would
-/// be), with kvrail's settings: zero-copy writes, reads dropped unread. GB/s.
+/// be), with kvrail's settings: zero-copy writes, reads dropped unread.
 pub fn raw_throughput(
     sender: &Identity,
     receiver: &Identity,
     settings: &QuicSettings,
     connections: usize,
     bytes: u64,
-) -> io::Result<f64> {
+) -> io::Result<RawThroughput> {
     let send_side = QuicTransport::new(sender, settings)?;
     let receive_side = QuicTransport::new(receiver, settings)?;
     let receiver_name = receiver.node().to_string();
@@ -102,6 +106,7 @@ pub fn raw_throughput(
         )?
     };
     let addr = endpoint.local_addr()?;
+    let server_endpoint = endpoint.clone();
     let server = std::thread::spawn(move || {
         server_rt.block_on(async move {
             let mut tasks = Vec::new();
@@ -136,7 +141,7 @@ pub fn raw_throughput(
         })
     });
     let client_rt = runtime()?;
-    let elapsed = client_rt.block_on(async move {
+    let sent = client_rt.block_on(async move {
         let mut streams = Vec::new();
         for _ in 0..connections {
             let endpoint = send_side
@@ -180,11 +185,33 @@ pub fn raw_throughput(
             t.await.map_err(io::Error::other)??;
         }
         Ok::<_, io::Error>(start.elapsed())
-    })?;
-    server
+    });
+    if sent.is_err() {
+        // The receiver may still wait for connections that will never come.
+        server_endpoint.close(VarInt::from_u32(0), b"probe failed");
+    }
+    let received = server
         .join()
-        .map_err(|_| io::Error::other("receiver thread panicked"))??;
-    Ok((per_connection * connections as u64) as f64 / elapsed.as_secs_f64() / 1e9)
+        .map_err(|_| io::Error::other("receiver thread panicked"));
+    let elapsed = sent?;
+    received??;
+    Ok(RawThroughput {
+        bytes: per_connection * connections as u64,
+        elapsed,
+    })
+}
+
+/// What [`raw_throughput`] moved, and how long it took.
+#[derive(Debug, Clone, Copy)]
+pub struct RawThroughput {
+    pub bytes: u64,
+    pub elapsed: Duration,
+}
+
+impl RawThroughput {
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
 }
 
 #[cfg(test)]
@@ -200,8 +227,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         generate::cluster(dir.path(), &["a", "b"], Validity::days(1)).unwrap();
         let id = |n: &str| Identity::load(n, &IdentityFiles::in_dir(dir.path(), n)).unwrap();
-        let gbps =
-            raw_throughput(&id("a"), &id("b"), &QuicSettings::default(), 2, 8 << 20).unwrap();
-        assert!(gbps > 0.0);
+        let raw = raw_throughput(&id("a"), &id("b"), &QuicSettings::default(), 2, 8 << 20).unwrap();
+        assert_eq!(raw.bytes, 8 << 20);
+        assert!(raw.gbps() > 0.0);
+        // A receiver that is not ours: the client fails and the receiver thread
+        // is closed and joined instead of waiting for connections for ever.
+        let other = tempfile::tempdir().unwrap();
+        generate::cluster(other.path(), &["b"], Validity::days(1)).unwrap();
+        let stranger = Identity::load("b", &IdentityFiles::in_dir(other.path(), "b")).unwrap();
+        assert!(raw_throughput(&id("a"), &stranger, &QuicSettings::default(), 1, 1 << 20).is_err());
     }
 }

@@ -14,7 +14,11 @@
 //! aliasing rules cannot be enforced across it. kvrail's protocol keeps writers
 //! apart instead: a transfer writes only the destination blocks it was granted,
 //! never the same block twice (the core rejects overlapping destinations), and
-//! the worker does not touch those blocks until it is notified.
+//! the worker does not touch those blocks until it is notified. Source blocks
+//! are read until the sender is done with them, which for a zero-copy sender
+//! ([`SharedRegion::shared_bytes`]) is after the write returned: the worker
+//! leaves them unchanged until it is told the transfer ended, and the sidecar
+//! says so only once no view of them is held.
 
 use std::fs::{File, OpenOptions};
 use std::io::{IoSlice, IoSliceMut};
@@ -57,18 +61,22 @@ pub enum ShmError {
     },
 }
 
-/// A bounds-checked range of a mapping, owning a reference to it.
-struct MappedRange {
+/// A bounds-checked range of a mapping, owning a reference to it and whatever
+/// the caller wants released only with the view.
+struct MappedRange<K> {
     region: Arc<SharedRegion>,
     offset: usize,
     len: usize,
+    _keep: K,
 }
 
-impl AsRef<[u8]> for MappedRange {
+impl<K> AsRef<[u8]> for MappedRange<K> {
     fn as_ref(&self) -> &[u8] {
         // SAFETY: `shared_bytes` checked the range against the mapping, which the
         // `Arc` keeps mapped as long as this view; the bytes are plain data that
-        // any pattern may hold (module docs: the protocol keeps writers apart).
+        // any pattern may hold. The worker leaves source blocks alone until it
+        // is told the transfer ended, and the sidecar tells it only after every
+        // view of the transfer is dropped (`_keep`); see the module docs.
         unsafe { std::slice::from_raw_parts(self.region.map.as_ptr().add(self.offset), self.len) }
     }
 }
@@ -184,12 +192,20 @@ impl SharedRegion {
 
     /// `(offset, len)` as [`Bytes`] that keep the mapping alive, for senders that
     /// hold payload until the peer acknowledges it (QUIC) instead of copying it.
-    pub fn shared_bytes(self: &Arc<Self>, offset: u64, len: u64) -> Result<Bytes, ShmError> {
+    /// `keep` is dropped with the last clone of the view: a token saying when
+    /// the sender has let go of these bytes.
+    pub fn shared_bytes<K: Send + Sync + 'static>(
+        self: &Arc<Self>,
+        offset: u64,
+        len: u64,
+        keep: K,
+    ) -> Result<Bytes, ShmError> {
         self.check(offset, len)?;
         Ok(Bytes::from_owner(MappedRange {
             region: self.clone(),
             offset: offset as usize,
             len: len as usize,
+            _keep: keep,
         }))
     }
 
@@ -288,15 +304,21 @@ mod tests {
         let worker = SharedRegion::create(&path, 8192).unwrap();
         let sidecar = Arc::new(SharedRegion::open(&path).unwrap());
         worker.write_at(4096, b"block").unwrap();
-        let view = sidecar.shared_bytes(4096, 5).unwrap();
+        let token = Arc::new(());
+        let view = sidecar.shared_bytes(4096, 5, token.clone()).unwrap();
         assert!(matches!(
-            sidecar.shared_bytes(8190, 5),
+            sidecar.shared_bytes(8190, 5, ()),
             Err(ShmError::OutOfBounds { .. })
         ));
-        assert!(sidecar.shared_bytes(u64::MAX, 2).is_err());
+        assert!(sidecar.shared_bytes(u64::MAX, 2, ()).is_err());
         // The sender may hold the view after the region is unregistered.
         drop(sidecar);
         assert_eq!(&view[..], b"block");
+        let tail = view.slice(1..);
+        drop(view);
+        assert_eq!(Arc::strong_count(&token), 2, "a slice keeps the token");
+        drop(tail);
+        assert_eq!(Arc::strong_count(&token), 1, "the last view released it");
     }
 
     #[test]

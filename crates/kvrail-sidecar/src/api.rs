@@ -341,6 +341,9 @@ impl Sidecar for Api {
             Err(UnregisterError::InUse) => Err(Status::failed_precondition(format!(
                 "region {id} has transfers in flight; cancel or wait for them first"
             ))),
+            Err(UnregisterError::Held) => Err(Status::failed_precondition(format!(
+                "region {id}: a sender still holds bytes of a transfer whose end was not reported yet; wait for its notification"
+            ))),
         }
     }
 

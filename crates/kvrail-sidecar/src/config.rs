@@ -85,6 +85,9 @@ pub struct Config {
     /// QUIC: UDP socket send and receive buffer size (the kernel caps it at
     /// `net.core.wmem_max` / `rmem_max`).
     pub quic_socket_buffer: usize,
+    /// QUIC: kvrail connections (of `connections_per_rail`) carried as streams
+    /// of one QUIC connection; 1 gives each its own QUIC connection and CPU task.
+    pub quic_streams_per_connection: usize,
 }
 
 impl Default for Config {
@@ -123,6 +126,7 @@ impl Default for Config {
             quic_send_window: 64 << 20,
             quic_gso: true,
             quic_socket_buffer: 4 << 20,
+            quic_streams_per_connection: 1,
         }
     }
 }
@@ -234,6 +238,11 @@ impl Config {
         if self.transports.iter().any(|t| t == "quic") && self.tls_dir.is_none() {
             return bad("quic needs tls_dir with the cluster's certificates (kvrail certs), or leave quic out of transports");
         }
+        if self.quic_streams_per_connection == 0
+            || self.quic_streams_per_connection > kvrail_quic::MAX_STREAMS_PER_CONNECTION as usize
+        {
+            return bad("quic_streams_per_connection must be 1 to 64");
+        }
         if self.quic_max_udp_payload < 1200 {
             return bad("quic_max_udp_payload must be at least 1200");
         }
@@ -261,6 +270,7 @@ impl Config {
             send_window: self.quic_send_window,
             gso: self.quic_gso,
             socket_buffer: self.quic_socket_buffer,
+            streams_per_connection: self.quic_streams_per_connection,
             ..Default::default()
         }
     }

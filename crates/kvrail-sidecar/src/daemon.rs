@@ -78,6 +78,8 @@ pub enum UnregisterError {
     Unknown,
     #[error("region has transfers in flight")]
     InUse,
+    #[error("region's bytes are still held by a sender (try again shortly)")]
+    Held,
 }
 
 impl Shared {
@@ -138,6 +140,15 @@ impl Shared {
         }
         if self.region_in_use(id) {
             return Err(UnregisterError::InUse);
+        }
+        if self.registry.get(id).is_some_and(|r| {
+            r.memory
+                .shared_host()
+                .is_some_and(|m| Arc::strong_count(m) > 1)
+        }) {
+            // A zero-copy writer still holds views of it; the worker could
+            // truncate the file under them once it is unregistered.
+            return Err(UnregisterError::Held);
         }
         self.rdma.unregister_region(id);
         self.registry.remove(id);
@@ -675,6 +686,7 @@ impl Shared {
             .writer
             .write_control(&wire::encode_control(&abort))
             .await;
+        let _ = conn.writer.close().await;
     }
 
     /// Routes a session event to the transfer table and the right worker.
@@ -977,7 +989,7 @@ pub fn watch_worker(shared: &Arc<Shared>, pid: i32) {
             for id in shared.registry.owned_by(pid) {
                 match shared.unregister_region(id) {
                     Ok(()) => info!(pid, region = id, "worker exited: region unregistered"),
-                    Err(UnregisterError::InUse) => busy += 1,
+                    Err(UnregisterError::InUse | UnregisterError::Held) => busy += 1,
                     Err(UnregisterError::Unknown) => {}
                 }
             }

@@ -8,6 +8,7 @@ pub mod api;
 pub mod config;
 pub mod daemon;
 pub mod gpu;
+pub mod held;
 pub mod metrics;
 pub mod notify;
 pub mod peer;
@@ -79,6 +80,9 @@ pub struct ServeArgs {
     /// QUIC: UDP payload connections start with (default 1200; see docs/quic.md).
     #[arg(long)]
     pub quic_initial_mtu: Option<u16>,
+    /// QUIC: kvrail connections per QUIC connection, as streams (default 1).
+    #[arg(long)]
+    pub quic_streams_per_connection: Option<usize>,
     /// GPU regions: slices each connection stages ahead of the one it sends (default 3).
     #[arg(long)]
     pub gpu_stage_depth: Option<usize>,
@@ -143,6 +147,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.quic_initial_mtu {
             c.quic_initial_mtu = v;
+        }
+        if let Some(v) = self.quic_streams_per_connection {
+            c.quic_streams_per_connection = v;
         }
         if let Some(v) = self.gpu_stage_depth {
             c.gpu_stage_depth = v;

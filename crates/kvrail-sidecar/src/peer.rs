@@ -26,6 +26,7 @@ use tracing::{debug, info, warn};
 use crate::config::PeerConfig;
 use crate::daemon::Shared;
 use crate::gpu;
+use crate::held::{HeldPayload, ViewToken};
 use crate::metrics as m;
 use crate::rdma::{self, OneSidedWork};
 use crate::regions::{Region, RegionMemory};
@@ -40,6 +41,8 @@ enum Outgoing {
         region: Arc<Region>,
         pieces: Vec<(u64, u64)>,
         len: u64,
+        /// Held until the writer is done with the payload (see `held`).
+        hold: ViewToken,
     },
 }
 
@@ -106,6 +109,8 @@ pub struct PeerLink {
     timer: Notify,
     shared: Weak<Shared>,
     me: Weak<PeerLink>,
+    /// Payload of this link's sending transfers still queued or held by a writer.
+    held: HeldPayload,
 }
 
 /// How often the estimated-throughput gauges are refreshed.
@@ -136,6 +141,7 @@ impl PeerLink {
             timer: Notify::new(),
             shared: Arc::downgrade(shared),
             me: me.clone(),
+            held: HeldPayload::default(),
         });
         tokio::spawn(timer_task(Arc::downgrade(&link)));
         link
@@ -177,6 +183,31 @@ impl PeerLink {
     /// The rail a connection belongs to (0 once it is gone).
     pub fn rail_of(&self, conn: ConnId) -> RailId {
         self.lock().conns.get(conn).map_or(0, |c| c.rail)
+    }
+
+    /// Hands a transfer's end to the daemon; the end of a sending transfer waits
+    /// until its writers let go of its payload (see `held`).
+    fn deliver(&self, shared: &Arc<Shared>, ev: Event) {
+        let sending_end = match &ev {
+            Event::Done {
+                transfer_id, kind, ..
+            }
+            | Event::Failed {
+                transfer_id, kind, ..
+            } if kind.sends_data() => Some(*transfer_id),
+            _ => None,
+        };
+        let Some(views) = sending_end.and_then(|id| self.held.ended(id)) else {
+            shared.on_event(&self.peer, ev);
+            return;
+        };
+        let (shared, peer) = (shared.clone(), self.peer.clone());
+        tokio::spawn(async move {
+            if !views.released(HELD_PAYLOAD_LIMIT).await {
+                warn!(%peer, "a writer still holds a finished transfer's payload; telling the worker anyway");
+            }
+            shared.on_event(&peer, ev);
+        });
     }
 
     /// Wakes the timer after a change that may move the next deadline.
@@ -243,6 +274,7 @@ impl PeerLink {
                             region,
                             pieces,
                             len: u64::from(len),
+                            hold: self.held.token(header.transfer_id),
                         },
                     )
                 }
@@ -255,7 +287,7 @@ impl PeerLink {
         while let Some(ev) = st.session.poll_event() {
             match ev {
                 Event::Rail(change) => self.on_rail_change(st, change),
-                ev => shared.on_event(&self.peer, ev),
+                ev => self.deliver(&shared, ev),
             }
         }
         // Refresh periodically, and at once when a rail appears.
@@ -621,6 +653,11 @@ const WRITE_BATCH_BYTES: u64 = 4 << 20;
 /// A connection's slot and generation.
 pub type ConnKey = (ConnId, u64);
 
+/// Longest a transfer's end waits for its payload to be let go: quinn keeps
+/// views until they are acknowledged or its connection is dropped, which the
+/// rail-stall timers bound well below this.
+const HELD_PAYLOAD_LIMIT: Duration = Duration::from_secs(30);
+
 /// How long the peer may take to answer an RdmaConnect.
 const RDMA_SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -659,12 +696,15 @@ async fn writer_task(
             }
         }
         let result = match queue.pop_front() {
+            // A staged slice's hold goes once its device copy is done: the pinned
+            // buffer is ours.
             Some(Queued::Staging {
                 header,
                 transfer_id,
                 len,
                 device,
                 copy,
+                ..
             }) => {
                 staging -= 1;
                 let mut staged = vec![(header, transfer_id, len, copy.await)];
@@ -750,6 +790,8 @@ enum Queued {
         len: usize,
         device: Arc<gpu::GpuDevice>,
         copy: oneshot::Receiver<CopyDone>,
+        /// The device copy reads the worker's GPU memory until it completes.
+        _hold: ViewToken,
     },
 }
 
@@ -763,6 +805,7 @@ impl PeerLink {
             region,
             pieces,
             len,
+            hold,
         } = out
         else {
             queue.push_back(Queued::Ready(out));
@@ -775,6 +818,7 @@ impl PeerLink {
                 region,
                 pieces,
                 len,
+                hold,
             }));
             return 0;
         };
@@ -795,6 +839,7 @@ impl PeerLink {
                     len: len as usize,
                     device: g.device.clone(),
                     copy,
+                    _hold: hold,
                 });
                 1
             }
@@ -910,6 +955,7 @@ fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
                 header,
                 region,
                 pieces,
+                hold,
                 ..
             } => {
                 let Some(host) = region.memory.shared_host() else {
@@ -922,7 +968,7 @@ fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
                             chunks.push(small.split().freeze());
                         }
                         chunks.push(
-                            host.shared_bytes(offset, len)
+                            host.shared_bytes(offset, len, hold.clone())
                                 .map_err(std::io::Error::other)?,
                         );
                     } else {

@@ -79,6 +79,12 @@ pub trait FrameWriter: Send {
         self.write_all_vectored(&mut bufs).await
     }
 
+    /// Delivers what was written before the connection is dropped (a last
+    /// message such as a refusal): dropping a writer may discard unsent bytes.
+    async fn close(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
     /// Writes an encoded control frame (header included).
     async fn write_control(&mut self, frame: &[u8]) -> io::Result<()> {
         self.write_all_vectored(&mut [IoSlice::new(frame)]).await
