@@ -932,15 +932,21 @@ async fn write_batch(writer: &mut dyn FrameWriter, batch: &[Outgoing]) -> std::i
                 pieces,
                 ..
             } => {
-                let Some(host) = region.memory.host() else {
-                    return Err(std::io::Error::other("a GPU slice was not staged"));
-                };
+                let host = staged_host(region)?;
                 bufs.push(IoSlice::new(header));
                 bufs.extend(host.io_slices(pieces).map_err(std::io::Error::other)?);
             }
         }
     }
     writer.write_all_vectored(&mut bufs).await
+}
+
+/// The host memory a ready slice is sent from (GPU slices go through staging).
+fn staged_host(region: &Region) -> std::io::Result<&Arc<kvrail_shm::SharedRegion>> {
+    region
+        .memory
+        .shared_host()
+        .ok_or_else(|| std::io::Error::other("a GPU slice was not staged"))
 }
 
 /// The batch as chunks a zero-copy writer may keep: large payload pieces as
@@ -958,9 +964,7 @@ fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
                 hold,
                 ..
             } => {
-                let Some(host) = region.memory.shared_host() else {
-                    return Err(std::io::Error::other("a GPU slice was not staged"));
-                };
+                let host = staged_host(region)?;
                 small.extend_from_slice(header);
                 for &(offset, len) in pieces {
                     if len >= ZERO_COPY_MIN {
