@@ -227,7 +227,13 @@ impl Setup {
             .wait(id, Some(Duration::from_secs(120)))
             .await
             .unwrap();
-        assert_eq!(s.state, TransferState::Done as i32, "{s:?}");
+        assert_eq!(
+            s.state,
+            TransferState::Done as i32,
+            "{s:?}\n--- prefill log (tail) ---\n{}\n--- decode log (tail) ---\n{}",
+            tail(&self.pair.prefill.log(), 60),
+            tail(&self.pair.decode.log(), 60)
+        );
     }
 
     fn rdma_bytes(&self, rail: &str) -> f64 {
@@ -619,4 +625,10 @@ impl Cutter {
     fn finish(mut self) {
         assert!(self.0.wait().unwrap().success(), "cut command failed");
     }
+}
+
+/// The last `n` lines of a log, for failure messages.
+fn tail(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
