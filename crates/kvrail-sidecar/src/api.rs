@@ -342,7 +342,7 @@ impl Sidecar for Api {
                 "region {id} has transfers in flight; cancel or wait for them first"
             ))),
             Err(UnregisterError::Held) => Err(Status::failed_precondition(format!(
-                "region {id}: a sender still holds bytes of a transfer whose end was not reported yet; wait for its notification"
+                "region {id}: a sender still holds bytes of it that the peer has not acknowledged (a failed transfer); try again shortly"
             ))),
         }
     }

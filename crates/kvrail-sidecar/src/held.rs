@@ -4,13 +4,15 @@
 //! hands quinn views of the worker's memory, which it reads whenever it builds
 //! (or rebuilds) packets, until the peer acknowledges them. So every queued
 //! slice carries a [`ViewToken`] of its transfer, kept until the writer is done
-//! with the bytes (written, or acknowledged for zero-copy), and the end of a
-//! sending transfer (done or failed) reaches its worker only once every token is
-//! gone: the worker may then reuse its blocks without tearing what is still on
-//! the wire. A failed connection resets its streams, so the wait stays short.
+//! with the bytes (written, or acknowledged for zero-copy). A sending transfer
+//! that completed reaches its worker only once every token is gone (at most an
+//! acknowledgement's delay: the peer already has every byte), so the worker may
+//! unregister or rewrite the blocks at once. A failed one is reported at once,
+//! since its peer may be stalled for good; its slices still queued are dropped
+//! unsent instead ([`ViewToken::abandoned`]), and the peer is told to abort.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,6 +23,8 @@ use tokio::sync::Notify;
 pub struct HeldViews {
     live: AtomicUsize,
     released: Notify,
+    /// The transfer failed: whatever of it is not on the wire yet stays off it.
+    abandoned: AtomicBool,
 }
 
 impl HeldViews {
@@ -52,6 +56,11 @@ impl ViewToken {
     fn new(views: &Arc<HeldViews>) -> ViewToken {
         views.live.fetch_add(1, Ordering::AcqRel);
         ViewToken(views.clone())
+    }
+
+    /// Whether the transfer failed, so its slice must not be sent any more.
+    pub fn abandoned(&self) -> bool {
+        self.0.abandoned.load(Ordering::Acquire)
     }
 }
 
@@ -86,12 +95,19 @@ impl HeldPayload {
         ViewToken::new(self.lock().entry(transfer_id).or_default())
     }
 
-    /// The transfer ended: its views, if any slice of it is still held. No slice
-    /// of an ended transfer is queued any more, so the entry can go.
-    pub fn ended(&self, transfer_id: u64) -> Option<Arc<HeldViews>> {
+    /// The transfer completed: its views, if any slice of it is still held. No
+    /// slice of an ended transfer is queued any more, so the entry can go.
+    pub fn completed(&self, transfer_id: u64) -> Option<Arc<HeldViews>> {
         self.lock()
             .remove(&transfer_id)
             .filter(|views| views.live() > 0)
+    }
+
+    /// The transfer failed: its slices still queued are dropped unsent.
+    pub fn failed(&self, transfer_id: u64) {
+        if let Some(views) = self.lock().remove(&transfer_id) {
+            views.abandoned.store(true, Ordering::Release);
+        }
     }
 }
 
@@ -105,15 +121,28 @@ mod tests {
         let a = held.token(7);
         let b = a.clone();
         let other = held.token(8);
-        let views = held.ended(7).expect("two tokens are out");
+        let views = held.completed(7).expect("two tokens are out");
         assert_eq!(views.live(), 2);
         drop(a);
         assert!(!views.released(Duration::from_millis(20)).await);
         let waiter = tokio::spawn(async move { views.released(Duration::from_secs(5)).await });
         drop(b);
         assert!(waiter.await.unwrap());
-        assert!(held.ended(9).is_none(), "nothing held, nothing to wait for");
+        assert!(
+            held.completed(9).is_none(),
+            "nothing held, nothing to wait for"
+        );
         drop(other);
-        assert!(held.ended(8).is_none(), "released before the end");
+        assert!(held.completed(8).is_none(), "released before the end");
+    }
+
+    #[test]
+    fn a_failed_transfer_abandons_its_queued_slices() {
+        let held = HeldPayload::default();
+        let queued = held.token(3);
+        let other = held.token(4);
+        held.failed(3);
+        assert!(queued.abandoned());
+        assert!(!other.abandoned());
     }
 }

@@ -185,19 +185,22 @@ impl PeerLink {
         self.lock().conns.get(conn).map_or(0, |c| c.rail)
     }
 
-    /// Hands a transfer's end to the daemon; the end of a sending transfer waits
-    /// until its writers let go of its payload (see `held`).
+    /// Hands a transfer's end to the daemon; a sending transfer's completion
+    /// waits until its writers let go of its payload (see `held`).
     fn deliver(&self, shared: &Arc<Shared>, ev: Event) {
-        let sending_end = match &ev {
+        let held = match &ev {
             Event::Done {
                 transfer_id, kind, ..
-            }
-            | Event::Failed {
+            } if kind.sends_data() => self.held.completed(*transfer_id),
+            Event::Failed {
                 transfer_id, kind, ..
-            } if kind.sends_data() => Some(*transfer_id),
+            } if kind.sends_data() => {
+                self.held.failed(*transfer_id);
+                None
+            }
             _ => None,
         };
-        let Some(views) = sending_end.and_then(|id| self.held.ended(id)) else {
+        let Some(views) = held else {
             shared.on_event(&self.peer, ev);
             return;
         };
@@ -745,6 +748,9 @@ async fn writer_task(
                         batch.push(o);
                     }
                 }
+                // A transfer that failed while its slices waited: they stay unsent.
+                batch.retain(|o| !o.abandoned());
+                let payload: u64 = batch.iter().map(Outgoing::payload_len).sum();
                 let r = write_batch(writer.as_mut(), &batch).await;
                 let slices = batch
                     .iter()
@@ -799,6 +805,9 @@ impl PeerLink {
     /// Queues a frame; a GPU region's slice starts its device-to-host copy now.
     /// Returns 1 when a copy was started.
     fn admit(&self, out: Outgoing, queue: &mut VecDeque<Queued>) -> usize {
+        if out.abandoned() {
+            return 0;
+        }
         let Outgoing::Slice {
             header,
             transfer_id,
@@ -906,6 +915,11 @@ impl PeerLink {
 }
 
 impl Outgoing {
+    /// A slice of a transfer that failed since it was queued.
+    fn abandoned(&self) -> bool {
+        matches!(self, Outgoing::Slice { hold, .. } if hold.abandoned())
+    }
+
     fn payload_len(&self) -> u64 {
         match self {
             Outgoing::Control(_) => 0,
