@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-
-pub mod probe;
 use kvrail_auth::Identity;
 use kvrail_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{MtuDiscoveryConfig, TransportConfig, VarInt};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
+
+pub mod probe;
 
 /// QUIC tuning; see README "Configuration" for the measured defaults.
 #[derive(Debug, Clone)]
@@ -268,7 +268,7 @@ impl Transport for QuicTransport {
             .streams_per_connection
             .clamp(1, MAX_STREAMS_PER_CONNECTION as usize);
         // A stream on a QUIC connection we already have, while it has room.
-        let reuse = {
+        let reuse = (max_streams > 1).then(|| {
             let mut dialed = self.lock_dialed();
             let list = dialed.entry(key.clone()).or_default();
             list.retain(|d| {
@@ -280,8 +280,8 @@ impl Transport for QuicTransport {
                 d.streams += 1;
                 (d.conn.clone(), d.endpoint.clone(), d.retired.clone())
             })
-        };
-        if let Some((conn, endpoint, retired)) = reuse {
+        });
+        if let Some((conn, endpoint, retired)) = reuse.flatten() {
             let (send, recv) = conn.open_bi().await.map_err(|e| handshake_error(&e))?;
             return Ok(connection(conn, Some(endpoint), send, recv, Some(retired)));
         }
@@ -294,16 +294,18 @@ impl Transport for QuicTransport {
             .map_err(|e| handshake_error(&e))?;
         // The server may refuse our certificate only now (TLS 1.3 client auth).
         let (send, recv) = conn.open_bi().await.map_err(|e| handshake_error(&e))?;
-        let retired = Arc::new(AtomicBool::new(false));
-        if max_streams > 1 {
+        // Only a pooled QUIC connection needs to know when it is retired.
+        let retired = (max_streams > 1).then(|| {
+            let retired = Arc::new(AtomicBool::new(false));
             self.lock_dialed().entry(key).or_default().push(Dialed {
                 conn: conn.clone(),
                 endpoint: endpoint.clone(),
                 streams: 1,
                 retired: retired.clone(),
             });
-        }
-        Ok(connection(conn, Some(endpoint), send, recv, Some(retired)))
+            retired
+        });
+        Ok(connection(conn, Some(endpoint), send, recv, retired))
     }
 }
 

@@ -174,19 +174,21 @@ impl SharedRegion {
         }
     }
 
+    /// A read view of `[offset, offset+len)`.
+    pub fn slice(&self, offset: u64, len: u64) -> Result<&[u8], ShmError> {
+        self.check(offset, len)?;
+        // SAFETY: the range was bounds-checked against the mapping, which lives
+        // as long as `self`; the bytes are plain data that any pattern may hold.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len as usize)
+        })
+    }
+
     /// Read views of `(offset, len)` ranges, for gathering writes to a socket.
     pub fn io_slices(&self, pieces: &[(u64, u64)]) -> Result<Vec<IoSlice<'_>>, ShmError> {
         pieces
             .iter()
-            .map(|&(offset, len)| {
-                self.check(offset, len)?;
-                // SAFETY: the range was bounds-checked against the mapping, which lives
-                // as long as `self`; the bytes are plain data that any pattern may hold.
-                let s = unsafe {
-                    std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len as usize)
-                };
-                Ok(IoSlice::new(s))
-            })
+            .map(|&(offset, len)| self.slice(offset, len).map(IoSlice::new))
             .collect()
     }
 

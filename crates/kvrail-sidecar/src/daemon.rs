@@ -135,17 +135,17 @@ impl Shared {
 
     /// Drops a region (its RDMA registration and mapping, or its GPU import).
     pub fn unregister_region(&self, id: u64) -> Result<(), UnregisterError> {
-        if self.registry.get(id).is_none() {
+        let Some(region) = self.registry.get(id) else {
             return Err(UnregisterError::Unknown);
-        }
+        };
         if self.region_in_use(id) {
             return Err(UnregisterError::InUse);
         }
-        if self.registry.get(id).is_some_and(|r| {
-            r.memory
-                .shared_host()
-                .is_some_and(|m| Arc::strong_count(m) > 1)
-        }) {
+        if region
+            .memory
+            .shared_host()
+            .is_some_and(|m| Arc::strong_count(m) > 1)
+        {
             // A zero-copy writer still holds views of it; the worker could
             // truncate the file under them once it is unregistered.
             return Err(UnregisterError::Held);

@@ -736,21 +736,24 @@ async fn writer_task(
                 }
                 sent.map(|_| ())
             }
-            Some(Queued::Ready(o)) => {
-                batch.push(o);
-                let mut payload: u64 = batch.iter().map(Outgoing::payload_len).sum();
-                while batch.len() < WRITE_BATCH_FRAMES && payload < WRITE_BATCH_BYTES {
-                    if !matches!(queue.front(), Some(Queued::Ready(_))) {
-                        break;
-                    }
-                    if let Some(Queued::Ready(o)) = queue.pop_front() {
+            Some(Queued::Ready(first)) => {
+                let mut payload = 0;
+                let mut next = Some(first);
+                while let Some(o) = next.take() {
+                    // A transfer that failed while its slices waited: they stay unsent.
+                    if !o.abandoned() {
                         payload += o.payload_len();
                         batch.push(o);
                     }
+                    if batch.len() >= WRITE_BATCH_FRAMES || payload >= WRITE_BATCH_BYTES {
+                        break;
+                    }
+                    if matches!(queue.front(), Some(Queued::Ready(_))) {
+                        if let Some(Queued::Ready(o)) = queue.pop_front() {
+                            next = Some(o);
+                        }
+                    }
                 }
-                // A transfer that failed while its slices waited: they stay unsent.
-                batch.retain(|o| !o.abandoned());
-                let payload: u64 = batch.iter().map(Outgoing::payload_len).sum();
                 let r = write_batch(writer.as_mut(), &batch).await;
                 let slices = batch
                     .iter()
@@ -990,12 +993,9 @@ fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
                                 .map_err(std::io::Error::other)?,
                         );
                     } else {
-                        let bufs = host
-                            .io_slices(&[(offset, len)])
-                            .map_err(std::io::Error::other)?;
-                        for b in bufs {
-                            small.extend_from_slice(&b);
-                        }
+                        small.extend_from_slice(
+                            host.slice(offset, len).map_err(std::io::Error::other)?,
+                        );
                     }
                 }
             }

@@ -55,10 +55,7 @@ impl RegionMemory {
     }
 
     pub fn host(&self) -> Option<&SharedRegion> {
-        match self {
-            RegionMemory::Host(m) => Some(m.as_ref()),
-            RegionMemory::Gpu(_) => None,
-        }
+        self.shared_host().map(Arc::as_ref)
     }
 
     /// The host mapping itself, for views that outlive the borrow (zero-copy sends).
