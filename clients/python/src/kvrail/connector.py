@@ -94,8 +94,9 @@ RegionTable = list[tuple[int, int, int]]
 
 
 @dataclass
-class LoadSpec:
-    """Decode side: where a request's KV comes from and goes to."""
+class RemoteBlocks:
+    """A request's local blocks and their counterparts on a remote node: where
+    the decode side loads from, or where the prefill side (push mode) saves to."""
 
     local_block_ids: list[int]
     remote_block_ids: list[int]
@@ -103,24 +104,27 @@ class LoadSpec:
     remote_regions: RegionTable
     remote_request_id: str
 
-
-@dataclass
-class SaveSpec:
-    """Prefill side, push mode: which local blocks go where, layer by layer."""
-
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    remote_node: str
-    remote_regions: RegionTable
-    remote_request_id: str
+    @classmethod
+    def from_params(
+        cls, local: list[int], remote: list[int], params: dict[str, Any]
+    ) -> "RemoteBlocks":
+        """From ``kv_transfer_params`` (or their ``push_to``), which name the
+        remote node, its region table and its request id."""
+        return cls(
+            local,
+            remote,
+            params["remote_node"],
+            [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
+            params["remote_request_id"],
+        )
 
 
 @dataclass
 class KvrailConnectorMetadata(_MetadataBase):  # type: ignore[misc]
     """What the scheduler-side connector tells the workers for one step."""
 
-    load: dict[str, LoadSpec] = field(default_factory=dict)
-    save: dict[str, SaveSpec] = field(default_factory=dict)
+    load: dict[str, RemoteBlocks] = field(default_factory=dict)
+    save: dict[str, RemoteBlocks] = field(default_factory=dict)
     # Pull mode prefill: requests whose blocks wait to be read, and how many blocks.
     send: dict[str, int] = field(default_factory=dict)
     # Requests aborted while their KV was still arriving.
@@ -231,18 +235,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                         "remote_request_id": rid,
                     },
                 }
-                self._sched.loading[rid] = LoadSpec(local, local, "", [], rid)
+                self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid)
             else:
                 remote = list(params["remote_block_ids"])
                 # Blocks already computed locally (prefix cache) are not read again.
                 remote = remote[len(remote) - len(local) :] if len(local) < len(remote) else remote
-                self._sched.loading[rid] = LoadSpec(
-                    local,
-                    remote,
-                    params["remote_node"],
-                    [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
-                    params["remote_request_id"],
-                )
+                self._sched.loading[rid] = RemoteBlocks.from_params(local, remote, params)
             self._sched.new_loads[rid] = self._sched.loading[rid]
             params["do_remote_prefill"] = False  # once
         elif self.mode == "push" and params.get("push_to"):
@@ -278,13 +276,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     local = s.prefill_blocks[rid]
                     remote = list(target["remote_block_ids"])
                     n = min(len(local), len(remote))
-                    meta.save[rid] = SaveSpec(
-                        local[:n],
-                        remote[:n],
-                        target["remote_node"],
-                        [tuple(r) for r in target["remote_regions"]],  # type: ignore[misc]
-                        target["remote_request_id"],
-                    )
+                    meta.save[rid] = RemoteBlocks.from_params(local[:n], remote[:n], target)
                     del s.pushing[rid]
                     s.prompt_tokens.pop(rid, None)
                     s.pushed.add(rid)
@@ -442,8 +434,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
 
 @dataclass
 class _SchedulerState:
-    loading: dict[str, LoadSpec] = field(default_factory=dict)
-    new_loads: dict[str, LoadSpec] = field(default_factory=dict)
+    loading: dict[str, RemoteBlocks] = field(default_factory=dict)
+    new_loads: dict[str, RemoteBlocks] = field(default_factory=dict)
     new_sends: dict[str, int] = field(default_factory=dict)
     new_cancels: set[str] = field(default_factory=set)
     push_targets: dict[str, dict[str, Any]] = field(default_factory=dict)
