@@ -2,18 +2,18 @@
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use kvrail_client::proto::{NotificationKind, TransferState};
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{binary, scrape, Pair};
+use kvrail_e2e::{command, scrape, Pair};
 use kvrail_examples::{fill, scattered_blocks, verify};
 use tokio_stream::StreamExt;
 
 /// Runs the example workers: `first` must print READY before `second` starts.
 fn run_examples(first: (&str, Vec<String>), second: (&str, Vec<String>)) -> (String, String) {
-    let mut a = Command::new(binary(first.0))
+    let mut a = command(first.0)
         .args(&first.1)
         .stdout(Stdio::piped())
         .spawn()
@@ -24,7 +24,7 @@ fn run_examples(first: (&str, Vec<String>), second: (&str, Vec<String>)) -> (Str
         .expect("first worker printed nothing")
         .expect("read");
     assert!(ready.starts_with("READY"), "{ready}");
-    let b = Command::new(binary(second.0))
+    let b = command(second.0)
         .args(&second.1)
         .output()
         .expect("run second worker");

@@ -293,10 +293,8 @@ fn replay_projects_an_azure_trace_and_names_bad_trace_lines() {
     let dir = tempfile::tempdir().unwrap();
     let out = replay(&[
         "--trace",
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../loadgen/traces/azure_code_head.csv"
-        ),
+        // The copy bundled in the binary, by bare name.
+        "azure_code_head.csv",
         "--transport",
         "none",
         "--model",

@@ -51,10 +51,7 @@ fn python_client_and_connector() {
         .and_then(Path::parent)
         .expect("target dir")
         .to_path_buf();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf();
+    let root = kvrail_e2e::workspace_root();
     let py = match venv(&root, &target) {
         Ok(py) => py,
         Err(e) => return skip_or_fail(&e),

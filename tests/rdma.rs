@@ -16,18 +16,11 @@ use std::time::{Duration, Instant};
 use kvrail_auth::generate::{self, Validity};
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{binary, free_port, metric_sum, scrape, shm_path, Pair, Sidecar};
+use kvrail_e2e::{binary, free_port, metric_sum, scrape, shm_path, workspace_root, Pair, Sidecar};
 use kvrail_examples::{fill, scattered_blocks, verify};
 
 /// Tests share the devices, and some cut rails: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 /// The VM harness: `$RDMA_VM_RUN`, or `shared/rdma-vm/run` beside the checkout.
 fn vm_runner() -> Option<PathBuf> {
@@ -580,7 +573,7 @@ async fn without_rdma_the_daemon_says_why_and_uses_tcp() {
     );
     let log = s.pair.prefill.log();
     assert!(
-        log.contains("RDMA unavailable on rail, using TCP"),
+        log.contains("RDMA off, serving over tcp"),
         "no reason logged:\n{log}"
     );
     let text = scrape(s.pair.prefill.metrics.unwrap());

@@ -24,7 +24,9 @@ use loadgen::cluster::{ClusterOptions, LocalCluster};
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
     /// Mooncake-format JSONL trace.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/conversation_trace_head.jsonl"))]
+    /// A bare bundled name (the default, `azure_code_head.csv`) reads the copy
+    /// embedded in the binary.
+    #[arg(long, default_value = crate::trace::DEFAULT_TRACE)]
     pub trace: PathBuf,
     /// Requests replayed from the start of the trace.
     #[arg(long, default_value_t = 200)]

@@ -48,8 +48,35 @@ pub fn read(path: &Path, limit: usize) -> anyhow::Result<Vec<Request>> {
     }
 }
 
+/// The traces shipped inside the binary, by file name, so that a copied
+/// `loadgen` runs its demo anywhere (`--trace NAME` with no directory).
+pub const BUNDLED: [(&str, &str); 2] = [
+    (
+        "conversation_trace_head.jsonl",
+        include_str!("../traces/conversation_trace_head.jsonl"),
+    ),
+    (
+        "azure_code_head.csv",
+        include_str!("../traces/azure_code_head.csv"),
+    ),
+];
+
+/// The default `--trace`: the first 500 requests of the Mooncake conversation trace.
+pub const DEFAULT_TRACE: &str = "conversation_trace_head.jsonl";
+
 fn read_text(path: &Path) -> anyhow::Result<String> {
-    std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(text),
+        // A bare bundled name that is not a file here names the embedded copy.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && path.components().count() == 1 => {
+            BUNDLED
+                .iter()
+                .find(|(name, _)| Path::new(name) == path)
+                .map(|(_, text)| text.to_string())
+                .ok_or_else(|| anyhow!("cannot read {}: {e}", path.display()))
+        }
+        Err(e) => Err(anyhow!("cannot read {}: {e}", path.display())),
+    }
 }
 
 /// Reads up to `limit` Mooncake JSONL requests.
@@ -274,11 +301,11 @@ mod tests {
 
     #[test]
     fn bundled_traces_parse() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
-        let r = read(&dir.join("conversation_trace_head.jsonl"), usize::MAX).unwrap();
+        // By bare name: the copies embedded in the binary, whatever the directory.
+        let r = read(Path::new(DEFAULT_TRACE), usize::MAX).unwrap();
         assert_eq!(r.len(), 500);
         assert_eq!(r[0].input_length, 6758);
-        let a = read(&dir.join("azure_code_head.csv"), usize::MAX).unwrap();
+        let a = read(Path::new("azure_code_head.csv"), usize::MAX).unwrap();
         assert_eq!(a.len(), 300);
         assert_eq!((a[0].timestamp, a[0].input_length), (0, 4808));
         assert_eq!((a[1].timestamp, a[1].input_length), (52, 3180));

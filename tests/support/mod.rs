@@ -9,6 +9,40 @@ use std::time::{Duration, Instant};
 
 use kvrail_client::Client;
 
+/// The checkout these tests belong to, found at run time (cargo's
+/// `CARGO_MANIFEST_DIR`, else the current directory, then up to the workspace
+/// manifest): nothing of the build machine's paths is compiled into the tests.
+pub fn workspace_root() -> PathBuf {
+    let start = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::current_dir().ok())
+        .unwrap_or_default();
+    start
+        .ancestors()
+        .find(|dir| {
+            std::fs::read_to_string(dir.join("Cargo.toml")).is_ok_and(|t| t.contains("[workspace]"))
+        })
+        .map(Path::to_path_buf)
+        .unwrap_or(start)
+}
+
+/// A command that runs one of the workspace's binaries, through
+/// `$KVRAIL_EXEC_WRAPPER` when set (e.g. `qemu-aarch64 -L /usr/aarch64-linux-gnu`
+/// to run cross-built binaries under emulation).
+pub fn command(name: &str) -> Command {
+    let bin = binary(name);
+    let wrapper = std::env::var("KVRAIL_EXEC_WRAPPER").unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    match words.next() {
+        Some(program) => {
+            let mut cmd = Command::new(program);
+            cmd.args(words).arg(bin);
+            cmd
+        }
+        None => Command::new(bin),
+    }
+}
+
 /// Builds the daemon and example binaries once per test process (a no-op when fresh).
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
@@ -17,11 +51,9 @@ pub fn binary(name: &str) -> PathBuf {
         if let Some(dir) = std::env::var_os("KVRAIL_BIN_DIR") {
             return PathBuf::from(dir);
         }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("workspace root")
-            .to_path_buf();
-        let mut cmd = Command::new(env!("CARGO"));
+        let root = workspace_root();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut cmd = Command::new(cargo);
         cmd.current_dir(&root).args([
             "build",
             "--quiet",
@@ -112,7 +144,7 @@ impl Sidecar {
 
     fn spawn(&mut self) {
         let log = std::fs::File::create(self.socket.with_extension("log")).expect("log file");
-        let child = Command::new(binary("kvrail"))
+        let child = command("kvrail")
             .arg("serve")
             .args(&self.args)
             .stdout(Stdio::null())

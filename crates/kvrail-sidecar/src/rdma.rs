@@ -54,17 +54,35 @@ impl RdmaRails {
                 open_rail_device(addr, name, config.rdma_gid_index)
             })
             .collect();
-        for (i, d) in devices.iter().enumerate() {
-            match d {
-                Ok(d) => info!(
-                    rail = i,
-                    device = d.name(),
-                    port = d.port(),
-                    gid_index = d.gid_index(),
-                    max_sge = d.limits().max_sge,
-                    "RDMA available on rail"
-                ),
-                Err(why) => info!(rail = i, "RDMA unavailable on rail, using TCP: {why}"),
+        let fallback = config
+            .transport_order()
+            .iter()
+            .filter(|t| t.as_str() != "rdma")
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("/");
+        // One reason for every rail (no libibverbs, no RDMA in the kernel, RDMA
+        // switched off) is said once rather than per rail.
+        let first_err = devices.first().and_then(|d| d.as_ref().err());
+        if let Some(why) = first_err.filter(|w| devices.iter().all(|d| d.as_ref().err() == Some(w)))
+        {
+            info!("RDMA off, serving over {fallback}: {why}");
+        } else {
+            for (i, d) in devices.iter().enumerate() {
+                match d {
+                    Ok(d) => info!(
+                        rail = i,
+                        device = d.name(),
+                        port = d.port(),
+                        gid_index = d.gid_index(),
+                        max_sge = d.limits().max_sge,
+                        "RDMA available on rail"
+                    ),
+                    Err(why) => info!(
+                        rail = i,
+                        "RDMA unavailable on rail, using {fallback}: {why}"
+                    ),
+                }
             }
         }
         Self {

@@ -9,7 +9,7 @@ use std::ptr::{null_mut, NonNull};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdma_sys::*;
+use crate::sys::{self, *};
 use tokio::io::unix::AsyncFd;
 
 use crate::{
@@ -23,6 +23,11 @@ fn last_error(op: &'static str, device: &str) -> VerbsError {
         device: device.to_string(),
         source: io::Error::last_os_error(),
     }
+}
+
+/// libibverbs, or why RDMA is off on this host.
+fn loaded() -> Result<&'static Lib, VerbsError> {
+    sys::lib().map_err(VerbsError::Unavailable)
 }
 
 fn call(op: &'static str, device: &str, rc: i32) -> Result<(), VerbsError> {
@@ -42,11 +47,17 @@ fn call(op: &'static str, device: &str, rc: i32) -> Result<(), VerbsError> {
     })
 }
 
+/// The libibverbs this process loaded (its soname), or why RDMA is off.
+pub fn verbs_library() -> Result<String, VerbsError> {
+    loaded().map(|lib| lib.path.clone())
+}
+
 /// Names of the RDMA devices on this host, or why there are none.
 pub fn device_names() -> Result<Vec<String>, VerbsError> {
+    let lib = loaded()?;
     let mut n = 0i32;
     // SAFETY: `n` is a valid out-pointer; the list is freed below.
-    let list = unsafe { ibv_get_device_list(&mut n) };
+    let list = unsafe { (lib.get_device_list)(&mut n) };
     if list.is_null() {
         let e = io::Error::last_os_error();
         let why = if e.raw_os_error() == Some(libc::ENOSYS) {
@@ -59,11 +70,11 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
     let mut names = Vec::new();
     for i in 0..n.max(0) as usize {
         // SAFETY: the list holds `n` valid device pointers.
-        let name = unsafe { CStr::from_ptr(ibv_get_device_name(*list.add(i))) };
+        let name = unsafe { CStr::from_ptr((lib.get_device_name)(*list.add(i))) };
         names.push(name.to_string_lossy().into_owned());
     }
     // SAFETY: `list` came from ibv_get_device_list and is freed once.
-    unsafe { ibv_free_device_list(list) };
+    unsafe { (lib.free_device_list)(list) };
     if names.is_empty() {
         return Err(VerbsError::Unavailable(
             "no RDMA devices on this host".into(),
@@ -74,6 +85,7 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
 
 /// One device port, opened, with a protection domain.
 pub struct Device {
+    lib: &'static Lib,
     ctx: NonNull<ibv_context>,
     pd: NonNull<ibv_pd>,
     name: String,
@@ -103,40 +115,40 @@ impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: every MR and QP holds an Arc of this device, so none is left.
         unsafe {
-            ibv_dealloc_pd(self.pd.as_ptr());
-            ibv_close_device(self.ctx.as_ptr());
+            (self.lib.dealloc_pd)(self.pd.as_ptr());
+            (self.lib.close_device)(self.ctx.as_ptr());
         }
     }
 }
 
-fn port_state_name(s: ibv_port_state::Type) -> &'static str {
+fn port_state_name(s: u32) -> &'static str {
     match s {
-        ibv_port_state::IBV_PORT_ACTIVE => "active",
-        ibv_port_state::IBV_PORT_DOWN => "down",
-        ibv_port_state::IBV_PORT_INIT => "initializing",
-        ibv_port_state::IBV_PORT_ARMED => "armed",
-        ibv_port_state::IBV_PORT_ACTIVE_DEFER => "active (deferred)",
+        IBV_PORT_ACTIVE => "active",
+        IBV_PORT_DOWN => "down",
+        IBV_PORT_INIT => "initializing",
+        IBV_PORT_ARMED => "armed",
+        IBV_PORT_ACTIVE_DEFER => "active (deferred)",
         _ => "in an unknown state",
     }
 }
 
-fn mtu_bytes(m: ibv_mtu::Type) -> u32 {
+fn mtu_bytes(m: u32) -> u32 {
     match m {
-        ibv_mtu::IBV_MTU_256 => 256,
-        ibv_mtu::IBV_MTU_512 => 512,
-        ibv_mtu::IBV_MTU_1024 => 1024,
-        ibv_mtu::IBV_MTU_2048 => 2048,
+        IBV_MTU_256 => 256,
+        IBV_MTU_512 => 512,
+        IBV_MTU_1024 => 1024,
+        IBV_MTU_2048 => 2048,
         _ => 4096,
     }
 }
 
-fn mtu_enum(bytes: u32) -> ibv_mtu::Type {
+fn mtu_enum(bytes: u32) -> u32 {
     match bytes {
-        0..=256 => ibv_mtu::IBV_MTU_256,
-        257..=512 => ibv_mtu::IBV_MTU_512,
-        513..=1024 => ibv_mtu::IBV_MTU_1024,
-        1025..=2048 => ibv_mtu::IBV_MTU_2048,
-        _ => ibv_mtu::IBV_MTU_4096,
+        0..=256 => IBV_MTU_256,
+        257..=512 => IBV_MTU_512,
+        513..=1024 => IBV_MTU_1024,
+        1025..=2048 => IBV_MTU_2048,
+        _ => IBV_MTU_4096,
     }
 }
 
@@ -178,23 +190,24 @@ impl Device {
 
     /// (port, gid index) of `dev` whose GID equals `wanted`.
     fn find_gid(dev: &str, wanted: &[u8; 16]) -> Result<Option<(u8, u8)>, VerbsError> {
+        let lib = loaded()?;
         let (ctx, _guard) = open_context(dev)?;
         let mut attr: ibv_device_attr = zeroed();
         // SAFETY: ctx is open; attr is a valid out-pointer.
         call("ibv_query_device", dev, unsafe {
-            ibv_query_device(ctx.as_ptr(), &mut attr)
+            (lib.query_device)(ctx.as_ptr(), &mut attr)
         })?;
         let mut best = None;
         for port in 1..=attr.phys_port_cnt {
             let mut pa: ibv_port_attr = zeroed();
             // SAFETY: as above.
-            if unsafe { ___ibv_query_port(ctx.as_ptr(), port, &mut pa) } != 0 {
+            if unsafe { (lib.query_port)(ctx.as_ptr(), port, &mut pa) } != 0 {
                 continue;
             }
             for index in 0..pa.gid_tbl_len.min(256) {
                 let mut gid: ibv_gid = zeroed();
                 // SAFETY: index is below the table length; gid is an out-pointer.
-                if unsafe { ibv_query_gid(ctx.as_ptr(), port, index, &mut gid) } != 0 {
+                if unsafe { (lib.query_gid)(ctx.as_ptr(), port, index, &mut gid) } != 0 {
                     continue;
                 }
                 // SAFETY: ibv_gid is a union of plain bytes.
@@ -211,23 +224,25 @@ impl Device {
     }
 
     fn open_port(dev: &str, port: u8, gid_index: u8) -> Result<Arc<Device>, VerbsError> {
+        let lib = loaded()?;
         let (ctx, guard) = open_context(dev)?;
         let mut attr: ibv_device_attr = zeroed();
         // SAFETY: ctx is open; attr is a valid out-pointer.
         call("ibv_query_device", dev, unsafe {
-            ibv_query_device(ctx.as_ptr(), &mut attr)
+            (lib.query_device)(ctx.as_ptr(), &mut attr)
         })?;
         let mut gid: ibv_gid = zeroed();
         // SAFETY: as above.
         call("ibv_query_gid", dev, unsafe {
-            ibv_query_gid(ctx.as_ptr(), port, i32::from(gid_index), &mut gid)
+            (lib.query_gid)(ctx.as_ptr(), port, i32::from(gid_index), &mut gid)
         })?;
         // SAFETY: ctx is open.
-        let pd = NonNull::new(unsafe { ibv_alloc_pd(ctx.as_ptr()) })
+        let pd = NonNull::new(unsafe { (lib.alloc_pd)(ctx.as_ptr()) })
             .ok_or_else(|| last_error("ibv_alloc_pd", dev))?;
         std::mem::forget(guard);
         let pos = |v: i32| v.max(0) as u32;
         Ok(Arc::new(Device {
+            lib,
             ctx,
             pd,
             name: dev.to_string(),
@@ -269,7 +284,7 @@ impl Device {
         let mut pa: ibv_port_attr = zeroed();
         // SAFETY: the context is open for the device's lifetime.
         call("ibv_query_port", &self.name, unsafe {
-            ___ibv_query_port(self.ctx.as_ptr(), self.port, &mut pa)
+            (self.lib.query_port)(self.ctx.as_ptr(), self.port, &mut pa)
         })?;
         Ok(pa)
     }
@@ -277,7 +292,7 @@ impl Device {
     /// Ok if the port can carry traffic now.
     pub fn check_port(&self) -> Result<(), VerbsError> {
         let pa = self.port_attr()?;
-        if pa.state == ibv_port_state::IBV_PORT_ACTIVE {
+        if pa.state == IBV_PORT_ACTIVE {
             return Ok(());
         }
         Err(VerbsError::PortNotActive {
@@ -298,12 +313,10 @@ impl Device {
         len: usize,
         owner: Arc<dyn Any + Send + Sync>,
     ) -> Result<MemoryRegion, VerbsError> {
-        let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
-            | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-            | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        let access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
         // SAFETY: the caller guarantees the range is mapped while `owner` lives,
         // and the MR keeps `owner`.
-        let mr = unsafe { ibv_reg_mr(self.pd.as_ptr(), addr.cast(), len, access as i32) };
+        let mr = unsafe { (self.lib.reg_mr)(self.pd.as_ptr(), addr.cast(), len, access as i32) };
         let mr = NonNull::new(mr).ok_or_else(|| last_error("ibv_reg_mr", &self.name))?;
         // SAFETY: a registered MR is valid until ibv_dereg_mr.
         let (lkey, rkey) = unsafe { ((*mr.as_ptr()).lkey, (*mr.as_ptr()).rkey) };
@@ -320,19 +333,20 @@ impl Device {
 }
 
 /// Closes a context opened for a lookup unless it is kept.
-struct CtxGuard(*mut ibv_context);
+struct CtxGuard(*mut ibv_context, &'static Lib);
 
 impl Drop for CtxGuard {
     fn drop(&mut self) {
         // SAFETY: the pointer came from ibv_open_device and is closed once.
-        unsafe { ibv_close_device(self.0) };
+        unsafe { (self.1.close_device)(self.0) };
     }
 }
 
 fn open_context(dev: &str) -> Result<(NonNull<ibv_context>, CtxGuard), VerbsError> {
+    let lib = loaded()?;
     let mut n = 0i32;
     // SAFETY: valid out-pointer; the list is freed below.
-    let list = unsafe { ibv_get_device_list(&mut n) };
+    let list = unsafe { (lib.get_device_list)(&mut n) };
     if list.is_null() {
         return Err(last_error("ibv_get_device_list", dev));
     }
@@ -341,17 +355,17 @@ fn open_context(dev: &str) -> Result<(NonNull<ibv_context>, CtxGuard), VerbsErro
         // SAFETY: the list holds `n` valid device pointers.
         let d = unsafe { *list.add(i) };
         // SAFETY: as above.
-        let name = unsafe { CStr::from_ptr(ibv_get_device_name(d)) };
+        let name = unsafe { CStr::from_ptr((lib.get_device_name)(d)) };
         if name.to_bytes() == dev.as_bytes() {
             // SAFETY: d is a valid device of the list, opened before the list is freed.
-            ctx = unsafe { ibv_open_device(d) };
+            ctx = unsafe { (lib.open_device)(d) };
             break;
         }
     }
     // SAFETY: freed once; opened contexts stay valid after it.
-    unsafe { ibv_free_device_list(list) };
+    unsafe { (lib.free_device_list)(list) };
     let ctx = NonNull::new(ctx).ok_or_else(|| last_error("ibv_open_device", dev))?;
-    Ok((ctx, CtxGuard(ctx.as_ptr())))
+    Ok((ctx, CtxGuard(ctx.as_ptr(), lib)))
 }
 
 fn zeroed<T>() -> T {
@@ -400,7 +414,7 @@ impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // SAFETY: registered in `Device::register` and deregistered once; the
         // owner (the mapping) is dropped after this.
-        unsafe { ibv_dereg_mr(self.mr.as_ptr()) };
+        unsafe { (self._device.lib.dereg_mr)(self.mr.as_ptr()) };
     }
 }
 
@@ -442,12 +456,12 @@ impl Drop for QueuePair {
         // SAFETY: destroyed once, QP before CQ before channel, after acknowledging
         // every CQ event (ibv_destroy_cq waits for that); the receive MR drops after.
         unsafe {
-            ibv_destroy_qp(self.qp.as_ptr());
+            (self.device.lib.destroy_qp)(self.qp.as_ptr());
             if self.unacked_events > 0 {
-                ibv_ack_cq_events(self.cq.as_ptr(), self.unacked_events);
+                (self.device.lib.ack_cq_events)(self.cq.as_ptr(), self.unacked_events);
             }
-            ibv_destroy_cq(self.cq.as_ptr());
-            ibv_destroy_comp_channel(self.channel.as_ptr());
+            (self.device.lib.destroy_cq)(self.cq.as_ptr());
+            (self.device.lib.destroy_comp_channel)(self.channel.as_ptr());
         }
     }
 }
@@ -462,21 +476,23 @@ impl QueuePair {
         let recv_depth = config.recv_depth.min(lim.max_qp_wr).max(4);
         let cqe = (send_depth + recv_depth).min(lim.max_cqe.max(64)) as i32;
         // SAFETY: the context is open.
-        let channel = NonNull::new(unsafe { ibv_create_comp_channel(device.ctx.as_ptr()) })
-            .ok_or_else(|| last_error("ibv_create_comp_channel", &name))?;
+        let channel =
+            NonNull::new(unsafe { (device.lib.create_comp_channel)(device.ctx.as_ptr()) })
+                .ok_or_else(|| last_error("ibv_create_comp_channel", &name))?;
         // SAFETY: as above; the channel outlives the CQ (Drop order).
-        let cq =
-            unsafe { ibv_create_cq(device.ctx.as_ptr(), cqe, null_mut(), channel.as_ptr(), 0) };
+        let cq = unsafe {
+            (device.lib.create_cq)(device.ctx.as_ptr(), cqe, null_mut(), channel.as_ptr(), 0)
+        };
         let Some(cq) = NonNull::new(cq) else {
             let e = last_error("ibv_create_cq", &name);
             // SAFETY: created above, not used elsewhere.
-            unsafe { ibv_destroy_comp_channel(channel.as_ptr()) };
+            unsafe { (device.lib.destroy_comp_channel)(channel.as_ptr()) };
             return Err(e);
         };
         let mut ia: ibv_qp_init_attr = zeroed();
         ia.send_cq = cq.as_ptr();
         ia.recv_cq = cq.as_ptr();
-        ia.qp_type = ibv_qp_type::IBV_QPT_RC;
+        ia.qp_type = IBV_QPT_RC;
         ia.sq_sig_all = 0;
         ia.cap.max_send_wr = send_depth;
         ia.cap.max_recv_wr = recv_depth;
@@ -484,13 +500,13 @@ impl QueuePair {
         ia.cap.max_recv_sge = 1;
         ia.cap.max_inline_data = RECV_SLOT_BYTES;
         // SAFETY: pd and cq are valid; ia is fully initialised.
-        let qp = unsafe { ibv_create_qp(device.pd.as_ptr(), &mut ia) };
+        let qp = unsafe { (device.lib.create_qp)(device.pd.as_ptr(), &mut ia) };
         let Some(qp) = NonNull::new(qp) else {
             let e = last_error("ibv_create_qp", &name);
             // SAFETY: created above, not used elsewhere.
             unsafe {
-                ibv_destroy_cq(cq.as_ptr());
-                ibv_destroy_comp_channel(channel.as_ptr());
+                (device.lib.destroy_cq)(cq.as_ptr());
+                (device.lib.destroy_comp_channel)(channel.as_ptr());
             }
             return Err(e);
         };
@@ -570,38 +586,32 @@ impl QueuePair {
     fn modify(
         &self,
         attr: &mut ibv_qp_attr,
-        mask: u32,
+        mask: i32,
         what: &'static str,
     ) -> Result<(), VerbsError> {
         // SAFETY: the QP is valid; attr is initialised for the bits in mask.
         call(what, &self.device.name, unsafe {
-            ibv_modify_qp(self.qp.as_ptr(), attr, mask as i32)
+            (self.device.lib.modify_qp)(self.qp.as_ptr(), attr, mask)
         })
     }
 
     fn modify_init(&self) -> Result<(), VerbsError> {
-        use ibv_qp_attr_mask as M;
         let mut at: ibv_qp_attr = zeroed();
-        at.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        at.qp_state = IBV_QPS_INIT;
         at.port_num = self.device.port;
         at.pkey_index = 0;
-        at.qp_access_flags = (ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-            | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
-            | ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0) as _;
-        let m = M::IBV_QP_STATE.0
-            | M::IBV_QP_PKEY_INDEX.0
-            | M::IBV_QP_PORT.0
-            | M::IBV_QP_ACCESS_FLAGS.0;
+        at.qp_access_flags =
+            (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE) as _;
+        let m = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
         self.modify(&mut at, m, "ibv_modify_qp(INIT)")
     }
 
     /// Connects to the peer's queue pair: RTR, then RTS.
     pub fn connect(&mut self, remote: &Endpoint) -> Result<(), VerbsError> {
-        use ibv_qp_attr_mask as M;
         let local_mtu = mtu_bytes(self.device.port_attr()?.active_mtu);
         let rd_atom = |v: u32| v.clamp(1, 16) as u8;
         let mut at: ibv_qp_attr = zeroed();
-        at.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        at.qp_state = IBV_QPS_RTR;
         at.path_mtu = mtu_enum(local_mtu.min(remote.mtu));
         at.dest_qp_num = remote.qp_num;
         at.rq_psn = remote.psn;
@@ -612,27 +622,27 @@ impl QueuePair {
         at.ah_attr.grh.sgid_index = self.device.gid_index;
         at.ah_attr.grh.hop_limit = 64;
         at.ah_attr.port_num = self.device.port;
-        let m = M::IBV_QP_STATE.0
-            | M::IBV_QP_AV.0
-            | M::IBV_QP_PATH_MTU.0
-            | M::IBV_QP_DEST_QPN.0
-            | M::IBV_QP_RQ_PSN.0
-            | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
-            | M::IBV_QP_MIN_RNR_TIMER.0;
+        let m = IBV_QP_STATE
+            | IBV_QP_AV
+            | IBV_QP_PATH_MTU
+            | IBV_QP_DEST_QPN
+            | IBV_QP_RQ_PSN
+            | IBV_QP_MAX_DEST_RD_ATOMIC
+            | IBV_QP_MIN_RNR_TIMER;
         self.modify(&mut at, m, "ibv_modify_qp(RTR)")?;
         let mut at: ibv_qp_attr = zeroed();
-        at.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        at.qp_state = IBV_QPS_RTS;
         at.timeout = self.config.timeout;
         at.retry_cnt = self.config.retry_cnt.min(7);
         at.rnr_retry = self.config.rnr_retry.min(7);
         at.sq_psn = self.psn;
         at.max_rd_atomic = rd_atom(self.device.limits.max_qp_init_rd_atom);
-        let m = M::IBV_QP_STATE.0
-            | M::IBV_QP_TIMEOUT.0
-            | M::IBV_QP_RETRY_CNT.0
-            | M::IBV_QP_RNR_RETRY.0
-            | M::IBV_QP_SQ_PSN.0
-            | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
+        let m = IBV_QP_STATE
+            | IBV_QP_TIMEOUT
+            | IBV_QP_RETRY_CNT
+            | IBV_QP_RNR_RETRY
+            | IBV_QP_SQ_PSN
+            | IBV_QP_MAX_QP_RD_ATOMIC;
         self.modify(&mut at, m, "ibv_modify_qp(RTS)")
     }
 
@@ -652,7 +662,7 @@ impl QueuePair {
         let mut bad = null_mut();
         // SAFETY: sge and wr live across the call; the slot lies in the registered buffer.
         call("ibv_post_recv", &self.device.name, unsafe {
-            ibv_post_recv(self.qp.as_ptr(), &mut wr, &mut bad)
+            sys::post_recv(self.qp.as_ptr(), &mut wr, &mut bad)
         })
     }
 
@@ -705,22 +715,22 @@ impl QueuePair {
             first += n;
             let mut flags = 0;
             if w.signaled {
-                flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+                flags |= IBV_SEND_SIGNALED;
             }
             match w.opcode {
                 Opcode::Write => {
-                    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                    wr.opcode = IBV_WR_RDMA_WRITE;
                     wr.wr.rdma.remote_addr = w.remote_addr;
                     wr.wr.rdma.rkey = w.rkey;
                 }
                 Opcode::Read => {
-                    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+                    wr.opcode = IBV_WR_RDMA_READ;
                     wr.wr.rdma.remote_addr = w.remote_addr;
                     wr.wr.rdma.rkey = w.rkey;
                 }
                 Opcode::Send => {
-                    wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
-                    flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                    wr.opcode = IBV_WR_SEND;
+                    flags |= IBV_SEND_INLINE;
                 }
             }
             wr.send_flags = flags;
@@ -736,14 +746,14 @@ impl QueuePair {
         // touched during the call; inline payloads are copied by the call; local
         // addresses lie in registered regions (checked by the caller).
         call("ibv_post_send", &self.device.name, unsafe {
-            ibv_post_send(self.qp.as_ptr(), self.wrs.as_mut_ptr(), &mut bad)
+            sys::post_send(self.qp.as_ptr(), self.wrs.as_mut_ptr(), &mut bad)
         })
     }
 
     fn arm(&self) -> Result<(), VerbsError> {
         // SAFETY: the CQ is valid.
         call("ibv_req_notify_cq", &self.device.name, unsafe {
-            ibv_req_notify_cq(self.cq.as_ptr(), 0)
+            sys::req_notify_cq(self.cq.as_ptr(), 0)
         })
     }
 
@@ -755,7 +765,7 @@ impl QueuePair {
             self.wcs.clear();
             self.wcs.resize_with(BATCH, zeroed);
             // SAFETY: wcs has room for BATCH entries.
-            let n = unsafe { ibv_poll_cq(self.cq.as_ptr(), BATCH as i32, self.wcs.as_mut_ptr()) };
+            let n = unsafe { sys::poll_cq(self.cq.as_ptr(), BATCH as i32, self.wcs.as_mut_ptr()) };
             if n < 0 {
                 return Err(last_error("ibv_poll_cq", &self.device.name));
             }
@@ -765,19 +775,18 @@ impl QueuePair {
                     let wc = &self.wcs[i];
                     (wc.status, wc.vendor_err, wc.wr_id, wc.byte_len)
                 };
-                let error = (status != ibv_wc_status::IBV_WC_SUCCESS).then(|| {
+                let error = (status != IBV_WC_SUCCESS).then(|| {
                     // SAFETY: returns a static string for any status value.
-                    let text = unsafe { CStr::from_ptr(ibv_wc_status_str(status)) };
+                    let text = unsafe { CStr::from_ptr((self.device.lib.wc_status_str)(status)) };
                     CompletionError {
                         status,
                         text: text.to_string_lossy().into_owned(),
                         vendor_err,
                         remote_access: matches!(
                             status,
-                            ibv_wc_status::IBV_WC_REM_ACCESS_ERR
-                                | ibv_wc_status::IBV_WC_REM_INV_REQ_ERR
+                            IBV_WC_REM_ACCESS_ERR | IBV_WC_REM_INV_REQ_ERR
                         ),
-                        flushed: status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
+                        flushed: status == IBV_WC_WR_FLUSH_ERR,
                     }
                 });
                 let mut received = None;
@@ -833,7 +842,8 @@ impl QueuePair {
             let mut cq = null_mut();
             let mut ctx = null_mut();
             // SAFETY: the channel is non-blocking; out-pointers are valid.
-            let rc = unsafe { ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut ctx) };
+            let rc =
+                unsafe { (self.device.lib.get_cq_event)(self.channel.as_ptr(), &mut cq, &mut ctx) };
             if rc != 0 {
                 guard.clear_ready();
                 continue;
@@ -841,7 +851,7 @@ impl QueuePair {
             self.unacked_events += 1;
             if self.unacked_events >= 64 {
                 // SAFETY: acknowledges events taken from this CQ.
-                unsafe { ibv_ack_cq_events(self.cq.as_ptr(), self.unacked_events) };
+                unsafe { (self.device.lib.ack_cq_events)(self.cq.as_ptr(), self.unacked_events) };
                 self.unacked_events = 0;
             }
             self.arm()?;

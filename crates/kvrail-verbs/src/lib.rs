@@ -19,11 +19,13 @@ use std::net::IpAddr;
 mod ffi;
 #[cfg(not(feature = "rdma"))]
 mod stub;
+#[cfg(feature = "rdma")]
+mod sys;
 
 #[cfg(feature = "rdma")]
-pub use ffi::{device_names, Device, MemoryRegion, QueuePair};
+pub use ffi::{device_names, verbs_library, Device, MemoryRegion, QueuePair};
 #[cfg(not(feature = "rdma"))]
-pub use stub::{device_names, Device, MemoryRegion, QueuePair};
+pub use stub::{device_names, verbs_library, Device, MemoryRegion, QueuePair};
 
 /// Why a verbs operation failed.
 #[derive(Debug, thiserror::Error)]

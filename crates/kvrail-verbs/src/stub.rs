@@ -12,6 +12,11 @@ fn unavailable() -> VerbsError {
 }
 
 /// Always "built without RDMA".
+pub fn verbs_library() -> Result<String, VerbsError> {
+    Err(unavailable())
+}
+
+/// Always "built without RDMA".
 pub fn device_names() -> Result<Vec<String>, VerbsError> {
     Err(unavailable())
 }

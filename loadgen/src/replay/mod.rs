@@ -25,7 +25,9 @@ use sim::{Job, LinkProfile, Overlap, Record, Summary};
 pub struct ReplayArgs {
     /// Trace: Mooncake JSONL, or Azure 2023 CSV (by the `.csv` extension).
     /// The full traces are in `../shared/traces/`.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/conversation_trace_head.jsonl"))]
+    /// A bare bundled name (the default, `azure_code_head.csv`) reads the copy
+    /// embedded in the binary.
+    #[arg(long, default_value = crate::trace::DEFAULT_TRACE)]
     pub trace: PathBuf,
     /// Replay only the first N requests.
     #[arg(long)]
