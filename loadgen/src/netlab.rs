@@ -176,6 +176,18 @@ impl NetLab {
         c
     }
 
+    /// Runs `ip ARGS` inside a node's namespace (e.g. to plant a fault).
+    pub fn ip(&self, node: Node, args: &[&str]) -> anyhow::Result<()> {
+        let mut a = vec!["ip", "-n", self.namespace(node)];
+        a.extend_from_slice(args);
+        run(&a)
+    }
+
+    /// The veth of a rail (the same name at both ends).
+    pub fn rail_dev(rail: usize) -> String {
+        Self::dev(rail)
+    }
+
     /// (Re)applies a rail's rate and delay on both ends.
     fn shape(&self, rail: usize) -> anyhow::Result<()> {
         let shape = &self.rails[rail];

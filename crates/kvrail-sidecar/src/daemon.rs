@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::dial::{random_nonce, HANDSHAKE_TIMEOUT};
 use dashmap::DashMap;
 use kvrail_auth::{Identity, IdentityFiles};
 use kvrail_core::handshake::{check_hello, transcript, HandshakeError, Signer, NONCE_BYTES};
@@ -15,7 +16,7 @@ use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
 use kvrail_quic::QuicTransport;
 use kvrail_transport::tcp::TcpTransport;
-use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport, TransportError};
+use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -29,8 +30,6 @@ use crate::rdma::{Directory, RdmaRails};
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
 
-/// How long a new connection may take to say hello.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest connect attempt of a probe rebuilding a down rail.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -410,110 +409,14 @@ impl Shared {
         transport: &Arc<dyn Transport>,
         local: Option<SocketAddr>,
         addr: SocketAddr,
-        mut hello: pb::Hello,
+        hello: pb::Hello,
         connect_timeout: Duration,
     ) -> Result<(Connection, Vec<String>), DialError> {
-        let peer = hello.expected_peer.clone();
-        let unreachable = |reason: String| DialError::Unreachable {
-            peer: peer.clone(),
-            reasons: reason,
-        };
-        let mut conn = tokio::time::timeout(
-            connect_timeout,
-            transport.connect(local, addr, &hello.expected_peer),
-        )
-        .await
-        .map_err(|_| unreachable(format!("{} connect timed out", transport.name())))?
-        .map_err(|e| match e.kind() {
-            // A TLS refusal is not a reason to try a weaker transport.
-            std::io::ErrorKind::PermissionDenied => DialError::Refused {
-                peer: peer.clone(),
-                reason: e.to_string(),
-            },
-            _ => unreachable(e.to_string()),
-        })?;
-        // Past an authenticated connect, a failed hello is the peer refusing us
-        // (TLS 1.3 rejects a client certificate after the client's side of the
-        // handshake is done, and the alert can be lost with the handshake keys):
-        // never a reason to fall back to a weaker transport.
-        let authenticated = conn.peer_certificate.is_some();
-        let failed = |e: String, refused: bool| {
-            if refused || authenticated {
-                DialError::Refused {
-                    peer: peer.clone(),
-                    reason: format!("{} handshake failed: {e}", transport.name()),
-                }
-            } else {
-                unreachable(e)
-            }
-        };
         let identity = self.tcp_identity(transport.name());
-        if let Some(id) = identity {
-            hello.certificate = id.certificate().to_vec();
-            hello.nonce = random_nonce();
-        }
-        let frame = wire::encode_control(&wire::message(Body::Hello(hello.clone())));
-        conn.writer.write_control(&frame).await.map_err(|e| {
-            failed(
-                e.to_string(),
-                e.kind() == std::io::ErrorKind::PermissionDenied,
-            )
-        })?;
-        let reply = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut()))
-            .await
-            .map_err(|_| failed("no handshake reply".into(), false))?
-            .map_err(|e| match e {
-                TransportError::Io(io) => failed(
-                    io.to_string(),
-                    io.kind() == std::io::ErrorKind::PermissionDenied,
-                ),
-                e => failed(e.to_string(), false),
-            })?;
-        match reply {
-            Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => {
-                if let Some(id) = identity {
-                    let refused = |reason: String| DialError::Refused {
-                        peer: peer.clone(),
-                        reason,
-                    };
-                    if ack.certificate.is_empty() {
-                        return Err(refused("peer did not authenticate its tcp handshake (it runs without certificates, or --insecure)".into()));
-                    }
-                    let signed = transcript(Signer::Acceptor, &hello, &ack.node_name, &ack.nonce);
-                    id.verify_peer(&peer, &ack.certificate, &signed, &ack.signature)
-                        .map_err(|e| refused(format!("tcp authentication: {e}")))?;
-                    let proof = id
-                        .sign(&transcript(
-                            Signer::Dialer,
-                            &hello,
-                            &ack.node_name,
-                            &ack.nonce,
-                        ))
-                        .map_err(|e| refused(format!("cannot sign our tcp handshake: {e}")))?;
-                    let frame =
-                        wire::encode_control(&wire::message(Body::HelloProof(pb::HelloProof {
-                            signature: proof,
-                        })));
-                    conn.writer
-                        .write_control(&frame)
-                        .await
-                        .map_err(|e| unreachable(e.to_string()))?;
-                }
-                Ok((conn, ack.transports))
-            }
-            Frame::Control(Body::HelloAck(ack)) => Err(DialError::Refused {
-                peer: peer.clone(),
-                reason: format!("answered as {:?}", ack.node_name),
-            }),
-            Frame::Control(Body::Abort(a)) => Err(DialError::Refused {
-                peer: peer.clone(),
-                reason: a.message,
-            }),
-            _ => Err(DialError::Refused {
-                peer: peer.clone(),
-                reason: "unexpected handshake reply".into(),
-            }),
-        }
+        let (conn, ack) =
+            crate::dial::handshake(transport, identity, local, addr, hello, connect_timeout)
+                .await?;
+        Ok((conn, ack.transports))
     }
 
     /// Handshakes one accepted connection and attaches it to its session.
@@ -571,12 +474,20 @@ impl Shared {
             };
             return self.refuse(conn, from, e.to_string(), label).await;
         }
+        let rail_mtu = self
+            .config
+            .listen
+            .get(hello.rail_index as usize)
+            .and_then(|a| crate::netinfo::mtu_of_address(a.ip()))
+            .unwrap_or(0);
         let mut ack = pb::HelloAck {
             protocol_version: u32::from(PROTOCOL_VERSION),
             node_name: self.config.node.clone(),
             transports: offered.clone(),
             rail_count: self.config.listen.len() as u32,
             rail_index: hello.rail_index,
+            software: env!("CARGO_PKG_VERSION").to_string(),
+            rail_mtu,
             ..Default::default()
         };
         let identity = self.tcp_identity(transport);
@@ -651,6 +562,12 @@ impl Shared {
             {
                 return self.refuse(conn, from, e.to_string(), "proof").await;
             }
+        }
+        if hello.probe {
+            // `kvrail doctor`: every check passed; nothing to attach.
+            info!(peer = %hello.node_name, rail = hello.rail_index, %from, "answered a doctor probe");
+            let _ = conn.writer.close().await;
+            return;
         }
         let key = (hello.node_name.clone(), hello.session_id);
         let link = self
@@ -957,10 +874,6 @@ async fn accept_loop(
             }
         }
     }
-}
-
-fn random_nonce() -> Vec<u8> {
-    rand::random::<[u8; NONCE_BYTES]>().to_vec()
 }
 
 /// Drops the regions of worker process `pid` once it exits (at most one watch per

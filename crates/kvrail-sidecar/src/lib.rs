@@ -7,9 +7,12 @@
 pub mod api;
 pub mod config;
 pub mod daemon;
+pub mod dial;
+pub mod doctor;
 pub mod gpu;
 pub mod held;
 pub mod metrics;
+pub mod netinfo;
 pub mod notify;
 pub mod peer;
 pub mod rdma;

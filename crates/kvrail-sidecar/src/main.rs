@@ -22,6 +22,10 @@ enum Command {
     /// Make the cluster's certificates: a CA, then one certificate per node.
     #[command(subcommand)]
     Certs(Certs),
+    /// Check this node's rails (links, bonds, MTUs, subnets, RDMA devices, GIDs)
+    /// and reach each peer on each rail; says how to fix what is wrong. Takes the
+    /// same configuration as `serve`; exits 1 when a check failed.
+    Doctor(Box<kvrail_sidecar::doctor::DoctorArgs>),
 }
 
 #[derive(Subcommand)]
@@ -49,6 +53,10 @@ async fn main() -> anyhow::Result<()> {
     kvrail_sidecar::init_logging();
     match Cli::parse().command {
         Command::Serve(args) => kvrail_sidecar::serve(*args).await,
+        Command::Doctor(args) => {
+            let code = kvrail_sidecar::doctor::run(*args).await?;
+            std::process::exit(code)
+        }
         Command::Certs(Certs::Init { dir }) => {
             let ca = generate::ca(&dir)?;
             println!("{}", ca.display());

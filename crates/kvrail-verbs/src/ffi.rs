@@ -13,7 +13,7 @@ use crate::sys::{self, *};
 use tokio::io::unix::AsyncFd;
 
 use crate::{
-    gid_of, Completion, CompletionError, Endpoint, Limits, Opcode, QpConfig, VerbsError,
+    gid_of, Completion, CompletionError, Endpoint, Limits, Opcode, PortInfo, QpConfig, VerbsError,
     WorkRequest, RECV_SLOT_BYTES,
 };
 
@@ -50,6 +50,24 @@ fn call(op: &'static str, device: &str, rc: i32) -> Result<(), VerbsError> {
 /// The libibverbs this process loaded (its soname), or why RDMA is off.
 pub fn verbs_library() -> Result<String, VerbsError> {
     loaded().map(|lib| lib.path.clone())
+}
+
+/// A device port as verbs reports it, for diagnostics (`kvrail doctor`).
+pub fn port_info(device: &str, port: u8) -> Result<PortInfo, VerbsError> {
+    let lib = loaded()?;
+    let (ctx, _guard) = open_context(device)?;
+    let mut pa: ibv_port_attr = zeroed();
+    // SAFETY: ctx is open (closed by the guard after); pa is a valid out-pointer.
+    call("ibv_query_port", device, unsafe {
+        (lib.query_port)(ctx.as_ptr(), port, &mut pa)
+    })?;
+    Ok(PortInfo {
+        state: port_state_name(pa.state),
+        active: pa.state == IBV_PORT_ACTIVE,
+        active_mtu: mtu_bytes(pa.active_mtu),
+        max_mtu: mtu_bytes(pa.max_mtu),
+        ethernet: pa.link_layer == 2,
+    })
 }
 
 /// Names of the RDMA devices on this host, or why there are none.

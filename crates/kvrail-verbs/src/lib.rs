@@ -23,9 +23,9 @@ mod stub;
 mod sys;
 
 #[cfg(feature = "rdma")]
-pub use ffi::{device_names, verbs_library, Device, MemoryRegion, QueuePair};
+pub use ffi::{device_names, port_info, verbs_library, Device, MemoryRegion, QueuePair};
 #[cfg(not(feature = "rdma"))]
-pub use stub::{device_names, verbs_library, Device, MemoryRegion, QueuePair};
+pub use stub::{device_names, port_info, verbs_library, Device, MemoryRegion, QueuePair};
 
 /// Why a verbs operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +63,19 @@ pub struct Endpoint {
     pub gid: [u8; 16],
     /// Active path MTU in bytes (256..4096).
     pub mtu: u32,
+}
+
+/// A device port's state as verbs reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortInfo {
+    /// "active", "down", ...
+    pub state: &'static str,
+    pub active: bool,
+    /// Path MTU in use, in bytes (256..4096).
+    pub active_mtu: u32,
+    pub max_mtu: u32,
+    /// RoCE (Ethernet link layer) rather than InfiniBand.
+    pub ethernet: bool,
 }
 
 /// Device limits that shape work requests.

@@ -12,6 +12,11 @@ fn unavailable() -> VerbsError {
 }
 
 /// Always "built without RDMA".
+pub fn port_info(_device: &str, _port: u8) -> Result<crate::PortInfo, VerbsError> {
+    Err(unavailable())
+}
+
+/// Always "built without RDMA".
 pub fn verbs_library() -> Result<String, VerbsError> {
     Err(unavailable())
 }
