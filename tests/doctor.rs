@@ -52,8 +52,18 @@ fn rails(lab: &NetLab, node: Node) -> Vec<String> {
         .collect()
 }
 
+/// A sidecar process, killed and reaped when dropped.
+struct Serving(Child);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `kvrail serve` as node B, peer of A; returns once its API answers.
-fn serve_b(lab: &NetLab, dir: &std::path::Path) -> Child {
+fn serve_b(lab: &NetLab, dir: &std::path::Path) -> Serving {
     let socket = dir.join("b.sock");
     let mut cmd = lab.command(Node::B, &binary("kvrail"));
     cmd.args(["serve", "--node", "b", "--insecure", "--socket"])
@@ -63,7 +73,7 @@ fn serve_b(lab: &NetLab, dir: &std::path::Path) -> Child {
     }
     cmd.args(["--peer", &format!("a={}", rails(lab, Node::A).join(","))]);
     let log = std::fs::File::create(dir.join("b.log")).unwrap();
-    let child = cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap();
+    let child = Serving(cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap());
     let deadline = Instant::now() + Duration::from_secs(30);
     let rt = tokio::runtime::Runtime::new().unwrap();
     loop {
@@ -143,7 +153,7 @@ fn failed<'a>(json: &'a Value, check: &str, rail: u64) -> Vec<&'a Value> {
 fn doctor_passes_a_healthy_pair_and_names_each_planted_fault() {
     let Some(lab) = lab() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut b = serve_b(&lab, dir.path());
+    let _b = serve_b(&lab, dir.path());
     let b_rails = rails(&lab, Node::B);
 
     // Healthy: exit 0, both rails' peers reached with MTU 9000 at both ends.
@@ -220,8 +230,6 @@ fn doctor_passes_a_healthy_pair_and_names_each_planted_fault() {
     // Repaired: healthy again.
     let (code, json) = doctor_a(&lab, &b_rails);
     assert_eq!(code, 0, "{json:#}");
-    let _ = b.kill();
-    let _ = b.wait();
 }
 
 /// A peer that speaks the next protocol version refuses our hello the way the

@@ -31,7 +31,6 @@ fn vm_runner() -> Option<PathBuf> {
     [
         root.join("../shared/rdma-vm/run"),
         root.join("../../shared/rdma-vm/run"),
-        PathBuf::from("/work/shared/rdma-vm/run"),
     ]
     .into_iter()
     .find(|p| p.is_file())
@@ -67,15 +66,29 @@ fn rdma_suite_in_the_vm() {
         return;
     }
     let Some(run) = vm_runner() else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run the RDMA suite, but no VM harness (shared/rdma-vm/run or $RDMA_VM_RUN) is here"
+        );
         println!("SKIPPED rdma_suite_in_the_vm: no RDMA VM harness (shared/rdma-vm/run) here");
         return;
     };
     let bin_dir = binary("kvrail").parent().unwrap().to_path_buf();
+    // The VM's kernel loads only the modules its harness packed; the doctor's
+    // bond check needs `bonding` (and `tls`), taken from the same kernel package.
+    let modules = vm_bond_modules(&run);
+    if let Err(e) = &modules {
+        println!("bond modules for the VM: {e}");
+    }
     let exe = std::env::current_exe().unwrap();
     let out = Command::new(run)
         .arg(&exe)
         .args(["--ignored", "--test-threads=1", "--nocapture"])
         .env("KVRAIL_BIN_DIR", &bin_dir)
+        .env(
+            "KVRAIL_VM_MODULES",
+            modules.as_deref().unwrap_or(Path::new("")),
+        )
         .env("RUST_BACKTRACE", "0")
         .env("RDMA_VM_TIMEOUT", "900")
         .env("RDMA_VM_MEM", "3072")
@@ -101,6 +114,58 @@ fn rdma_suite_in_the_vm() {
         stdout.contains("test result: ok") && !stdout.contains("SKIPPED"),
         "the VM ran no RDMA test"
     );
+}
+
+/// `bonding.ko` and `tls.ko` of the VM's kernel, from its Debian package,
+/// cached under target/.
+fn vm_bond_modules(run: &Path) -> Result<PathBuf, String> {
+    let out = Command::new(run)
+        .args(["uname", "-r"])
+        .output()
+        .map_err(|e| format!("run uname in the VM: {e}"))?;
+    let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() || version.is_empty() {
+        return Err(format!(
+            "the VM did not say its kernel version ({})",
+            out.status
+        ));
+    }
+    let dir = workspace_root().join("target/vm-modules").join(&version);
+    if dir.join("bonding.ko").is_file() && dir.join("tls.ko").is_file() {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(dir.join("lib"));
+    let package = format!("linux-image-{version}");
+    let got = Command::new("apt-get")
+        .args(["download", &package])
+        .current_dir(&dir)
+        .output()
+        .map_err(|e| format!("apt-get: {e}"))?;
+    if !got.status.success() {
+        return Err(format!(
+            "apt-get download {package}: {}",
+            String::from_utf8_lossy(&got.stderr)
+        ));
+    }
+    let deb = std::fs::read_dir(&dir)
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .ok_or("apt-get downloaded no .deb")?;
+    let script = format!(
+        "cd '{}' && dpkg-deb --fsys-tarfile '{}' | tar -x --wildcards '*/drivers/net/bonding/bonding.ko' '*/net/tls/tls.ko' && find . -name '*.ko' -exec mv {{}} . \\;",
+        dir.display(),
+        deb.display()
+    );
+    let ok = Command::new("sh").arg("-c").arg(&script).status();
+    let _ = std::fs::remove_file(&deb);
+    let _ = std::fs::remove_dir_all(dir.join("lib"));
+    if !ok.is_ok_and(|s| s.success()) || !dir.join("bonding.ko").is_file() {
+        return Err(format!("could not extract bonding.ko from {package}"));
+    }
+    Ok(dir)
 }
 
 struct Setup {
@@ -553,6 +618,151 @@ async fn rdma_mixed_cluster_each_pair_on_its_best_transport() {
     for n in &nodes {
         n.kv.unlink();
     }
+}
+
+/// `kvrail doctor` as node A of the VM: each rail's RoCE v2 GID, port and path
+/// MTU; a rail cut at its own end; and a bond (the DGX Spark mistake of bonding
+/// the two ports) that has no RDMA device.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_doctor_finds_gids_ports_and_a_bond() {
+    if !in_vm("rdma_doctor_finds_gids_ports_and_a_bond") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let (a, _) = rails();
+    let doctor = |listen: &[IpAddr]| {
+        let mut cmd = Command::new(binary("kvrail"));
+        cmd.args([
+            "doctor",
+            "--json",
+            "--no-peers",
+            "--node",
+            "a",
+            "--insecure",
+        ]);
+        for ip in listen {
+            cmd.args(["--listen", &SocketAddr::new(*ip, 7470).to_string()]);
+        }
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| {
+            panic!(
+                "no JSON ({e}): {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        json
+    };
+    let find = |json: &serde_json::Value, check: &str, rail: u64| -> Vec<(String, String)> {
+        json["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| f["check"] == check && f["rail"] == rail)
+            .map(|f| {
+                (
+                    f["status"].as_str().unwrap().to_string(),
+                    f["detail"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+
+    let json = doctor(&a);
+    let devs: Vec<String> = std::env::var("RDMA_VM_A_DEVS")
+        .unwrap_or_else(|_| "rxe_a0 rxe_a1".into())
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    for rail in 0..2u64 {
+        let gid = find(&json, "gid", rail);
+        assert_eq!(gid.len(), 1, "{json:#}");
+        assert_eq!(gid[0].0, "ok", "{json:#}");
+        assert!(
+            gid[0]
+                .1
+                .contains(&format!("{}/1 GID index 1", devs[rail as usize]))
+                && gid[0].1.contains("RoCE v2"),
+            "{gid:?}"
+        );
+        assert_eq!(find(&json, "port", rail)[0].0, "ok", "{json:#}");
+        let mtu = find(&json, "rdma-mtu", rail);
+        assert!(
+            mtu[0].0 == "ok" && mtu[0].1.contains("path MTU 4096"),
+            "{mtu:?}"
+        );
+    }
+
+    // Rail 1 cut at A's own end: its port goes DOWN.
+    let netdev1 = std::env::var("RDMA_VM_A_NETDEVS")
+        .unwrap_or_else(|_| "eth_a0 eth_a1".into())
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .to_string();
+    let ip = |args: &[&str]| {
+        let out = Command::new("ip").args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    ip(&["link", "set", &netdev1, "down"]);
+    let json = doctor(&a);
+    ip(&["link", "set", &netdev1, "up"]);
+    let port = find(&json, "port", 1);
+    assert!(
+        port[0].0 == "fail" && port[0].1.contains("DOWN"),
+        "{port:?}"
+    );
+    assert_eq!(find(&json, "link", 1)[0].0, "fail", "{json:#}");
+    assert_eq!(find(&json, "port", 0)[0].0, "ok", "{json:#}");
+
+    // A bond: its address has no RDMA device behind it.
+    let modules = std::env::var("KVRAIL_VM_MODULES").unwrap_or_default();
+    if modules.is_empty() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run the bond check: the VM kernel's bonding module could not be fetched"
+        );
+        println!("SKIPPED the bond part: no bonding module for the VM kernel");
+        return;
+    }
+    for m in ["tls.ko", "bonding.ko"] {
+        let out = Command::new("insmod")
+            .arg(Path::new(&modules).join(m))
+            .output()
+            .expect("insmod (kmod) in the VM");
+        let err = String::from_utf8_lossy(&out.stderr);
+        // Loaded once per VM: a second insmod says the module exists.
+        assert!(
+            out.status.success() || err.contains("File exists"),
+            "insmod {m}: {err}"
+        );
+    }
+    ip(&["link", "add", "kvb0", "type", "bond"]);
+    ip(&[
+        "link", "add", "kvs0", "type", "veth", "peer", "name", "kvs1",
+    ]);
+    ip(&["link", "set", "kvs0", "master", "kvb0"]);
+    ip(&["addr", "add", "169.254.200.1/24", "dev", "kvb0"]);
+    ip(&["link", "set", "kvb0", "up"]);
+    ip(&["link", "set", "kvs1", "up"]);
+    let json = doctor(&["169.254.200.1".parse().unwrap()]);
+    ip(&["link", "del", "kvb0"]);
+    ip(&["link", "del", "kvs0"]);
+    let bond = find(&json, "bond", 0);
+    assert!(
+        bond.len() == 1 && bond[0].0 == "fail" && bond[0].1.contains("bond kvb0 (slaves: kvs0)"),
+        "{json:#}"
+    );
+    let gid = find(&json, "gid", 0);
+    assert!(
+        gid[0].0 == "fail" && gid[0].1.contains("no RDMA port has a GID"),
+        "{json:#}"
+    );
 }
 
 /// On a host without RDMA the daemon starts, says why, and moves bytes over TCP.

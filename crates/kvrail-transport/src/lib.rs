@@ -124,6 +124,10 @@ pub trait FrameReader: Send {
 }
 
 /// One parsed frame, minus any payload (which the caller reads where it belongs).
+// A frame is returned by value once per read and consumed at once: boxing the
+// control body would add an allocation to every control frame to save a copy
+// of ~200 bytes on data frames.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Frame {
     Control(wire::Body),

@@ -16,9 +16,12 @@ use super::checks::{Finding, Status};
 use crate::config::Config;
 use crate::daemon::DialError;
 
+/// A stream transport and the node identity it authenticates with.
+type ProbeTransport = (Arc<dyn Transport>, Option<Arc<Identity>>);
+
 /// The stream transport and identity a probe uses: the first non-RDMA
 /// transport this node would use, set up as the daemon sets it up.
-fn probe_transport(config: &Config) -> Result<(Arc<dyn Transport>, Option<Arc<Identity>>), String> {
+fn probe_transport(config: &Config) -> Result<ProbeTransport, String> {
     let identity = match &config.tls_dir {
         Some(dir) => Some(Arc::new(
             Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))
