@@ -96,6 +96,9 @@ struct Sim {
     now: Instant,
     rng: StdRng,
     next_id: u64,
+    /// Side 1 is stopped (SIGSTOP, a GC pause, CPU starvation) until then: it
+    /// reads, sends and times out nothing; what arrives waits in its sockets.
+    paused_until: Option<Instant>,
 }
 
 fn config() -> SessionConfig {
@@ -135,6 +138,7 @@ impl Sim {
             now: start,
             rng: StdRng::seed_from_u64(seed),
             next_id: 1,
+            paused_until: None,
         };
         for r in 0..specs.len() {
             sim.connect(r as RailId);
@@ -238,6 +242,9 @@ impl Sim {
     fn flush_once(&mut self) -> bool {
         let mut busy = false;
         for dir in 0..2 {
+            if dir == 1 && self.is_paused() {
+                continue;
+            }
             while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
                 busy = true;
                 let (conn, item) = self.sides[dir].regions.wire_item(t);
@@ -257,7 +264,8 @@ impl Sim {
         }
         while let Some(rail) = self.sides[0].session.poll_probe() {
             busy = true;
-            if self.rail_up[rail as usize] {
+            // A stopped acceptor completes no handshake.
+            if self.rail_up[rail as usize] && !self.is_paused() {
                 // The acceptor replaces whatever it still holds on that rail.
                 for conn in self.sides[1].session.retire_rail_connections(rail) {
                     let link = self.link_of(1, conn);
@@ -331,6 +339,15 @@ impl Sim {
         deliver(&mut side.session, &mut side.regions, conn, item, self.now);
     }
 
+    fn is_paused(&self) -> bool {
+        self.paused_until.is_some_and(|t| self.now < t)
+    }
+
+    /// Stops side 1 for `pause`, from now.
+    fn pause_receiver(&mut self, pause: Duration) {
+        self.paused_until = Some(self.now + pause);
+    }
+
     /// Runs until `done` holds or `limit` of simulated time passes.
     fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Sim) -> bool) {
         let end = self.start + limit;
@@ -339,11 +356,16 @@ impl Sim {
             if done(self) {
                 return;
             }
+            let paused = self.paused_until.filter(|t| self.now < *t);
             let next = [
                 self.queue.peek().map(|Reverse((t, _))| *t),
                 self.sides[0].session.poll_timeout(),
-                self.sides[1].session.poll_timeout(),
+                self.sides[1]
+                    .session
+                    .poll_timeout()
+                    .map(|t| paused.map_or(t, |p| t.max(p))),
                 self.script.front().map(|s| s.0),
+                paused,
             ]
             .into_iter()
             .flatten()
@@ -363,12 +385,27 @@ impl Sim {
                 if t > self.now {
                     break;
                 }
+                let (link, dir, _) = &self.items[&seq];
+                if 1 - *dir == 1 && self.is_paused() {
+                    // Waits in the stopped side's socket until it runs again.
+                    let (link, dir) = (*link, *dir);
+                    self.queue.pop();
+                    let item = self.items.remove(&seq).unwrap().2;
+                    self.seq += 1;
+                    let resume = self.paused_until.unwrap_or(self.now);
+                    self.queue.push(Reverse((resume, self.seq)));
+                    self.items.insert(self.seq, (link, dir, item));
+                    continue;
+                }
                 self.queue.pop();
                 let (link, dir, item) = self.items.remove(&seq).unwrap();
                 self.deliver(link, dir, item);
                 self.flush();
             }
             for side in 0..2 {
+                if side == 1 && self.is_paused() {
+                    continue;
+                }
                 if self.sides[side]
                     .session
                     .poll_timeout()
@@ -718,4 +755,77 @@ fn a_flapping_rail_never_loses_bytes_or_connection_slots() {
         .filter(|c| c.1 == RailHealth::Down)
         .count();
     assert!(flaps >= 3, "rail 1 went down only {flaps} times");
+}
+
+/// A receiver stopped for 0.7 s while one single-slice push is in flight (a GC
+/// pause, SIGSTOP, CPU starvation): the push completes, and the rail that went
+/// suspect must resolve (back up), so later pushes go through. It used to stay
+/// suspect for good: the push's Complete released its slice without telling the
+/// rail, and nothing outstanding meant no stall deadline either.
+#[test]
+fn a_paused_receiver_never_wedges_a_rail() {
+    let mut sim = Sim::new(&[rail(100.0)], 2, 21);
+    let layout = RegionLayout::dense(1, 1, 16, 64 << 10);
+    sim.add_region(0, 1, layout, true);
+    sim.add_region(1, 2, layout, false);
+    // 1 MiB: one slice.
+    let blocks: Vec<u32> = (0..16).collect();
+    let id = sim.push(1, 2, &blocks);
+    sim.pause_receiver(Duration::from_millis(700));
+    let (_, result) = sim.run_transfer(id, Duration::from_secs(30));
+    assert_eq!(result, Ok(16 << 16));
+    let changes = sim.rail_changes(0, 0);
+    assert!(
+        changes.iter().any(|c| c.1 == RailHealth::Suspect),
+        "the pause should have made the rail suspect: {changes:?}"
+    );
+    // Whatever it went through, the rail ends up carrying traffic again.
+    sim.run_until(Duration::from_secs(10), |s| {
+        s.sides[0].session.rail_stats()[0].health == RailHealth::Up
+    });
+    assert_eq!(
+        sim.sides[0].session.rail_stats()[0].health,
+        RailHealth::Up,
+        "{:?}",
+        sim.rail_changes(0, 0)
+    );
+    for round in 0..5 {
+        let id = sim.push(1, 2, &blocks);
+        let (_, result) = sim.run_transfer(id, Duration::from_secs(60));
+        assert_eq!(result, Ok(16 << 16), "push {round} after the pause");
+    }
+}
+
+/// A suspect rail with nothing left outstanding (its slices' transfers were
+/// cancelled) still resolves: down after the stall limit, then probed back up.
+#[test]
+fn a_suspect_rail_with_nothing_outstanding_still_resolves() {
+    let mut sim = Sim::new(&[rail(100.0)], 2, 22);
+    let layout = RegionLayout::dense(1, 1, 16, 64 << 10);
+    sim.add_region(0, 1, layout, true);
+    sim.add_region(1, 2, layout, false);
+    let blocks: Vec<u32> = (0..16).collect();
+    let id = sim.push(1, 2, &blocks);
+    sim.pause_receiver(Duration::from_secs(3));
+    sim.run_until(Duration::from_secs(2), |s| {
+        s.sides[0].session.rail_stats()[0].health == RailHealth::Suspect
+    });
+    assert_eq!(
+        sim.sides[0].session.rail_stats()[0].health,
+        RailHealth::Suspect
+    );
+    let now = sim.now;
+    sim.sides[0].session.cancel(id, now);
+    sim.run_until(Duration::from_secs(20), |s| {
+        s.sides[0].session.rail_stats()[0].health == RailHealth::Up && !s.is_paused()
+    });
+    let changes = sim.rail_changes(0, 0);
+    assert_eq!(
+        sim.sides[0].session.rail_stats()[0].health,
+        RailHealth::Up,
+        "{changes:?}"
+    );
+    let id = sim.push(1, 2, &blocks);
+    let (_, result) = sim.run_transfer(id, Duration::from_secs(60));
+    assert_eq!(result, Ok(16 << 16));
 }

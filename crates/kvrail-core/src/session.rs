@@ -863,7 +863,7 @@ impl Session {
         }
     }
 
-    fn on_complete(&mut self, transfer_id: u64, _now: Instant) {
+    fn on_complete(&mut self, transfer_id: u64, now: Instant) {
         let Some(t) = self.transfers.get(&transfer_id) else {
             return;
         };
@@ -873,7 +873,20 @@ impl Session {
         let Some(mut t) = self.transfers.remove(&transfer_id) else {
             return;
         };
+        // Complete says every byte arrived: for the rails that carried the slices
+        // still unacknowledged, that is an acknowledgement (a suspect rail is up).
+        let rails: Vec<RailId> = t
+            .in_flight
+            .iter()
+            .filter_map(|&(conn, ..)| self.conns.get(conn).filter(|c| c.alive).map(|c| c.rail))
+            .collect();
         self.release_in_flight(&mut t);
+        for rail in rails {
+            if let Some(r) = self.rails.get_mut(rail as usize) {
+                r.last_progress = now;
+            }
+            self.rail_signal(rail, RailSignal::Acked, "transfer complete", false, now);
+        }
         t.advance(TransferEvent::AllPlaced);
         self.events.push_back(t.into_done(transfer_id));
     }
@@ -1200,12 +1213,12 @@ impl Session {
 
     /// When the next stall check of a busy rail is due.
     fn rail_stall_deadline(&self, r: &Rail) -> Option<Instant> {
-        if r.outstanding == 0 {
-            return None;
-        }
         let stall = r.stall_limit(&self.config.rails);
         match r.health {
-            RailHealth::Up => Some(r.last_progress + stall / 2),
+            RailHealth::Up if r.outstanding > 0 => Some(r.last_progress + stall / 2),
+            // A suspect rail always resolves: an acknowledgement makes it up,
+            // else it goes down at the stall limit even when nothing is left on
+            // it (its transfers ended without acks), and is probed back.
             RailHealth::Suspect => Some(r.last_progress + stall),
             _ => None,
         }
@@ -1235,7 +1248,8 @@ impl Session {
     pub fn handle_timeout(&mut self, now: Instant) {
         for i in 0..self.rails.len() {
             let r = &self.rails[i];
-            if r.outstanding == 0 || !r.health.is_connected() {
+            let idle_up = r.outstanding == 0 && r.health == RailHealth::Up;
+            if idle_up || !r.health.is_connected() {
                 continue;
             }
             let stall = r.stall_limit(&self.config.rails);
