@@ -43,6 +43,12 @@ pub enum PlanError {
     /// More block ids than one transfer may carry.
     #[error("{0} blocks in one request exceeds the limit")]
     TooManyBlocks(usize),
+    /// More layer x plane x block pieces than one transfer may move: the plan
+    /// (and the memory to hold it) would be unbounded.
+    #[error(
+        "{pieces} block pieces (layers x planes x blocks) in one request exceed the limit of {max}"
+    )]
+    TooManyPieces { pieces: u64, max: u64 },
     /// A block id past the region's last block.
     #[error("block {block} out of range (region has {num_blocks})")]
     BlockOutOfRange { block: u32, num_blocks: u32 },

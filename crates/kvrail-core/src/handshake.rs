@@ -15,6 +15,62 @@ pub enum HandshakeError {
     NoCommonTransport(Vec<String>),
     #[error("first message was not a hello")]
     NotHello,
+    /// A field is longer than any real hello carries (checked before anything
+    /// of the hello is looked up, logged or echoed).
+    #[error("hello field {field} is {len} long, at most {max} allowed")]
+    Oversized {
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
+}
+
+/// Longest node name (as in a DNS label set).
+pub const MAX_NODE_NAME_BYTES: usize = 255;
+/// Most transports a hello may offer.
+pub const MAX_TRANSPORTS: usize = 8;
+/// Longest transport name.
+pub const MAX_TRANSPORT_NAME_BYTES: usize = 16;
+/// Longest rail address text ("[v6 address%scope]:port").
+pub const MAX_ADDR_BYTES: usize = 64;
+/// Largest node certificate (DER); real ones are 400-1,500 bytes.
+pub const MAX_CERTIFICATE_BYTES: usize = 8 << 10;
+/// Longest kvrail release string.
+pub const MAX_SOFTWARE_BYTES: usize = 64;
+
+/// Size checks of every variable-length hello field.
+pub fn check_hello_sizes(hello: &pb::Hello) -> Result<(), HandshakeError> {
+    let check = |field, len: usize, max| {
+        if len > max {
+            Err(HandshakeError::Oversized { field, len, max })
+        } else {
+            Ok(())
+        }
+    };
+    check("node_name", hello.node_name.len(), MAX_NODE_NAME_BYTES)?;
+    check(
+        "expected_peer",
+        hello.expected_peer.len(),
+        MAX_NODE_NAME_BYTES,
+    )?;
+    check("transports", hello.transports.len(), MAX_TRANSPORTS)?;
+    for t in &hello.transports {
+        check("transport name", t.len(), MAX_TRANSPORT_NAME_BYTES)?;
+    }
+    check(
+        "rail_local_addr",
+        hello.rail_local_addr.len(),
+        MAX_ADDR_BYTES,
+    )?;
+    check("rail_peer_addr", hello.rail_peer_addr.len(), MAX_ADDR_BYTES)?;
+    check(
+        "certificate",
+        hello.certificate.len(),
+        MAX_CERTIFICATE_BYTES,
+    )?;
+    check("nonce", hello.nonce.len(), NONCE_BYTES)?;
+    check("software", hello.software.len(), MAX_SOFTWARE_BYTES)?;
+    Ok(())
 }
 
 /// Bytes of the random nonce each side of an authenticated TCP handshake sends.
@@ -63,6 +119,7 @@ pub fn check_hello(
     is_known_peer: impl Fn(&str) -> bool,
     local_transports: &[&str],
 ) -> Result<(), HandshakeError> {
+    check_hello_sizes(hello)?;
     if hello.protocol_version != u32::from(PROTOCOL_VERSION) {
         return Err(HandshakeError::Version {
             theirs: hello.protocol_version,
@@ -91,6 +148,25 @@ pub fn check_hello(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn oversized_fields_are_refused_first() {
+        let mut h = hello();
+        h.node_name = "x".repeat(16 << 20);
+        let e = check_hello(&h, "decode", |_| true, &["tcp"]).unwrap_err();
+        assert!(matches!(
+            e,
+            HandshakeError::Oversized {
+                field: "node_name",
+                ..
+            }
+        ));
+        // The refusal text stays short whatever the peer sent.
+        assert!(e.to_string().len() < 100, "{e}");
+        let mut h = hello();
+        h.transports = vec!["tcp".into(); 1000];
+        assert!(check_hello(&h, "decode", |_| true, &["tcp"]).is_err());
+    }
 
     fn hello() -> pb::Hello {
         pb::Hello {

@@ -11,6 +11,12 @@ use crate::layout::RegionLayout;
 /// Most blocks one request may list (per side), to bound plan memory.
 pub const MAX_BLOCKS_PER_TRANSFER: usize = 1 << 20;
 
+/// Most block pieces (layers x planes x listed blocks) one transfer may move:
+/// a plan holds at most one segment per piece. 4 Mi covers 80 layers x K/V x
+/// 26,000 blocks (a 400k-token prompt at block size 16) and bounds a plan to
+/// 96 MiB however hostile the request.
+pub const MAX_PIECES_PER_TRANSFER: u64 = 1 << 22;
+
 /// A worker's description of blocks in one region.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BlockSelection {
@@ -33,6 +39,15 @@ impl BlockSelection {
         }
         if self.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
             return Err(PlanError::TooManyBlocks(self.block_ids.len()));
+        }
+        // Checked here too (with at least one plane), so the side that does not
+        // hold the region refuses before anything is built.
+        let pieces = self.block_ids.len() as u64 * u64::from(self.layer_count);
+        if pieces > MAX_PIECES_PER_TRANSFER {
+            return Err(PlanError::TooManyPieces {
+                pieces,
+                max: MAX_PIECES_PER_TRANSFER,
+            });
         }
         if access == Access::Write {
             let mut sorted = self.block_ids.clone();
@@ -86,6 +101,15 @@ impl Plan {
                 count: selection.layer_count,
                 num_layers: layout.num_layers,
             })?;
+        let pieces = selection.block_ids.len() as u64
+            * u64::from(selection.layer_count)
+            * u64::from(layout.planes_per_layer);
+        if pieces > MAX_PIECES_PER_TRANSFER {
+            return Err(PlanError::TooManyPieces {
+                pieces,
+                max: MAX_PIECES_PER_TRANSFER,
+            });
+        }
         if let Some(&bad) = selection
             .block_ids
             .iter()
@@ -188,6 +212,41 @@ impl Iterator for Pieces<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A PullOpen naming block 0 a million times over 80 layers (an outside
+    /// report: the plan it built got the sidecar OOM-killed) is refused by its
+    /// shape alone, before any plan is built; so is a valid 1 TiB layout of
+    /// 1-byte blocks asked for 2^24 pieces.
+    #[test]
+    fn hostile_piece_counts_are_refused_before_building() {
+        let hostile = BlockSelection {
+            region_id: 1,
+            layer_start: 0,
+            layer_count: 80,
+            block_ids: vec![0; 1_000_000],
+        };
+        assert!(matches!(
+            hostile.check_shape(Access::Read),
+            Err(PlanError::TooManyPieces {
+                pieces: 80_000_000,
+                ..
+            })
+        ));
+        let tiny = RegionLayout::dense(1, 1, 1 << 24, 1);
+        let all = BlockSelection {
+            region_id: 1,
+            layer_start: 0,
+            layer_count: 1,
+            block_ids: (0..1 << 20).collect(),
+        };
+        // 2^20 pieces of one plane are fine; with 8 planes the plan is refused.
+        assert!(Plan::build(&tiny, &all, Access::Read).is_ok());
+        let planes = RegionLayout::dense(1, 8, 1 << 20, 1);
+        assert!(matches!(
+            Plan::build(&planes, &all, Access::Read),
+            Err(PlanError::TooManyPieces { .. })
+        ));
+    }
 
     fn sel(layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
         BlockSelection {

@@ -59,6 +59,37 @@ pub enum ShmError {
         len: u64,
         region_len: u64,
     },
+    /// Registration policy: regions live in shared memory (tmpfs, hugetlbfs,
+    /// memfd), never in a file on disk.
+    #[error("{path} is not in shared memory (it is on a {fs} filesystem): create KV regions in /dev/shm or another tmpfs")]
+    NotSharedMemory { path: PathBuf, fs: String },
+    /// Registration policy: the path's last component may not be a symlink.
+    #[error("{0} is a symbolic link: register the file itself")]
+    Symlink(PathBuf),
+    /// Registration policy: the path must be absolute (the sidecar's working
+    /// directory is not the worker's).
+    #[error("{0} is not an absolute path")]
+    Relative(PathBuf),
+    /// Registration policy: a worker registers only its own files.
+    #[error("{path} belongs to uid {owner}, not to the registering worker's uid {caller}")]
+    NotOwner {
+        path: PathBuf,
+        owner: u32,
+        caller: u32,
+    },
+}
+
+/// Filesystem types whose files are memory, not disk (`statfs` magic numbers).
+const SHARED_MEMORY_FILESYSTEMS: [(i64, &str); 2] = [
+    (0x0102_1994, "tmpfs"),               // TMPFS_MAGIC: /dev/shm, memfd
+    (0x9584_58f6u32 as i64, "hugetlbfs"), // HUGETLBFS_MAGIC
+];
+
+/// Who may register a file: the worker's uid from the socket's credentials
+/// (`None` when unknown: only the filesystem and symlink checks apply).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    pub uid: Option<u32>,
 }
 
 /// A bounds-checked range of a mapping, owning a reference to it and whatever
@@ -90,6 +121,74 @@ pub struct SharedRegion {
 }
 
 impl SharedRegion {
+    /// Maps a worker's file under the registration policy: an absolute path
+    /// whose last component is not a symlink, naming a regular file in shared
+    /// memory (tmpfs or hugetlbfs) owned by the caller (root may register any
+    /// owner's). Checked on the opened descriptor, so no rename or symlink
+    /// swapped in between can redirect it.
+    pub fn open_registered(path: impl AsRef<Path>, caller: Caller) -> Result<Self, ShmError> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        use std::os::unix::io::AsRawFd;
+        let path = path.as_ref().to_path_buf();
+        if !path.is_absolute() {
+            return Err(ShmError::Relative(path));
+        }
+        // Devices and FIFOs are refused before they are opened (opening some
+        // devices does something); the descriptor is checked again below.
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_symlink() => return Err(ShmError::Symlink(path)),
+            Ok(m) if !m.file_type().is_file() => return Err(ShmError::NotAFile(path)),
+            Ok(_) => {}
+            Err(source) => return Err(ShmError::Open { path, source }),
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NOCTTY)
+            .open(&path)
+            .map_err(|source| {
+                if source.raw_os_error() == Some(libc::ELOOP) {
+                    ShmError::Symlink(path.clone())
+                } else {
+                    ShmError::Open {
+                        path: path.clone(),
+                        source,
+                    }
+                }
+            })?;
+        // SAFETY: statfs is plain data; fstatfs fills it for a descriptor we own.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; the descriptor stays open for the call.
+        if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
+            return Err(ShmError::Open {
+                path,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        #[allow(clippy::unnecessary_cast)] // f_type's width differs by architecture
+        let magic = fs.f_type as i64;
+        if !SHARED_MEMORY_FILESYSTEMS.iter().any(|(m, _)| *m == magic) {
+            return Err(ShmError::NotSharedMemory {
+                path,
+                fs: format!("{magic:#x}"),
+            });
+        }
+        let meta = file.metadata().map_err(|source| ShmError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        if let Some(uid) = caller.uid {
+            if uid != 0 && meta.uid() != uid {
+                return Err(ShmError::NotOwner {
+                    path,
+                    owner: meta.uid(),
+                    caller: uid,
+                });
+            }
+        }
+        Self::map_file(file, path)
+    }
+
     /// Maps an existing file (the sidecar's side).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, ShmError> {
         let path = path.as_ref().to_path_buf();
@@ -101,6 +200,10 @@ impl SharedRegion {
                 path: path.clone(),
                 source,
             })?;
+        Self::map_file(file, path)
+    }
+
+    fn map_file(file: File, path: PathBuf) -> Result<Self, ShmError> {
         let meta = file.metadata().map_err(|source| ShmError::Open {
             path: path.clone(),
             source,
@@ -298,6 +401,73 @@ pub async fn process_exit(pid: i32) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shm_file(name: &str) -> PathBuf {
+        let p =
+            Path::new("/dev/shm").join(format!("kvrail-shm-test-{}-{name}", std::process::id()));
+        std::fs::write(&p, vec![0u8; 4096]).unwrap();
+        p
+    }
+
+    #[test]
+    fn files_of_another_user_are_refused() {
+        let p = shm_file("owner");
+        let me = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&p).unwrap());
+        let other = if me == 4242 { 4243 } else { 4242 };
+        let err = SharedRegion::open_registered(&p, Caller { uid: Some(other) }).unwrap_err();
+        assert!(
+            matches!(err, ShmError::NotOwner { owner, caller, .. } if owner == me && caller == other),
+            "{err}"
+        );
+        assert!(SharedRegion::open_registered(&p, Caller { uid: Some(me) }).is_ok());
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn disk_files_symlinks_and_relative_paths_are_refused() {
+        let disk = std::env::current_dir()
+            .unwrap()
+            .join(format!("kvrail-disk-{}", std::process::id()));
+        std::fs::write(&disk, vec![0u8; 4096]).unwrap();
+        let anyone = Caller { uid: None };
+        let fs_type = nix_fs_type(&disk);
+        let err = SharedRegion::open_registered(&disk, anyone);
+        if fs_type != "tmpfs" {
+            assert!(
+                matches!(err, Err(ShmError::NotSharedMemory { .. })),
+                "{err:?}"
+            );
+        }
+        let link = Path::new("/dev/shm").join(format!("kvrail-link-{}", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&disk, &link).unwrap();
+        assert!(matches!(
+            SharedRegion::open_registered(&link, anyone),
+            Err(ShmError::Symlink(_))
+        ));
+        assert!(matches!(
+            SharedRegion::open_registered("relative.bin", anyone),
+            Err(ShmError::Relative(_))
+        ));
+        assert!(matches!(
+            SharedRegion::open_registered("/dev/zero", anyone),
+            Err(ShmError::NotAFile(_))
+        ));
+        std::fs::remove_file(&link).unwrap();
+        std::fs::remove_file(&disk).unwrap();
+    }
+
+    /// "tmpfs" when the current directory is a tmpfs (then the disk case is moot).
+    fn nix_fs_type(p: &Path) -> &'static str {
+        let out = std::process::Command::new("stat")
+            .args(["-f", "-c", "%T"])
+            .arg(p)
+            .output();
+        match out {
+            Ok(o) if String::from_utf8_lossy(&o.stdout).trim() == "tmpfs" => "tmpfs",
+            _ => "other",
+        }
+    }
 
     #[test]
     fn shared_bytes_are_checked_views_that_keep_the_mapping() {

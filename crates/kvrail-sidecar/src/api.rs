@@ -35,9 +35,8 @@ pub async fn serve(shared: Arc<Shared>, socket: &Path) -> anyhow::Result<JoinHan
             anyhow::bail!("{} exists and is not a socket", socket.display());
         }
     }
-    let listener = UnixListener::bind(socket)
+    let listener = bind_private(socket)
         .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     let service = SidecarServer::new(Api { shared }).max_decoding_message_size(64 << 20);
     let incoming = UnixListenerStream::new(listener);
     Ok(tokio::spawn(async move {
@@ -49,6 +48,37 @@ pub async fn serve(shared: Arc<Shared>, socket: &Path) -> anyhow::Result<JoinHan
             tracing::error!("API server stopped: {e}");
         }
     }))
+}
+
+/// Binds a Unix socket that only this user can ever connect to, whatever the
+/// umask: it is bound inside a fresh directory of mode 0700, made 0600 there,
+/// and only then renamed to `socket` (a rename is atomic, so no other user can
+/// reach the socket while its mode is still the umask's).
+fn bind_private(socket: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::DirBuilderExt;
+    let parent = match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let name = socket
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "kvrail.sock".into());
+    let private = parent.join(format!(
+        ".{name}.{}.{:x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let staged = private.join("socket");
+    let bound = UnixListener::bind(&staged).and_then(|listener| {
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&staged, socket)?;
+        Ok(listener)
+    });
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    bound
 }
 
 struct Api {
@@ -111,7 +141,12 @@ fn shm_status(e: &ShmError) -> Status {
         ShmError::Open { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
             Status::permission_denied(e.to_string())
         }
-        ShmError::OutOfBounds { .. } => Status::invalid_argument(e.to_string()),
+        ShmError::OutOfBounds { .. }
+        | ShmError::NotSharedMemory { .. }
+        | ShmError::Symlink(_)
+        | ShmError::Relative(_)
+        | ShmError::NotAFile(_) => Status::invalid_argument(e.to_string()),
+        ShmError::NotOwner { .. } => Status::permission_denied(e.to_string()),
         _ => Status::failed_precondition(e.to_string()),
     }
 }
@@ -269,11 +304,14 @@ impl Sidecar for Api {
         &self,
         req: Request<RegisterRegionRequest>,
     ) -> Result<Response<RegisterRegionResponse>, Status> {
-        let owner_pid = req
+        let cred = req
             .extensions()
             .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|info| info.peer_cred)
-            .and_then(|cred| cred.pid());
+            .and_then(|info| info.peer_cred);
+        let owner_pid = cred.and_then(|c| c.pid());
+        let caller = kvrail_shm::Caller {
+            uid: cred.map(|c| c.uid()),
+        };
         let req = req.into_inner();
         require_text(&req.worker_id, "worker_id")?;
         let layout = RegionLayout::from(require(&req.layout, "layout")?);
@@ -288,7 +326,7 @@ impl Sidecar for Api {
                     "shm_path (host memory) or cuda_ipc (GPU memory) is required",
                 ))
             }
-            (None, false) => RegionSource::Shm(Path::new(&req.shm_path)),
+            (None, false) => RegionSource::Shm(Path::new(&req.shm_path), caller),
             (Some(ipc), true) => {
                 let device = self
                     .shared

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::dial::{random_nonce, HANDSHAKE_TIMEOUT};
+use crate::ratelog::RateLimitedLog;
 use dashmap::DashMap;
 use kvrail_auth::{Identity, IdentityFiles};
 use kvrail_core::handshake::{check_hello, transcript, HandshakeError, Signer, NONCE_BYTES};
@@ -16,7 +17,7 @@ use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
 use kvrail_quic::QuicTransport;
 use kvrail_transport::tcp::TcpTransport;
-use kvrail_transport::{read_frame, Connection, Frame, Listener, Transport};
+use kvrail_transport::{read_handshake_frame, Connection, Frame, Listener, Transport};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -29,6 +30,13 @@ use crate::peer::{DialInfo, PeerLink};
 use crate::rdma::{Directory, RdmaRails};
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
+
+/// Handshakes one listener runs at once; more connections are closed at once.
+const MAX_CONCURRENT_HANDSHAKES: usize = 64;
+/// Longest a handshake reply may take to write (a peer that does not read).
+const HANDSHAKE_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest refusal text sent back or logged.
+const MAX_REFUSAL_CHARS: usize = 300;
 
 /// Longest connect attempt of a probe rebuilding a down rail.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -68,6 +76,8 @@ pub struct Shared {
     /// Worker processes whose exit we watch (to drop their regions).
     watched_workers: DashMap<i32, ()>,
     next_transfer: AtomicU64,
+    /// Refused handshakes are logged a few per second at most.
+    pub refusal_log: RateLimitedLog,
 }
 
 /// Why a region could not be unregistered.
@@ -425,8 +435,13 @@ impl Shared {
         transport: &'static str,
         mut conn: Connection,
         from: SocketAddr,
+        _handshake_slot: tokio::sync::OwnedSemaphorePermit,
     ) {
-        let first = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut())).await;
+        let first = tokio::time::timeout(
+            HANDSHAKE_TIMEOUT,
+            read_handshake_frame(conn.reader.as_mut()),
+        )
+        .await;
         let hello = match first {
             Ok(Ok(Frame::Control(Body::Hello(h)))) => h,
             Ok(Ok(_)) => {
@@ -471,6 +486,7 @@ impl Shared {
                 HandshakeError::WrongNode { .. } => "wrong_node",
                 HandshakeError::NoCommonTransport(_) => "no_common_transport",
                 HandshakeError::NotHello => "not_hello",
+                HandshakeError::Oversized { .. } => "oversized",
             };
             return self.refuse(conn, from, e.to_string(), label).await;
         }
@@ -519,18 +535,20 @@ impl Shared {
             }
         }
         let acceptor_nonce = ack.nonce.clone();
-        if conn
-            .writer
-            .write_control(&wire::encode_control(&wire::message(Body::HelloAck(ack))))
-            .await
-            .is_err()
-        {
+        let frame = wire::encode_control(&wire::message(Body::HelloAck(ack)));
+        // A peer that does not read must not hold the task (and its buffers).
+        let wrote =
+            tokio::time::timeout(HANDSHAKE_WRITE_TIMEOUT, conn.writer.write_control(&frame)).await;
+        if !matches!(wrote, Ok(Ok(()))) {
             return;
         }
         if let Some(id) = identity {
             // The dialer proves it holds its certificate's key before it gets a session.
-            let proof =
-                tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut())).await;
+            let proof = tokio::time::timeout(
+                HANDSHAKE_TIMEOUT,
+                read_handshake_frame(conn.reader.as_mut()),
+            )
+            .await;
             let signature = match proof {
                 Ok(Ok(Frame::Control(Body::HelloProof(p)))) => p.signature,
                 Ok(Ok(_)) => {
@@ -592,18 +610,24 @@ impl Shared {
         reason: String,
         label: &'static str,
     ) {
-        warn!(%from, "refused peer handshake: {reason}");
+        // Bounded: a refusal says at most this much, however long the peer's
+        // fields were, and a flood of refusals logs a few lines a second.
+        let reason: String = reason.chars().take(MAX_REFUSAL_CHARS).collect();
+        if let Some(suppressed) = self.refusal_log.admit() {
+            warn!(%from, suppressed, "refused peer handshake: {reason}");
+        }
         metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => label).increment(1);
         let abort = wire::message(Body::Abort(pb::Abort {
             transfer_id: 0,
             code: ErrorCode::Protocol as i32,
             message: reason,
         }));
-        let _ = conn
-            .writer
-            .write_control(&wire::encode_control(&abort))
-            .await;
-        let _ = conn.writer.close().await;
+        let frame = wire::encode_control(&abort);
+        let _ = tokio::time::timeout(HANDSHAKE_WRITE_TIMEOUT, async {
+            let _ = conn.writer.write_control(&frame).await;
+            let _ = conn.writer.close().await;
+        })
+        .await;
     }
 
     /// Routes a session event to the transfer table and the right worker.
@@ -794,6 +818,7 @@ impl Daemon {
             identity: identity.clone(),
             gpus: GpuDevices::new(config.slice_bytes as usize),
             watched_workers: DashMap::new(),
+            refusal_log: RateLimitedLog::new(5),
             next_transfer: AtomicU64::new(0),
         });
         if let Some(addr) = config.metrics_addr {
@@ -855,10 +880,25 @@ async fn accept_loop(
     transport: &'static str,
     mut listener: Box<dyn Listener>,
 ) {
+    // Handshakes in progress at once, per listener: each holds at most one
+    // bounded handshake frame, so pre-authentication memory is bounded too.
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HANDSHAKES));
     loop {
         match listener.accept().await {
             Ok((conn, from)) => {
-                tokio::spawn(shared.clone().accept_one(transport, conn, from));
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
+                        .increment(1);
+                    if let Some(suppressed) = shared.refusal_log.admit() {
+                        warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
+                    }
+                    drop(conn);
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    shared.accept_one(transport, conn, from, permit).await;
+                });
             }
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
                 // A TLS handshake failed: a peer without a certificate of our CA.

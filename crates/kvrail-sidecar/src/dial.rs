@@ -9,7 +9,7 @@ use std::time::Duration;
 use kvrail_auth::Identity;
 use kvrail_core::handshake::{transcript, Signer, NONCE_BYTES};
 use kvrail_core::wire::{self, pb, Body};
-use kvrail_transport::{read_frame, Connection, Frame, Transport, TransportError};
+use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport, TransportError};
 
 use crate::daemon::DialError;
 
@@ -78,16 +78,19 @@ pub async fn handshake(
             e.kind() == std::io::ErrorKind::PermissionDenied,
         )
     })?;
-    let reply = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(conn.reader.as_mut()))
-        .await
-        .map_err(|_| failed("no handshake reply".into(), false))?
-        .map_err(|e| match e {
-            TransportError::Io(io) => failed(
-                io.to_string(),
-                io.kind() == std::io::ErrorKind::PermissionDenied,
-            ),
-            e => failed(e.to_string(), false),
-        })?;
+    let reply = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        read_handshake_frame(conn.reader.as_mut()),
+    )
+    .await
+    .map_err(|_| failed("no handshake reply".into(), false))?
+    .map_err(|e| match e {
+        TransportError::Io(io) => failed(
+            io.to_string(),
+            io.kind() == std::io::ErrorKind::PermissionDenied,
+        ),
+        e => failed(e.to_string(), false),
+    })?;
     match reply {
         Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => {
             if let Some(id) = identity {

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod netinfo;
 pub mod notify;
 pub mod peer;
+pub mod ratelog;
 pub mod rdma;
 pub mod regions;
 pub mod transfers;

@@ -87,7 +87,8 @@ pub enum RegisterError {
 
 /// What a worker registers.
 pub enum RegionSource<'a> {
-    Shm(&'a Path),
+    /// A shared-memory file, and who registers it (the registration policy).
+    Shm(&'a Path, kvrail_shm::Caller),
     Gpu {
         device: Arc<GpuDevice>,
         handle: &'a [u8],
@@ -111,8 +112,8 @@ impl Registry {
         exposed: bool,
     ) -> Result<Arc<Region>, RegisterError> {
         let memory = match source {
-            RegionSource::Shm(path) => {
-                let m = SharedRegion::open(path)?;
+            RegionSource::Shm(path, caller) => {
+                let m = SharedRegion::open_registered(path, caller)?;
                 layout.validate(m.len())?;
                 RegionMemory::Host(Arc::new(m))
             }

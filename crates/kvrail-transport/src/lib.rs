@@ -139,9 +139,35 @@ pub enum Frame {
 
 /// Reads the next frame header (and control body or slice header).
 pub async fn read_frame(reader: &mut dyn FrameReader) -> Result<Frame, TransportError> {
+    read_frame_within(reader, wire::MAX_CONTROL_BYTES).await
+}
+
+/// Largest frame a peer may send before it is authenticated: a hello with a
+/// certificate chain fits in a few KiB. Anything longer is refused from its
+/// header, before a byte of the body is read or buffered.
+pub const MAX_HANDSHAKE_FRAME_BYTES: u32 = 16 << 10;
+
+/// Reads a handshake frame: a control frame of at most
+/// [`MAX_HANDSHAKE_FRAME_BYTES`], or an error.
+pub async fn read_handshake_frame(reader: &mut dyn FrameReader) -> Result<Frame, TransportError> {
+    read_frame_within(reader, MAX_HANDSHAKE_FRAME_BYTES).await
+}
+
+/// As [`read_frame`], refusing control bodies over `max_control` bytes from the
+/// header alone.
+pub async fn read_frame_within(
+    reader: &mut dyn FrameReader,
+    max_control: u32,
+) -> Result<Frame, TransportError> {
     let mut hdr = [0u8; FRAME_HEADER_LEN];
     reader.read_exact(&mut hdr).await?;
     match wire::decode_frame_header(&hdr)? {
+        FrameHeader::Control { len } if len > max_control => {
+            Err(TransportError::Wire(wire::WireError::TooLong {
+                len,
+                max: max_control,
+            }))
+        }
         FrameHeader::Control { len } => {
             let mut body = vec![0u8; len as usize];
             reader.read_exact(&mut body).await?;

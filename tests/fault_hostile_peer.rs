@@ -1,0 +1,234 @@
+//! A hostile peer on a raw socket: oversized frames before authentication, a
+//! flood of handshakes, and a request whose plan would be unbounded. Each is
+//! refused from the first bytes that show it, the daemon's memory and log stay
+//! bounded, and it keeps serving.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvrail_client::proto::TransferState;
+use kvrail_client::{blocks, dense_layout, KvRegion};
+use kvrail_core::wire::{self, pb, Body, FRAME_HEADER_LEN};
+use kvrail_e2e::Pair;
+use kvrail_examples::fill;
+
+/// Resident memory of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// A control frame header announcing `len` body bytes.
+fn control_header(len: u32) -> Vec<u8> {
+    // Any real control frame's header, with the length replaced.
+    let mut frame = wire::encode_control(&wire::message(Body::HelloProof(pb::HelloProof {
+        signature: vec![],
+    })));
+    frame.truncate(FRAME_HEADER_LEN);
+    frame[4..8].copy_from_slice(&len.to_le_bytes());
+    frame
+}
+
+fn read_control(sock: &mut TcpStream) -> Option<Body> {
+    let mut hdr = [0u8; 8];
+    sock.read_exact(&mut hdr).ok()?;
+    let wire::FrameHeader::Control { len } = wire::decode_frame_header(&hdr).ok()? else {
+        return None;
+    };
+    let mut body = vec![0u8; len as usize];
+    sock.read_exact(&mut body).ok()?;
+    wire::decode_control(&body).ok()
+}
+
+/// 64 connections each announce a 16 MiB hello (a 16 MiB node name) and send
+/// it without reading anything back. Before the fix each one held ~230 MB and
+/// wrote the name into the log; now each is refused from its frame header.
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_pre_auth_frames_are_refused_from_the_header() {
+    let pair = Pair::start(&[]);
+    let _ = pair.decode.client().await;
+    let addr: SocketAddr = pair.decode.listen;
+    let before = rss(pair.decode.pid());
+    let log_before = pair.decode.log().len();
+
+    // Just under the post-handshake frame limit (16 MiB), as the report had it.
+    let name = "n".repeat((16 << 20) - 64);
+    let hello = wire::message(Body::Hello(pb::Hello {
+        protocol_version: 1,
+        node_name: name,
+        ..Default::default()
+    }));
+    let frame = std::sync::Arc::new(wire::encode_control(&hello));
+    assert!(frame.len() > 16 << 19);
+    let mut attackers = Vec::new();
+    for _ in 0..64 {
+        let frame = frame.clone();
+        attackers.push(std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+            // The daemon may close on us mid-write: that is the point.
+            let _ = s.write_all(&frame);
+            s
+        }));
+    }
+    let mut peak = before;
+    let socks: Vec<TcpStream> = attackers.into_iter().map(|t| t.join().unwrap()).collect();
+    peak = peak.max(rss(pair.decode.pid()));
+    // Still holding the sockets open (never reading): memory stays bounded.
+    for _ in 0..20 {
+        peak = peak.max(rss(pair.decode.pid()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(socks);
+    let grew = peak.saturating_sub(before);
+    assert!(
+        grew < 64 << 20,
+        "pre-authentication frames grew the daemon by {} MiB",
+        grew >> 20
+    );
+    let logged = pair.decode.log().len() - log_before;
+    assert!(logged < 64 << 10, "{logged} bytes of log for 64 refusals");
+
+    // Also a plain announcement with nothing behind it: refused at once, with
+    // a reason that names the limit, not a 5 s handshake timeout.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    s.write_all(&control_header(16 << 20)).unwrap();
+    let started = Instant::now();
+    match read_control(&mut s) {
+        Some(Body::Abort(a)) => assert!(a.message.contains("16384"), "{}", a.message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    // And the daemon serves.
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 4, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let pr = p.register_region("p0", &p_kv, false).await.unwrap();
+    let dr = d.register_region("d0", &d_kv, false).await.unwrap();
+    fill(&p_kv, 1, 0..1, &[0, 1]).unwrap();
+    let t = p
+        .push(
+            "p0",
+            "r",
+            "decode",
+            blocks(pr, 0..1, vec![0, 1]),
+            blocks(dr, 0..1, vec![0, 1]),
+        )
+        .await
+        .unwrap();
+    let st = p
+        .wait(t.transfer_id, Some(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(st.state, TransferState::Done as i32);
+    p_kv.unlink();
+    d_kv.unlink();
+}
+
+/// More connections than the daemon handshakes at once: the excess is closed
+/// at once instead of each holding a task and its buffers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handshake_flood_is_capped() {
+    let pair = Pair::start(&[]);
+    let _ = pair.decode.client().await;
+    let addr = pair.decode.listen;
+    // 200 connections that never say hello.
+    let idle: Vec<TcpStream> = (0..200)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    let checks: Vec<_> = idle
+        .into_iter()
+        .map(|mut s| {
+            std::thread::spawn(move || {
+                // Turned away: closed at once. Admitted: silent until the
+                // handshake timeout, well after this read gives up.
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                let mut b = [0u8; 1];
+                matches!(s.read(&mut b), Ok(0))
+            })
+        })
+        .collect();
+    let closed = checks
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .filter(|c| *c)
+        .count();
+    assert!(
+        closed >= 100,
+        "only {closed} of 200 idle handshakes were turned away"
+    );
+    assert!(
+        closed <= 200 - 32,
+        "{closed}: the first handshakes must be admitted"
+    );
+}
+
+/// A configured peer asks to pull block 0 a million times over 80 layers. Before
+/// the fix the plan (80 million segments) got the sidecar OOM-killed; now the
+/// request is refused by its shape and the peer told why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pull_open_with_an_unbounded_plan_is_refused() {
+    let pair = Pair::start(&[]);
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(80, 1, 4, 64);
+    let kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let region = d.register_region("d0", &kv, true).await.unwrap();
+    let before = rss(pair.decode.pid());
+
+    let mut sock = TcpStream::connect(pair.decode.listen).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let hello = pb::Hello {
+        protocol_version: 1,
+        node_name: "prefill".into(),
+        session_id: 99,
+        transports: vec!["tcp".into()],
+        rail_count: 1,
+        expected_peer: "decode".into(),
+        ..Default::default()
+    };
+    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
+        .unwrap();
+    assert!(matches!(read_control(&mut sock), Some(Body::HelloAck(_))));
+    let open = pb::PullOpen {
+        transfer_id: 1,
+        request_id: "greedy".into(),
+        source: Some(pb::BlockSet {
+            region_id: region,
+            layer_start: 0,
+            layer_count: 80,
+            block_ids: vec![0; 1_000_000],
+        }),
+        block_bytes: 64,
+        total_bytes: 80 * 1_000_000 * 64,
+        one_sided: false,
+    };
+    let started = Instant::now();
+    sock.write_all(&wire::encode_control(&wire::message(Body::PullOpen(open))))
+        .unwrap();
+    let reply = loop {
+        match read_control(&mut sock) {
+            Some(Body::Abort(a)) => break a,
+            Some(_) => continue,
+            None => panic!("no refusal within 10 s (the daemon is building the plan)"),
+        }
+    };
+    assert!(reply.message.contains("pieces"), "{}", reply.message);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let grew = rss(pair.decode.pid()).saturating_sub(before);
+    assert!(grew < 128 << 20, "grew by {} MiB", grew >> 20);
+    assert!(d.list_peers().await.is_ok(), "the daemon answers");
+    kv.unlink();
+}

@@ -1,0 +1,136 @@
+//! Local access: the API socket is never reachable by another user, whatever
+//! the umask, and a worker can register only its own shared-memory files (no
+//! disk files, no symlinks, nobody else's files).
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use inotify::{Inotify, WatchMask};
+use kvrail_client::{dense_layout, KvRegion};
+use kvrail_e2e::{command, shm_path, Pair};
+use tonic::Code;
+
+/// Started under umask 000 (as the outside report did), the socket must never
+/// exist at its path before its mode is 0600. Before the fix it was bound there
+/// (mode 0777 under that umask) and chmod-ed after; a second user connected in
+/// between and registered /etc/shadow. inotify sees the difference for certain:
+/// bound in place, the socket shows up as IN_CREATE and then IN_ATTRIB; bound
+/// privately, it arrives by IN_MOVED_TO already 0600.
+#[test]
+fn the_api_socket_is_never_reachable_by_others_even_under_umask_000() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let socket = dir.path().join("api.sock");
+    let mut inotify = Inotify::init().unwrap();
+    inotify
+        .watches()
+        .add(
+            dir.path(),
+            WatchMask::CREATE | WatchMask::MOVED_TO | WatchMask::ATTRIB,
+        )
+        .unwrap();
+    let port = kvrail_e2e::free_port();
+    let wrapper = dir.path().join("umask000");
+    std::fs::write(&wrapper, "#!/bin/sh\numask 000\nexec \"$@\"\n").unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cmd = std::process::Command::new(&wrapper);
+    let inner = command("kvrail");
+    cmd.arg(inner.get_program())
+        .args(inner.get_args())
+        .args(["serve", "--node", "solo", "--insecure", "--socket"])
+        .arg(&socket)
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the daemon did not bind its socket"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    let mut buf = [0u8; 4096];
+    let mut seen = Vec::new();
+    // Events already queued (the socket exists, so every one of its is there).
+    if let Ok(events) = inotify.read_events(&mut buf) {
+        for e in events {
+            if e.name.is_some_and(|n| n == "api.sock") {
+                seen.push(format!("{:?}", e.mask));
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(mode, 0o600, "socket mode {mode:o}");
+    assert!(
+        !seen
+            .iter()
+            .any(|m| m.contains("CREATE") || m.contains("ATTRIB")),
+        "the socket existed at its path before its mode was set: {seen:?}"
+    );
+    assert!(seen.iter().any(|m| m.contains("MOVED_TO")), "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_callers_own_shared_memory_files_can_be_registered() {
+    let pair = Pair::start(&[]);
+    let mut c = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 4, 4096);
+    let bytes = 4 * 4096;
+
+    // A file on disk: a push would otherwise write into it.
+    let disk_dir = tempfile::tempdir_in(kvrail_e2e::workspace_root().join("target")).unwrap();
+    let disk = disk_dir.path().join("kv.bin");
+    std::fs::write(&disk, vec![0u8; bytes]).unwrap();
+    let err = c
+        .register_path("w", &disk, layout, false)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+    assert!(err.to_string().contains("not in shared memory"), "{err}");
+
+    // A symlink in /dev/shm to that disk file.
+    let link = shm_path(pair.decode.listen.port(), "link");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&disk, &link).unwrap();
+    let err = c
+        .register_path("w", &link, layout, false)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+    assert!(err.to_string().contains("symbolic link"), "{err}");
+    std::fs::remove_file(&link).unwrap();
+
+    // A relative path.
+    let err = c
+        .register_path("w", Path::new("kv.bin"), layout, false)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+
+    // System files and devices.
+    for path in ["/etc/shadow", "/etc/passwd", "/dev/zero"] {
+        let err = c
+            .register_path("w", Path::new(path), layout, false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err.code(), Some(Code::InvalidArgument | Code::NotFound)),
+            "{path}: {err}"
+        );
+    }
+
+    // (Another user's file: the owner check is unit-tested in kvrail-shm,
+    // `files_of_another_user_are_refused`; here the daemon runs as the worker.)
+
+    // The worker's own file in /dev/shm works.
+    let mine = KvRegion::create(shm_path(pair.decode.listen.port(), "mine"), layout).unwrap();
+    c.register_region("w", &mine, false).await.unwrap();
+    mine.unlink();
+}
