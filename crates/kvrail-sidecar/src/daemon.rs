@@ -822,7 +822,7 @@ impl Daemon {
             next_transfer: AtomicU64::new(0),
         });
         if let Some(addr) = config.metrics_addr {
-            m::install(addr)?;
+            m::install(addr).await?;
             info!(%addr, "serving Prometheus metrics");
         }
         let mut tasks = Vec::new();

@@ -12,6 +12,7 @@ pub mod doctor;
 pub mod gpu;
 pub mod held;
 pub mod metrics;
+pub mod metrics_http;
 pub mod netinfo;
 pub mod notify;
 pub mod peer;

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 
 use kvrail_core::TransferKind;
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 pub const BYTES_SENT: &str = "kvrail_bytes_sent_total";
 pub const BYTES_RECEIVED: &str = "kvrail_bytes_received_total";
@@ -46,11 +46,10 @@ pub fn kind_label(kind: TransferKind) -> &'static str {
     }
 }
 
-/// Installs the Prometheus exporter on `addr` (serves `/metrics` text) and
-/// describes every metric.
-pub fn install(addr: SocketAddr) -> Result<(), BuildError> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+/// Installs the Prometheus recorder, describes every metric, and serves the
+/// text at `addr` (`GET /metrics`) with [`crate::metrics_http`].
+pub async fn install(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(TRANSFER_SECONDS.to_string()),
             &[
@@ -58,9 +57,9 @@ pub fn install(addr: SocketAddr) -> Result<(), BuildError> {
                 1.0, 2.5, 5.0, 10.0,
             ],
         )?
-        .install()?;
+        .install_recorder()?;
     describe();
-    Ok(())
+    crate::metrics_http::serve(addr, handle).await
 }
 
 fn describe() {
