@@ -61,7 +61,8 @@ async fn idle_metrics_connections_cannot_starve_the_daemon() {
 
     // A scrape works again, and other requests get their status.
     let mut s = TcpStream::connect(metrics).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
     let mut answer = String::new();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let _ = s.read_to_string(&mut answer);

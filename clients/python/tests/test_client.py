@@ -159,3 +159,17 @@ def test_sidecar_restart_mid_request_raises_and_recovers(pair):
                     time.sleep(0.1)
             p.wait(t, timeout=60)
             assert same_blocks(src, [1], dst, [1])
+
+
+def test_a_plain_grpc_channel_needs_no_authority_option(pair):
+    """grpcio sends the socket path as :authority on a unix: target (since
+    grpc-core 1.57); the sidecar must accept it (it used to reset the stream
+    unless the client set grpc.default_authority)."""
+    import grpc
+
+    from kvrail.v1 import sidecar_pb2, sidecar_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{pair.decode.socket}") as channel:
+        stub = sidecar_pb2_grpc.SidecarStub(channel)
+        peers = stub.ListPeers(sidecar_pb2.ListPeersRequest(), timeout=10)
+    assert [p.name for p in peers.peers] == ["prefill"]

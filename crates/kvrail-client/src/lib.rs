@@ -311,10 +311,24 @@ impl Client {
         &mut self,
         worker_id: &str,
     ) -> Result<Streaming<Notification>, ClientError> {
+        self.subscribe_after(worker_id, 0, false).await
+    }
+
+    /// Subscribes from a resume point: notifications numbered above
+    /// `after_sequence` first (the last `sequence` this worker saw), and with
+    /// `take_over` replaces a live subscription of the same worker.
+    pub async fn subscribe_after(
+        &mut self,
+        worker_id: &str,
+        after_sequence: u64,
+        take_over: bool,
+    ) -> Result<Streaming<Notification>, ClientError> {
         Ok(self
             .inner
             .subscribe(SubscribeRequest {
                 worker_id: worker_id.into(),
+                after_sequence,
+                take_over,
             })
             .await?
             .into_inner())

@@ -561,3 +561,35 @@ fn many_concurrent_transfers_both_ways_all_complete() {
         p.sides[1].regions.0[&2].bytes
     );
 }
+
+/// An Abort that overtakes its PushOpen (another connection, a reordering): the
+/// open that arrives after it creates no receive, so nothing waits for a
+/// progress timeout or holds the region.
+#[test]
+fn an_abort_that_overtakes_its_open_leaves_no_orphan() {
+    let mut p = Pair::new(2, small_slices(), 12);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    p.flush();
+    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else {
+        panic!("expected the open")
+    };
+    p.wires[0][0].clear();
+    p.wires[1][0].clear();
+    let now = p.now;
+    let abort = crate::wire::message(crate::wire::Body::Abort(crate::wire::pb::Abort {
+        transfer_id: id,
+        code: ErrorCode::Cancelled as i32,
+        message: "cancelled".into(),
+    }));
+    let b = &mut p.sides[1];
+    let Some(crate::wire::Body::Abort(a)) = abort.body else {
+        unreachable!()
+    };
+    b.session
+        .handle_control(1, crate::wire::Body::Abort(a), now, &b.regions);
+    b.session.handle_control(0, open, now, &b.regions);
+    assert_eq!(b.session.active_transfers(), 0);
+    assert!(b.session.progress(id).is_none());
+}

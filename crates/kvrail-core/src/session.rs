@@ -597,6 +597,11 @@ impl Session {
                         }
                     };
                     self.finish_failed(a.transfer_id, error);
+                } else {
+                    // An Abort can overtake its PushOpen/PullOpen (they may travel on
+                    // different connections): remember it, so the open that arrives
+                    // later is dropped instead of waiting for a progress timeout.
+                    self.remember_rejected(a.transfer_id);
                 }
             }
             Body::Ping(p) => self.control.push_back((
@@ -689,6 +694,9 @@ impl Session {
         regions: &dyn RegionDirectory,
     ) {
         let id = open.transfer_id;
+        if self.rejected.contains(&id) {
+            return;
+        }
         if let Some(t) = self.transfers.get_mut(&id) {
             if t.kind == TransferKind::PullServe && t.passive && !open.one_sided {
                 // The reader lost its one-sided paths: send everything after all

@@ -14,7 +14,7 @@ use kvrail_shm::ShmError;
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
-use tokio_stream::{Stream, StreamExt};
+use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
@@ -445,12 +445,14 @@ impl Sidecar for Api {
         &self,
         req: Request<SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        let worker = req.into_inner().worker_id;
-        require_text(&worker, "worker_id")?;
-        let rx = self.shared.hub.subscribe(&worker);
-        Ok(Response::new(Box::pin(
-            UnboundedReceiverStream::new(rx).map(Ok),
-        )))
+        let req = req.into_inner();
+        require_text(&req.worker_id, "worker_id")?;
+        let rx = self
+            .shared
+            .hub
+            .subscribe(&req.worker_id, req.after_sequence, req.take_over)
+            .map_err(|e| Status::already_exists(e.to_string()))?;
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
 
     async fn list_peers(

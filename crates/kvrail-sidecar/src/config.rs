@@ -232,6 +232,11 @@ impl Config {
         {
             return bad("transports needs quic or tcp (RDMA sets up over one of them)");
         }
+        if self.insecure && self.tls_dir.is_some() {
+            // Both would let anyone who reaches a rail port pose as a peer over
+            // TCP while the node looks authenticated: choose one.
+            return bad("insecure and tls_dir together: with tls_dir, TCP is authenticated (drop --insecure); without it, --insecure runs TCP unauthenticated");
+        }
         if self.wants("tcp") && self.tls_dir.is_none() && !self.insecure {
             return bad("tcp between sidecars is authenticated with the node's certificate: set tls_dir (see `kvrail certs`), or pass --insecure to run it unauthenticated");
         }
@@ -361,6 +366,9 @@ mod tests {
             ..c.clone()
         };
         assert_eq!(with_certs.transport_order(), ["rdma", "quic", "tcp"]);
+        // Certificates and --insecure together are refused, not half-applied.
+        let e = with_certs.validate().unwrap_err().to_string();
+        assert!(e.contains("insecure and tls_dir together"), "{e}");
         let secure = Config {
             insecure: false,
             ..with_certs

@@ -682,6 +682,7 @@ impl Shared {
                         bytes,
                         failure: None,
                         elapsed_us,
+                        sequence: 0, // numbered by the hub
                     },
                 );
             }
@@ -731,6 +732,7 @@ impl Shared {
                         bytes: 0,
                         failure: Some(failure),
                         elapsed_us: 0,
+                        sequence: 0, // numbered by the hub
                     },
                 );
             }

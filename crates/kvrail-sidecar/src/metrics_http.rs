@@ -88,7 +88,10 @@ async fn answer(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Re
     }
     let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
     let mut words = line.split(|b| *b == b' ');
-    let (method, path) = (words.next().unwrap_or_default(), words.next().unwrap_or_default());
+    let (method, path) = (
+        words.next().unwrap_or_default(),
+        words.next().unwrap_or_default(),
+    );
     if method != b"GET" {
         return respond(&mut stream, "405 Method Not Allowed", "").await;
     }

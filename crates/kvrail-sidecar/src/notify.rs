@@ -1,5 +1,15 @@
-//! Per-worker notification streams. Notifications for a worker that is not
-//! subscribed yet are kept (up to a bound) and delivered when it subscribes.
+//! Per-worker notification streams.
+//!
+//! Every notification of a worker gets the next number of that worker's
+//! sequence (from 1). The last [`RETAINED`] are kept whether or not they were
+//! delivered, so a worker that resubscribes with the last sequence it saw
+//! (`after_sequence`) gets exactly what it missed; a gap in the numbers it
+//! receives means older ones were dropped from the retention. A fresh subscribe
+//! (`after_sequence` 0) gets what no subscriber was handed yet.
+//!
+//! One live subscription per worker: a second one is refused (ALREADY_EXISTS)
+//! unless it asks to take over, and then the first stream ends with ABORTED
+//! saying so.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -7,14 +17,30 @@ use std::sync::Mutex;
 use dashmap::DashMap;
 use kvrail_proto::Notification;
 use tokio::sync::mpsc;
+use tonic::Status;
 
-/// Notifications kept per unsubscribed worker; older ones are dropped beyond it.
-const BACKLOG: usize = 4096;
+/// Notifications kept per worker for resubscription.
+pub const RETAINED: usize = 4096;
+
+/// What a subscription stream carries.
+pub type Item = Result<Notification, Status>;
 
 #[derive(Default)]
 struct Mailbox {
-    subscriber: Option<mpsc::UnboundedSender<Notification>>,
-    backlog: VecDeque<Notification>,
+    subscriber: Option<mpsc::UnboundedSender<Item>>,
+    /// The last notifications, oldest first, with their sequence numbers.
+    retained: VecDeque<Notification>,
+    /// Sequence of the newest notification.
+    last: u64,
+    /// Newest sequence handed to a subscriber.
+    handed: u64,
+}
+
+/// Why a subscription was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SubscribeError {
+    #[error("worker {0:?} already has a live notification stream (set take_over to replace it)")]
+    AlreadySubscribed(String),
 }
 
 /// Routes notifications to workers.
@@ -24,36 +50,114 @@ pub struct NotificationHub {
 }
 
 impl NotificationHub {
-    /// Delivers to the worker's live stream, or keeps it for later.
-    pub fn send(&self, worker_id: &str, n: Notification) {
+    /// Numbers the notification, keeps it, and delivers it to the worker's live
+    /// stream if there is one.
+    pub fn send(&self, worker_id: &str, mut n: Notification) {
         let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
         let Ok(mut mb) = entry.lock() else { return };
-        let n = match mb.subscriber.as_ref() {
-            Some(sub) => match sub.send(n) {
-                Ok(()) => return,
-                Err(mpsc::error::SendError(n)) => {
-                    mb.subscriber = None;
-                    n
-                }
-            },
-            None => n,
-        };
-        if mb.backlog.len() >= BACKLOG {
-            mb.backlog.pop_front();
+        mb.last += 1;
+        n.sequence = mb.last;
+        if mb.retained.len() >= RETAINED {
+            mb.retained.pop_front();
         }
-        mb.backlog.push_back(n);
+        mb.retained.push_back(n.clone());
+        let delivered = mb
+            .subscriber
+            .as_ref()
+            .is_some_and(|sub| sub.send(Ok(n)).is_ok());
+        if delivered {
+            mb.handed = mb.last;
+        } else {
+            mb.subscriber = None;
+        }
     }
 
-    /// Replaces any previous subscription of this worker; the backlog comes first.
-    pub fn subscribe(&self, worker_id: &str) -> mpsc::UnboundedReceiver<Notification> {
+    /// Opens the worker's stream: what it missed first (after `after_sequence`,
+    /// or what was never handed out when that is 0), then live notifications.
+    pub fn subscribe(
+        &self,
+        worker_id: &str,
+        after_sequence: u64,
+        take_over: bool,
+    ) -> Result<mpsc::UnboundedReceiver<Item>, SubscribeError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
-        if let Ok(mut mb) = entry.lock() {
-            for n in mb.backlog.drain(..) {
-                let _ = tx.send(n);
+        let Ok(mut mb) = entry.lock() else {
+            return Ok(rx);
+        };
+        if let Some(old) = mb.subscriber.take() {
+            if !old.is_closed() {
+                if !take_over {
+                    mb.subscriber = Some(old);
+                    return Err(SubscribeError::AlreadySubscribed(worker_id.to_string()));
+                }
+                let _ = old.send(Err(Status::aborted(
+                    "this notification stream was taken over by a newer Subscribe for the same worker",
+                )));
             }
-            mb.subscriber = Some(tx);
         }
-        rx
+        let from = if after_sequence > 0 {
+            after_sequence
+        } else {
+            mb.handed
+        };
+        for n in mb.retained.iter().filter(|n| n.sequence > from) {
+            let _ = tx.send(Ok(n.clone()));
+        }
+        mb.handed = mb.last;
+        mb.subscriber = Some(tx);
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn note(id: u64) -> Notification {
+        Notification {
+            transfer_id: id,
+            ..Default::default()
+        }
+    }
+
+    fn drain(rx: &mut mpsc::UnboundedReceiver<Item>) -> Vec<u64> {
+        let mut out = Vec::new();
+        while let Ok(Ok(n)) = rx.try_recv() {
+            out.push(n.sequence);
+        }
+        out
+    }
+
+    #[test]
+    fn resubscribing_after_the_last_seen_sequence_misses_nothing() {
+        let hub = NotificationHub::default();
+        hub.send("w", note(1));
+        let mut a = hub.subscribe("w", 0, false).unwrap();
+        hub.send("w", note(2));
+        hub.send("w", note(3));
+        // The worker saw 1 and 2; 3 was handed to a stream it is about to drop.
+        assert_eq!(drain(&mut a)[..2], [1, 2]);
+        drop(a);
+        hub.send("w", note(4));
+        let mut b = hub.subscribe("w", 2, false).unwrap();
+        assert_eq!(drain(&mut b), vec![3, 4]);
+    }
+
+    #[test]
+    fn a_second_live_subscription_is_refused_unless_it_takes_over() {
+        let hub = NotificationHub::default();
+        let mut a = hub.subscribe("w", 0, false).unwrap();
+        assert!(matches!(
+            hub.subscribe("w", 0, false),
+            Err(SubscribeError::AlreadySubscribed(_))
+        ));
+        let mut b = hub.subscribe("w", 0, true).unwrap();
+        match a.try_recv() {
+            Ok(Err(status)) => assert_eq!(status.code(), tonic::Code::Aborted),
+            other => panic!("the old stream must be told: {other:?}"),
+        }
+        hub.send("w", note(1));
+        assert_eq!(drain(&mut b), vec![1]);
     }
 }
