@@ -243,7 +243,7 @@ async fn worker_requests_are_validated_with_specific_codes() {
             .await
             .unwrap_err()
             .code(),
-        Some(Code::FailedPrecondition),
+        Some(Code::InvalidArgument),
         "directory"
     );
     std::fs::remove_file(&small).unwrap();

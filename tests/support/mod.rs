@@ -168,6 +168,12 @@ impl Sidecar {
         assert!(ok.success());
     }
 
+    /// Starts the process again with the same flags (after [`Sidecar::kill`]).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart a killed sidecar only");
+        self.spawn();
+    }
+
     /// Kills the process and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -113,12 +113,16 @@ pub enum TransferError {
     /// A worker cancelled it.
     #[error("cancelled by the worker")]
     Cancelled,
+    /// The peer sidecar restarted (its incarnation changed) while the transfer
+    /// was open: what it had of the transfer is gone, so it is never re-announced.
+    #[error("the peer sidecar restarted mid-transfer (incarnation {old:#x} -> {new:#x})")]
+    PeerRestarted { old: u64, new: u64 },
 }
 
 impl TransferError {
     pub fn side(&self) -> FailureSide {
         match self {
-            TransferError::Peer { .. } => FailureSide::Peer,
+            TransferError::Peer { .. } | TransferError::PeerRestarted { .. } => FailureSide::Peer,
             TransferError::Local { .. } => FailureSide::Local,
             TransferError::RailsDown { .. } => FailureSide::Rail,
             TransferError::Timeout(_) => FailureSide::Timeout,
@@ -133,6 +137,7 @@ impl TransferError {
             TransferError::RailsDown { .. } => "rails_down",
             TransferError::Timeout(_) => "timeout",
             TransferError::Cancelled => "cancelled",
+            TransferError::PeerRestarted { .. } => "peer_restarted",
         }
     }
 }

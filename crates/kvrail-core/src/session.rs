@@ -570,6 +570,16 @@ impl Session {
         );
     }
 
+    /// The peer came back as a new incarnation: every open transfer fails now
+    /// (nothing is re-announced to a process that never saw it). Transfers with
+    /// bytes being placed into our memory fail once those land.
+    pub fn peer_restarted(&mut self, old: u64, new: u64) {
+        let ids: Vec<u64> = self.transfers.keys().copied().collect();
+        for id in ids {
+            self.fail_locally(id, TransferError::PeerRestarted { old, new });
+        }
+    }
+
     /// Feeds one control message that arrived on `conn`.
     pub fn handle_control(
         &mut self,

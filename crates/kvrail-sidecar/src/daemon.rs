@@ -78,6 +78,8 @@ pub struct Shared {
     next_transfer: AtomicU64,
     /// Refused handshakes are logged a few per second at most.
     pub refusal_log: RateLimitedLog,
+    /// Random per start of this process (never 0): sent in every handshake.
+    pub incarnation: u64,
 }
 
 /// Why a region could not be unregistered.
@@ -256,6 +258,7 @@ impl Shared {
         let dial = DialInfo {
             peer: peer.clone(),
             session_id: rand::random(),
+            peer_incarnation: Arc::default(),
         };
         let link = PeerLink::new(&peer.name, transport, self, Some(dial.clone()));
         let mut reasons = Vec::new();
@@ -345,14 +348,22 @@ impl Shared {
                 expected_peer: peer.name.clone(),
                 rail_local_addr: local.map(|a| a.ip().to_string()).unwrap_or_default(),
                 rail_peer_addr: addr.to_string(),
+                incarnation: self.incarnation,
                 ..Default::default()
             };
             match self.dial_one(&transport, local, addr, hello, timeout).await {
-                Ok((conn, offers)) => match link.attach(conn, rail) {
+                Ok((conn, ack)) if !link.same_peer_incarnation(ack.incarnation) => {
+                    drop(conn);
+                    return Err(DialError::Refused {
+                        peer: peer.name.clone(),
+                        reason: "the peer restarted; this session's transfers failed and a new session starts".into(),
+                    });
+                }
+                Ok((conn, ack)) => match link.attach(conn, rail) {
                     Some(id) => {
                         first.get_or_insert(id);
                         attached.push(id);
-                        peer_offers = offers;
+                        peer_offers = ack.transports;
                     }
                     None => return Err(unreachable("session is closed or full".into())),
                 },
@@ -413,7 +424,7 @@ impl Shared {
         Ok(note)
     }
 
-    /// One connection and its handshake; the peer's offered transports.
+    /// One connection and its handshake; the acceptor's answer.
     async fn dial_one(
         &self,
         transport: &Arc<dyn Transport>,
@@ -421,12 +432,9 @@ impl Shared {
         addr: SocketAddr,
         hello: pb::Hello,
         connect_timeout: Duration,
-    ) -> Result<(Connection, Vec<String>), DialError> {
+    ) -> Result<(Connection, pb::HelloAck), DialError> {
         let identity = self.tcp_identity(transport.name());
-        let (conn, ack) =
-            crate::dial::handshake(transport, identity, local, addr, hello, connect_timeout)
-                .await?;
-        Ok((conn, ack.transports))
+        crate::dial::handshake(transport, identity, local, addr, hello, connect_timeout).await
     }
 
     /// Handshakes one accepted connection and attaches it to its session.
@@ -504,6 +512,7 @@ impl Shared {
             rail_index: hello.rail_index,
             software: env!("CARGO_PKG_VERSION").to_string(),
             rail_mtu,
+            incarnation: self.incarnation,
             ..Default::default()
         };
         let identity = self.tcp_identity(transport);
@@ -779,6 +788,8 @@ impl Daemon {
         if config.insecure && config.wants("tcp") {
             warn!("--insecure: tcp peer connections are not authenticated; anyone who reaches a rail port can pose as a peer");
         }
+        // This start of the process: peers compare it across reconnects.
+        let incarnation = rand::random::<u64>() | 1;
         let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
         for name in &config.transport_order() {
             match name.as_str() {
@@ -810,7 +821,8 @@ impl Daemon {
             .collect();
         let shared = Arc::new(Shared {
             config: config.clone(),
-            registry: Registry::default(),
+            registry: Registry::for_incarnation(incarnation),
+            incarnation,
             hub: NotificationHub::default(),
             transfers: TransferTable::default(),
             peers,

@@ -95,6 +95,9 @@ struct LinkState {
 pub struct DialInfo {
     pub peer: PeerConfig,
     pub session_id: u64,
+    /// The acceptor's incarnation seen at this session's first handshake (0:
+    /// none yet).
+    pub peer_incarnation: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// One session with a peer: the connections we dialed (outbound) or accepted (inbound).
@@ -629,6 +632,34 @@ impl PeerLink {
         if let Some(tx) = self.lock().rdma_pending.remove(&accept.nonce) {
             let _ = tx.send(accept);
         }
+    }
+
+    /// Whether an acceptor's `incarnation` is the one this outbound session
+    /// started with (the first handshake records it). If the peer restarted,
+    /// every transfer of the session fails now and the link closes: the next
+    /// request dials a new session.
+    pub fn same_peer_incarnation(&self, incarnation: u64) -> bool {
+        use std::sync::atomic::Ordering;
+        let Some(dial) = &self.dial else {
+            return true;
+        };
+        let seen = match dial.peer_incarnation.compare_exchange(
+            0,
+            incarnation,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => return true,
+            Err(seen) => seen,
+        };
+        if seen == incarnation || incarnation == 0 {
+            // 0: an older kvrail that does not say; nothing to compare.
+            return true;
+        }
+        warn!(peer = %self.peer, "the peer restarted (incarnation {seen:#x} -> {incarnation:#x}): failing this session's transfers");
+        self.with_session(|s, _| s.peer_restarted(seen, incarnation));
+        self.close("the peer restarted");
+        false
     }
 
     /// Closes every connection and stops probing (daemon shutdown, dial refused).

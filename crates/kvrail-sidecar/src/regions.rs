@@ -95,7 +95,10 @@ pub enum RegionSource<'a> {
     },
 }
 
-/// All regions, by id. Ids are never reused, so a stale id cannot name a new region.
+/// All regions, by id. Ids are never reused within a process, and start from a
+/// base drawn from the process's incarnation, so an id from before a restart
+/// (held by a peer that re-sends, or a worker that did not notice) names no
+/// region of the new process either.
 #[derive(Debug, Default)]
 pub struct Registry {
     regions: DashMap<u64, Arc<Region>>,
@@ -103,6 +106,14 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// A registry whose ids start at `(incarnation's low 32 bits) << 32`.
+    pub fn for_incarnation(incarnation: u64) -> Self {
+        Registry {
+            regions: DashMap::new(),
+            next_id: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
+        }
+    }
+
     pub fn register(
         &self,
         worker_id: &str,
