@@ -65,7 +65,8 @@ async fn an_exited_workers_regions_are_unregistered() {
     // Answering its API means its metrics listener is up too.
     let _ = pair.prefill.client().await;
     let metrics = pair.prefill.metrics.expect("metrics");
-    let shm_dir = tempfile::tempdir().expect("shm dir");
+    // Registration takes shared-memory files only: a directory in /dev/shm.
+    let shm_dir = tempfile::tempdir_in(kvrail_client::shm_dir()).expect("shm dir");
     let mut worker = Command::new(binary("prefill_worker"))
         .args([
             "--socket",

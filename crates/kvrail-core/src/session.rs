@@ -1029,8 +1029,20 @@ impl Session {
         reason: &str,
         now: Instant,
     ) {
+        self.placement_failed_with(conn, header, ErrorCode::Internal, reason, now);
+    }
+
+    /// As [`Session::placement_failed`], with the code the peer is told.
+    pub fn placement_failed_with(
+        &mut self,
+        conn: ConnId,
+        header: SliceHeader,
+        code: ErrorCode,
+        reason: &str,
+        now: Instant,
+    ) {
         self.slice_read(conn, header);
-        self.fail(header.transfer_id, ErrorCode::Internal, reason, now);
+        self.fail(header.transfer_id, code, reason, now);
         self.abandon_placement(header);
     }
 

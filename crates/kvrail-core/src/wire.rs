@@ -159,6 +159,7 @@ impl ErrorCode {
             ErrorCode::DuplicateTransfer => "duplicate_transfer",
             ErrorCode::RegionGone => "region_gone",
             ErrorCode::Internal => "internal",
+            ErrorCode::RegionTruncated => "region_truncated",
         }
     }
 }

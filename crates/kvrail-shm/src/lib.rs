@@ -30,6 +30,8 @@ use bytes::Bytes;
 
 use memmap2::MmapRaw;
 
+pub mod guard;
+
 /// Why a region cannot be mapped or accessed.
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
@@ -70,6 +72,14 @@ pub enum ShmError {
     /// directory is not the worker's).
     #[error("{0} is not an absolute path")]
     Relative(PathBuf),
+    /// The file shrank under the mapping (a worker truncated it): the bytes
+    /// past its end are gone, and what was read or written there is not real.
+    #[error("{path} was truncated under its mapping (now {size} bytes, {needed} needed): re-create and re-register the region")]
+    Truncated {
+        path: PathBuf,
+        size: u64,
+        needed: u64,
+    },
     /// Registration policy: a worker registers only its own files.
     #[error("{path} belongs to uid {owner}, not to the registering worker's uid {caller}")]
     NotOwner {
@@ -115,6 +125,8 @@ impl<K> AsRef<[u8]> for MappedRange<K> {
 /// A file mapped shared and read-write.
 #[derive(Debug)]
 pub struct SharedRegion {
+    /// The mapping's entry in the SIGBUS guard (dropped before the mapping).
+    guard: guard::Entry,
     map: MmapRaw,
     path: PathBuf,
     _file: File,
@@ -220,6 +232,7 @@ impl SharedRegion {
             source,
         })?;
         Ok(Self {
+            guard: guard::enter(map.as_ptr() as usize, map.len()),
             map,
             path,
             _file: file,
@@ -264,6 +277,32 @@ impl SharedRegion {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether a SIGBUS was contained in this mapping: its file was truncated
+    /// and some pages are private zero pages now. Sticky.
+    pub fn is_poisoned(&self) -> bool {
+        self.guard.poisoned()
+    }
+
+    /// Whether the mapping is covered by the SIGBUS guard (see [`guard`]).
+    pub fn is_guarded(&self) -> bool {
+        self.guard.is_guarded()
+    }
+
+    /// Ok if `[offset, offset+len)` is still backed by the file: neither was a
+    /// fault contained here, nor does the file now end before the range.
+    pub fn check_intact(&self, offset: u64, len: u64) -> Result<(), ShmError> {
+        let needed = offset.saturating_add(len);
+        let size = self._file.metadata().map(|m| m.len()).unwrap_or(0);
+        if self.is_poisoned() || size < needed {
+            return Err(ShmError::Truncated {
+                path: self.path.clone(),
+                size,
+                needed,
+            });
+        }
+        Ok(())
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), ShmError> {
@@ -407,6 +446,42 @@ mod tests {
             Path::new("/dev/shm").join(format!("kvrail-shm-test-{}-{name}", std::process::id()));
         std::fs::write(&p, vec![0u8; 4096]).unwrap();
         p
+    }
+
+    /// A worker shrinks its file under the mapping: reading and writing the
+    /// pages past the new end would raise SIGBUS and kill the process; with the
+    /// guard the copies complete over zero pages and the region says it is
+    /// poisoned.
+    #[test]
+    fn a_truncated_file_poisons_its_mapping_instead_of_killing_the_process() {
+        guard::install().unwrap();
+        let p = shm_file("truncate");
+        std::fs::write(&p, vec![7u8; 64 << 10]).unwrap();
+        let r = SharedRegion::open(&p).unwrap();
+        assert!(r.is_guarded());
+        assert!(r.check_intact(0, 64 << 10).is_ok());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        // The first page is still backed by the file.
+        assert_eq!(r.slice(0, 16).unwrap(), &[7u8; 16]);
+        assert!(!r.is_poisoned());
+        assert!(matches!(
+            r.check_intact(0, 64 << 10),
+            Err(ShmError::Truncated { size: 4096, .. })
+        ));
+        // Past the end: a read and a write that would have raised SIGBUS.
+        let mut out = vec![1u8; 8192];
+        r.read_at(16 << 10, &mut out).unwrap();
+        assert!(out.iter().all(|b| *b == 0));
+        r.write_at(40 << 10, &[9u8; 100]).unwrap();
+        assert!(r.is_poisoned());
+        assert!(r.check_intact(0, 16).is_err(), "poisoned is sticky");
+        drop(r);
+        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]

@@ -639,8 +639,38 @@ impl Shared {
         .await;
     }
 
+    /// Why region `id`'s shared-memory file no longer backs its mapping, if so.
+    pub fn region_truncated(&self, id: u64) -> Option<String> {
+        let region = self.registry.get(id)?;
+        let host = region.memory.host()?;
+        host.check_intact(0, region.layout.extent())
+            .err()
+            .map(|e| e.to_string())
+    }
+
     /// Routes a session event to the transfer table and the right worker.
     pub fn on_event(&self, peer: &str, event: Event) {
+        // A transfer whose region's file was truncated under the mapping did
+        // not really move its bytes: it fails, whatever the protocol concluded.
+        let event = match event {
+            Event::Done {
+                transfer_id,
+                request_id,
+                kind,
+                region_id,
+                ..
+            } if self.region_truncated(region_id).is_some() => Event::Failed {
+                transfer_id,
+                request_id,
+                kind,
+                region_id,
+                error: kvrail_core::TransferError::Local {
+                    code: ErrorCode::RegionTruncated,
+                    message: self.region_truncated(region_id).unwrap_or_default(),
+                },
+            },
+            other => other,
+        };
         match event {
             // Rail changes are the link's business (see `PeerLink::on_rail_change`).
             Event::Rail(_) => {}
@@ -778,6 +808,10 @@ impl Daemon {
     /// Binds every listener and the API socket, then serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Daemon> {
         config.validate()?;
+        // A worker that shrinks its file must not be able to kill the daemon.
+        if let Err(e) = kvrail_shm::guard::install() {
+            warn!("cannot install the SIGBUS guard (a truncated region file would kill the daemon): {e}");
+        }
         let identity = match &config.tls_dir {
             Some(dir) => Some(Arc::new(
                 Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))

@@ -772,7 +772,14 @@ async fn writer_task(
                 let mut next = Some(first);
                 while let Some(o) = next.take() {
                     // A transfer that failed while its slices waited: they stay unsent.
-                    if !o.abandoned() {
+                    if o.abandoned() {
+                    } else if let Some((transfer_id, why)) = o.truncated_source() {
+                        // The worker shrank the file: send nothing of it (its
+                        // bytes are gone) and fail that transfer alone.
+                        link.with_session(|s, now| {
+                            s.fail(transfer_id, ErrorCode::RegionTruncated, &why, now)
+                        });
+                    } else {
                         payload += o.payload_len();
                         batch.push(o);
                     }
@@ -960,6 +967,25 @@ impl Outgoing {
             Outgoing::Slice { len, .. } => *len,
         }
     }
+
+    /// A host slice whose region's file no longer backs its bytes: the
+    /// transfer and why.
+    fn truncated_source(&self) -> Option<(u64, String)> {
+        let Outgoing::Slice {
+            transfer_id,
+            region,
+            pieces,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let host = region.memory.host()?;
+        let end = pieces.iter().map(|(o, l)| o + l).max()?;
+        host.check_intact(0, end)
+            .err()
+            .map(|e| (*transfer_id, e.to_string()))
+    }
 }
 
 /// Payload pieces at least this long go to a zero-copy writer by reference;
@@ -1110,6 +1136,22 @@ async fn read_loop(
                     if let Err(e) = read {
                         link.with_session(|s, _| s.slice_abandoned(conn, header));
                         return Err(e.into());
+                    }
+                    let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+                    if let Err(e) = host.check_intact(0, end) {
+                        // The worker shrank the file under us: the bytes went to
+                        // zero pages; this transfer fails, the connection goes on.
+                        let reason = e.to_string();
+                        link.with_session(|s, now| {
+                            s.placement_failed_with(
+                                conn,
+                                header,
+                                ErrorCode::RegionTruncated,
+                                &reason,
+                                now,
+                            )
+                        });
+                        continue;
                     }
                     let labels = [
                         ("peer", link.peer.clone()),

@@ -12,6 +12,9 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use crate::{Connection, FrameReader, FrameWriter, Listener, Transport};
 
+/// Linux's "bad address": a socket call touched memory it could not use.
+const EFAULT: i32 = 14;
+
 /// The TCP transport.
 #[derive(Debug, Default, Clone)]
 pub struct TcpTransport;
@@ -77,12 +80,26 @@ impl FrameWriter for TcpFrameWriter {
     async fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         // Skip empty leading slices so the loop ends exactly when everything is written.
         IoSlice::advance_slices(&mut bufs, 0);
+        let mut touched_at = None;
         while !bufs.is_empty() {
             self.inner.writable().await?;
             match self.inner.try_write_vectored(bufs) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => IoSlice::advance_slices(&mut bufs, n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                // Payload of a region whose file was truncated under its mapping:
+                // the kernel copy failed where a user-space read would fault.
+                // Reading it here lets the SIGBUS guard put zero pages there and
+                // mark the region; the frame then goes out whole (the stream
+                // stays in step) and the region's transfer fails on the mark.
+                Err(e) if e.raw_os_error() == Some(EFAULT) => {
+                    let here = bufs.len();
+                    if touched_at == Some(here) || !kvrail_shm::guard::installed() {
+                        return Err(e);
+                    }
+                    touched_at = Some(here);
+                    kvrail_shm::guard::touch(&bufs[0]);
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -102,12 +119,23 @@ impl FrameReader for TcpFrameReader {
 
     async fn read_payload(&mut self, mut dst: &mut [IoSliceMut<'_>]) -> io::Result<()> {
         IoSliceMut::advance_slices(&mut dst, 0);
+        let mut touched_at = None;
         while !dst.is_empty() {
             self.inner.readable().await?;
             match self.inner.try_read_vectored(dst) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => IoSliceMut::advance_slices(&mut dst, n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                // Into a truncated region: as in the writer, a user-space touch
+                // lets the guard map zero pages, and the read completes in step.
+                Err(e) if e.raw_os_error() == Some(EFAULT) => {
+                    let here = dst.len();
+                    if touched_at == Some(here) || !kvrail_shm::guard::installed() {
+                        return Err(e);
+                    }
+                    touched_at = Some(here);
+                    kvrail_shm::guard::touch(&dst[0]);
+                }
                 Err(e) => return Err(e),
             }
         }

@@ -1,0 +1,166 @@
+//! Contains the SIGBUS a worker can cause by shrinking a file the sidecar maps.
+//!
+//! Pages of a `MAP_SHARED` mapping past the end of its (truncated) file raise
+//! SIGBUS when touched from user space, which by default kills the process:
+//! one worker's mistake would take every worker's transfers down. Copies the
+//! kernel does (a socket `writev`/`readv` over the mapping) fail with EFAULT
+//! instead.
+//!
+//! The guard: every mapping the sidecar makes is entered in a fixed table; a
+//! SIGBUS handler that finds the faulting address in one of them maps a private
+//! zero page over the faulting page (so the interrupted copy completes, reading
+//! or writing that page), marks the mapping *poisoned* and returns. Everything
+//! that moves a region's bytes checks the mark before reporting success, so the
+//! transfers of that region fail with a clear reason and nothing else notices.
+//! A SIGBUS at any other address gets the default action (the process dies, as
+//! it would have). `touch` turns a socket call's EFAULT into the same path.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Once;
+
+/// Mappings the guard can cover at once (regions registered by all workers).
+const SLOTS: usize = 4096;
+
+struct Slot {
+    start: AtomicUsize,
+    end: AtomicUsize,
+    poisoned: AtomicBool,
+}
+
+#[allow(clippy::declare_interior_mutable_const)] // the initialiser of a static array
+const EMPTY: Slot = Slot {
+    start: AtomicUsize::new(0),
+    end: AtomicUsize::new(0),
+    poisoned: AtomicBool::new(false),
+};
+
+static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
+static PAGE: AtomicUsize = AtomicUsize::new(4096);
+static INSTALL: Once = Once::new();
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// Installs the process's SIGBUS handler (once). Until it is installed, a
+/// truncated mapping still kills the process: the daemon installs it at start.
+pub fn install() -> std::io::Result<()> {
+    let mut result = Ok(());
+    INSTALL.call_once(|| {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if page > 0 {
+            PAGE.store(page as usize, Ordering::Relaxed);
+        }
+        // SAFETY: sigaction is plain data; all-zero is a valid empty value.
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        action.sa_sigaction = on_sigbus as *const () as usize;
+        action.sa_flags = libc::SA_SIGINFO | libc::SA_NODEFER;
+        // SAFETY: sa_mask is a valid sigset_t to initialise.
+        unsafe { libc::sigemptyset(&mut action.sa_mask) };
+        // SAFETY: installs a handler for SIGBUS; `action` is fully initialised.
+        if unsafe { libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) } != 0 {
+            result = Err(std::io::Error::last_os_error());
+        } else {
+            INSTALLED.store(true, Ordering::Release);
+        }
+    });
+    result
+}
+
+/// Whether [`install`] succeeded in this process.
+pub fn installed() -> bool {
+    INSTALLED.load(Ordering::Acquire)
+}
+
+/// A mapping's entry in the table; freed on drop.
+#[derive(Debug)]
+pub struct Entry(Option<usize>);
+
+/// Enters `[start, start+len)` in the table. `Entry(None)` when the table is
+/// full: that mapping is then unguarded (a truncation kills the process, as
+/// without the guard), which the caller logs.
+pub fn enter(start: usize, len: usize) -> Entry {
+    for (i, slot) in TABLE.iter().enumerate() {
+        if slot
+            .start
+            .compare_exchange(0, usize::MAX, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            slot.poisoned.store(false, Ordering::Relaxed);
+            slot.end.store(start + len, Ordering::Release);
+            slot.start.store(start, Ordering::Release);
+            return Entry(Some(i));
+        }
+    }
+    Entry(None)
+}
+
+impl Entry {
+    /// Whether a SIGBUS was contained in this mapping (its file was truncated
+    /// under it): some of its pages are now private zero pages.
+    pub fn poisoned(&self) -> bool {
+        self.0
+            .is_some_and(|i| TABLE[i].poisoned.load(Ordering::Acquire))
+    }
+
+    pub fn is_guarded(&self) -> bool {
+        self.0.is_some() && installed()
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        if let Some(i) = self.0 {
+            // Out of the table before the mapping goes (the caller unmaps after).
+            TABLE[i].start.store(usize::MAX, Ordering::Release);
+            TABLE[i].end.store(0, Ordering::Release);
+            TABLE[i].start.store(0, Ordering::Release);
+        }
+    }
+}
+
+extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // Only async-signal-safe work here: atomics and one mmap.
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    let page = PAGE.load(Ordering::Relaxed);
+    for slot in TABLE.iter() {
+        let start = slot.start.load(Ordering::Acquire);
+        if start == 0 || start == usize::MAX {
+            continue;
+        }
+        if addr >= start && addr < slot.end.load(Ordering::Acquire) {
+            let at = addr & !(page - 1);
+            // SAFETY: replaces one page of a mapping this process made and still
+            // holds (its entry is live) with a private zero page; the mapping's
+            // owner learns of it through the poisoned mark before trusting bytes.
+            let mapped = unsafe {
+                libc::mmap(
+                    at as *mut libc::c_void,
+                    page,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if mapped != libc::MAP_FAILED {
+                slot.poisoned.store(true, Ordering::Release);
+                return;
+            }
+        }
+    }
+    // Not ours: the default action, as if no handler were installed.
+    // SAFETY: signal() and raise() are async-signal-safe.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
+}
+
+/// Reads one byte of every 4 KiB of `buf` from user space. Over a truncated
+/// mapping that raises the SIGBUS the guard contains (a kernel copy only said
+/// EFAULT), so a retried socket call then succeeds over zero pages.
+pub fn touch(buf: &[u8]) {
+    for chunk in buf.chunks(4096) {
+        std::hint::black_box(chunk[0]);
+    }
+}
