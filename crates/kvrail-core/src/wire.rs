@@ -133,6 +133,37 @@ pub fn encode_control(msg: &PeerMessage) -> Vec<u8> {
     out
 }
 
+/// Bytes of an RDMA slice trailer (the SEND that follows a slice's WRITEs):
+/// transfer id, logical offset, length, little-endian u64 each.
+pub const SLICE_TRAILER_LEN: usize = 24;
+
+/// The trailer that tells an RDMA receiver a slice is in place.
+pub fn encode_slice_trailer(h: SliceHeader, len: u32) -> [u8; SLICE_TRAILER_LEN] {
+    let mut t = [0u8; SLICE_TRAILER_LEN];
+    t[..8].copy_from_slice(&h.transfer_id.to_le_bytes());
+    t[8..16].copy_from_slice(&h.offset.to_le_bytes());
+    t[16..].copy_from_slice(&u64::from(len).to_le_bytes());
+    t
+}
+
+/// Decodes a trailer; `None` unless it is exactly one, with a length that fits.
+pub fn decode_slice_trailer(b: &[u8]) -> Option<(SliceHeader, u32)> {
+    let b: &[u8; SLICE_TRAILER_LEN] = b.try_into().ok()?;
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(w)
+    };
+    let len = u32::try_from(word(2)).ok()?;
+    Some((
+        SliceHeader {
+            transfer_id: word(0),
+            offset: word(1),
+        },
+        len,
+    ))
+}
+
 /// Decodes a control body into its message.
 pub fn decode_control(body: &[u8]) -> Result<Body, WireError> {
     let msg = PeerMessage::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
@@ -167,6 +198,20 @@ impl ErrorCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn trailers_roundtrip_and_reject_bad_lengths() {
+        let h = SliceHeader {
+            transfer_id: 9,
+            offset: 1 << 40,
+        };
+        let t = encode_slice_trailer(h, 4096);
+        assert_eq!(decode_slice_trailer(&t), Some((h, 4096)));
+        assert_eq!(decode_slice_trailer(&t[..23]), None);
+        let mut big = t;
+        big[20] = 1; // a length past u32
+        assert_eq!(decode_slice_trailer(&big), None);
+    }
 
     #[test]
     fn control_roundtrip() {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use kvrail_core::wire::{pb, ErrorCode, SliceHeader};
+use kvrail_core::wire::{self, pb, ErrorCode, SliceHeader};
 use kvrail_core::{OneSidedOp, RailId, RegionAccess, RegionDirectory, RemoteSlice};
 use kvrail_verbs::{
     gather, Completion, Device, Endpoint, MemoryRegion, Opcode, QpConfig, QueuePair, Sge,
@@ -23,9 +23,6 @@ use crate::config::Config;
 use crate::metrics as m;
 use crate::peer::{ConnKey, PeerLink};
 use crate::regions::{Region, Registry};
-
-/// Bytes of a slice trailer: transfer id, offset, length.
-const TRAILER_BYTES: usize = 24;
 
 /// The daemon's RDMA devices and registrations.
 pub struct RdmaRails {
@@ -394,7 +391,7 @@ async fn run_qp(
                 return format!("queue pair failed: {e}");
             }
             if let Some(bytes) = c.received {
-                match parse_trailer(&bytes) {
+                match wire::decode_slice_trailer(&bytes) {
                     Some((header, len)) => {
                         link.with_session(|s, now| {
                             if let kvrail_core::SliceDisposition::Place { .. } =
@@ -509,10 +506,14 @@ fn build(
         OneSidedOp::Write => {
             // The trailer follows the writes on the same queue pair, so when the
             // receiver sees it every byte before it is in place.
-            let mut trailer = Vec::with_capacity(TRAILER_BYTES);
-            trailer.extend_from_slice(&id.to_le_bytes());
-            trailer.extend_from_slice(&work.header.offset.to_le_bytes());
-            trailer.extend_from_slice(&u64::from(work.len).to_le_bytes());
+            let trailer = wire::encode_slice_trailer(
+                SliceHeader {
+                    transfer_id: id,
+                    offset: work.header.offset,
+                },
+                work.len,
+            )
+            .to_vec();
             wrs.push(WorkRequest {
                 opcode: Opcode::Send,
                 wr_id: token,
@@ -537,25 +538,6 @@ fn build(
         ));
     }
     Ok(())
-}
-
-fn parse_trailer(b: &[u8]) -> Option<(SliceHeader, u32)> {
-    if b.len() != TRAILER_BYTES {
-        return None;
-    }
-    let word = |i: usize| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&b[i * 8..i * 8 + 8]);
-        u64::from_le_bytes(w)
-    };
-    let len = u32::try_from(word(2)).ok()?;
-    Some((
-        SliceHeader {
-            transfer_id: word(0),
-            offset: word(1),
-        },
-        len,
-    ))
 }
 
 /// Backoff between attempts to rebuild a rail's queue pairs.
