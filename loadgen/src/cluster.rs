@@ -19,6 +19,10 @@ pub struct SidecarProcess {
     /// Where its Prometheus metrics are served, when asked for.
     pub metrics: Option<SocketAddr>,
     child: Child,
+    /// How it was started, to start it again (`restart`).
+    program: std::ffi::OsString,
+    args: Vec<std::ffi::OsString>,
+    log: PathBuf,
 }
 
 impl SidecarProcess {
@@ -26,10 +30,50 @@ impl SidecarProcess {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Kills it (SIGKILL) and starts it again with the same flags, at once.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        self.child = Command::new(&self.program)
+            .args(&self.args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("restart a sidecar process")?;
+        Ok(())
+    }
+
+    /// Sends `signal` (e.g. "STOP", "CONT") to the process.
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()?
+            .success();
+        if !ok {
+            bail!("kill -{signal} {} failed", self.pid());
+        }
+        Ok(())
+    }
+
+    /// Whether the process still runs.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
 }
 
 impl Drop for SidecarProcess {
     fn drop(&mut self) {
+        let _ = self.signal("CONT");
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -189,8 +233,7 @@ impl LocalCluster {
                 cmd.arg("--insecure");
             }
             cmd.args(["--transports", &opts.transports.join(",")]);
-            let child = cmd
-                .args(["--peer", &format!("{peer}={}", peer_addrs.join(","))])
+            cmd.args(["--peer", &format!("{peer}={}", peer_addrs.join(","))])
                 .args(&opts.extra_args)
                 .arg("--socket")
                 .arg(&socket)
@@ -199,7 +242,10 @@ impl LocalCluster {
                     &opts.connections_per_rail.to_string(),
                 ])
                 .args(["--slice-bytes", &opts.slice_bytes.to_string()])
-                .args(["--window-bytes", &opts.window_bytes.to_string()])
+                .args(["--window-bytes", &opts.window_bytes.to_string()]);
+            let program = cmd.get_program().to_os_string();
+            let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
+            let child = cmd
                 .env(
                     "RUST_LOG",
                     std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -213,6 +259,9 @@ impl LocalCluster {
                 socket,
                 metrics,
                 child,
+                program,
+                args,
+                log: dir.path().join(format!("{node}.log")),
             })
         };
         let prefill = spawn("prefill", Node::A, &pa, "decode", &da)?;

@@ -9,6 +9,7 @@ mod model;
 mod perftest;
 mod rails;
 mod replay;
+mod soak;
 mod stats;
 mod trace;
 mod verify;
@@ -35,6 +36,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// GPU-resident KV through the staged pipeline over TCP loopback, verified on the GPU, against its bounds (needs a CUDA GPU).
     Gpu(gpu::GpuArgs),
+    /// Two sidecars under load and chaos (pauses, kills and restarts, truncated files) for a given time; every byte and notification checked, daemon resources sampled.
+    Soak(soak::SoakArgs),
     /// Run a sidecar daemon (same as `kvrail serve`); used to start real sidecar processes.
     #[command(hide = true)]
     Sidecar(kvrail_sidecar::ServeArgs),
@@ -48,6 +51,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Replay(a) => replay::run(a).await,
         Command::Bench(a) => bench::run(a).await,
         Command::Gpu(a) => gpu::run(a).await,
+        Command::Soak(a) => soak::run(a).await,
         Command::Sidecar(a) => kvrail_sidecar::serve(a).await,
     }
 }

@@ -158,14 +158,20 @@ impl Sidecar {
         self.child.as_ref().map(|c| c.id()).expect("running")
     }
 
-    /// Sends a signal (`STOP`, `CONT`, `KILL`) to the process.
+    /// Sends a signal (`STOP`, `CONT`, `KILL`) to the process. `STOP` returns
+    /// once every thread of the process is stopped (kill(2) only queues it:
+    /// without the wait, a request sent right after could still be served).
     pub fn signal(&self, sig: &str) {
+        let pid = self.pid();
         let ok = Command::new("kill")
             .arg(format!("-{sig}"))
-            .arg(self.pid().to_string())
+            .arg(pid.to_string())
             .status()
             .expect("kill");
         assert!(ok.success());
+        if sig == "STOP" {
+            wait_until("the process is stopped", || all_threads_stopped(pid));
+        }
     }
 
     /// Starts the process again with the same flags (after [`Sidecar::kill`]).
@@ -325,6 +331,23 @@ pub fn scrape(addr: SocketAddr) -> String {
 }
 
 pub use loadgen::prometheus::sum as metric_sum;
+
+/// Whether every thread of `pid` is in the stopped state (`T`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true; // gone
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|s| {
+                // The state follows the parenthesised command name.
+                s.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.chars().next())
+            })
+            .is_none_or(|state| state == 'T' || state == 't')
+    })
+}
 
 /// Polls `done` until it holds (20 s at most, then panics naming `what`).
 pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {

@@ -43,9 +43,10 @@ impl Report {
     }
 }
 
-/// An input that takes longer than this is a finding too (a peer could make
-/// the session spin on it).
-pub const SLOW: Duration = Duration::from_millis(250);
+/// An input that takes longer than this, three runs in a row, is a finding too
+/// (a peer could make the session spin on it). Re-running tells a slow input
+/// from a run the machine paused (another process, a page fault storm).
+pub const SLOW: Duration = Duration::from_secs(1);
 
 impl Report {
     pub fn to_json(&self) -> String {
@@ -179,11 +180,15 @@ pub fn run(target: &str, dir: &Path, budget: Duration, seed: u64) -> anyhow::Res
         if let Some(p) = &last {
             let _ = std::fs::write(p, input);
         }
-        let at = Instant::now();
-        let ok = catch_unwind(AssertUnwindSafe(|| crate::run(target, input))).is_ok();
+        let timed = || {
+            let at = Instant::now();
+            let ok = catch_unwind(AssertUnwindSafe(|| crate::run(target, input))).is_ok();
+            (ok, at.elapsed())
+        };
+        let (ok, took) = timed();
         if !ok {
             kind = Some("panic");
-        } else if at.elapsed() > SLOW {
+        } else if took > SLOW && (0..2).all(|_| timed().1 > SLOW) {
             kind = Some("slow");
         }
         kind.is_none()
