@@ -51,6 +51,10 @@ pub struct SoakArgs {
     /// Mean time between faults.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub chaos_every: Duration,
+    /// Mean time between kills (when `kill` is in --chaos); rarer than other
+    /// faults so that each daemon lives long enough for its memory to be judged.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub kill_every: Duration,
     /// Time between resource samples.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub sample_every: Duration,
@@ -123,6 +127,9 @@ struct Counts {
     refused: BTreeMap<String, u64>,
     /// Ended without any reason: a finding.
     no_reason: u64,
+    no_reason_first: Vec<String>,
+    /// Neither done nor failed 180 s after it started: a finding.
+    stuck: Vec<String>,
     /// Done, but the destination does not hold the source's bytes: a finding.
     misdelivered: Vec<String>,
     notes_received: u64,
@@ -271,6 +278,16 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
             .await
         {
             Ok(st) if st.state == TransferState::Done as i32 => Ok(()),
+            Ok(st) if st.state != TransferState::Failed as i32 => Err((
+                "stuck",
+                None,
+                format!(
+                    "{req} still {:?} after 180 s ({} of {} bytes)",
+                    TransferState::try_from(st.state).unwrap_or(TransferState::Queued),
+                    st.bytes_done,
+                    st.total_bytes
+                ),
+            )),
             Ok(st) => {
                 let f = st.failure.unwrap_or_default();
                 Err(("failed", Some(f.code.clone()), f.message))
@@ -323,8 +340,11 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
         }
         Err((how, code, message)) => {
             world.count(|c| {
-                if message.trim().is_empty() && code.as_deref().unwrap_or("").is_empty() {
+                if how == "stuck" {
+                    c.stuck.push(message.clone());
+                } else if message.trim().is_empty() && code.as_deref().unwrap_or("").is_empty() {
                     c.no_reason += 1;
+                    c.no_reason_first.push(format!("{req} ({how})"));
                 }
                 let key = code.unwrap_or_else(|| "unknown".into());
                 if message.contains("truncated") {
@@ -347,27 +367,22 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
 
 /// Follows the decode worker's notifications across sidecar restarts.
 async fn follow_notes(world: Arc<World>, socket: std::path::PathBuf, stop: Arc<AtomicU64>) {
-    let mut last_seq = 0u64;
-    let mut epoch = u64::MAX;
+    // The resume point: the last notification seen, and the sidecar process
+    // (incarnation) that numbered it.
+    let (mut last_seq, mut incarnation) = (0u64, 0u64);
     while stop.load(Ordering::Relaxed) == 0 {
-        let current = world.d.lock().map(|d| d.epoch).unwrap_or(0);
-        if current != epoch {
-            // A new sidecar process numbers from 1 again.
-            epoch = current;
-            last_seq = 0;
-        }
         let Ok(mut c) = Client::connect(&socket).await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let Ok(mut stream) = c.subscribe_after("soak-d", last_seq, true).await else {
+        let Ok(mut stream) = c.resume("soak-d", last_seq, incarnation, true).await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         while let Ok(Some(Ok(n))) =
             tokio::time::timeout(Duration::from_millis(500), stream.next()).await
         {
-            last_seq = n.sequence;
+            (last_seq, incarnation) = (n.sequence, n.incarnation);
             if n.kind == NotificationKind::PushReceived as i32 {
                 let was_pending = world
                     .pending_notes
@@ -533,12 +548,24 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         stop.clone(),
     ));
     eprintln!(
-        "soak: {:?} over {}, up to {} in flight, chaos {:?} every ~{:?}, seed {seed}",
-        args.duration, args.transport, args.max_concurrency, args.chaos, args.chaos_every
+        "soak: {:?} over {}, up to {} in flight, chaos {:?} every ~{:?} (kills every ~{:?}), seed {seed}",
+        args.duration,
+        args.transport,
+        args.max_concurrency,
+        args.chaos,
+        args.chaos_every,
+        args.kill_every
     );
     let start = Instant::now();
     let mut next_sample = start;
     let mut next_chaos = start + args.chaos_every;
+    let mut next_kill = start + args.kill_every.mul_f64(rng.random_range(0.5..1.5));
+    let others: Vec<String> = args
+        .chaos
+        .iter()
+        .filter(|c| c.as_str() != "kill")
+        .cloned()
+        .collect();
     let mut concurrency = 1 + args.max_concurrency / 4;
     let mut next_retarget = start;
     let mut samples = Vec::new();
@@ -576,15 +603,21 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
                 "verified_gib": c.verified_bytes as f64 / (1u64 << 30) as f64,
                 "misdelivered": c.misdelivered.len(),
                 "no_reason": c.no_reason,
+                "stuck": c.stuck.len(),
                 "notes_missing": c.notes_missing.len(),
             });
             println!("{line}");
             samples.push(line);
         }
-        if now >= next_chaos && !args.chaos.is_empty() {
-            let jitter = rng.random_range(0.5..1.5);
-            next_chaos = now + args.chaos_every.mul_f64(jitter);
-            let action = args.chaos[rng.random_range(0..args.chaos.len())].as_str();
+        let kill_due = args.chaos.iter().any(|c| c == "kill") && now >= next_kill;
+        if kill_due || (now >= next_chaos && !others.is_empty()) {
+            let action = if kill_due {
+                next_kill = now + args.kill_every.mul_f64(rng.random_range(0.5..1.5));
+                "kill"
+            } else {
+                next_chaos = now + args.chaos_every.mul_f64(rng.random_range(0.5..1.5));
+                others[rng.random_range(0..others.len())].as_str()
+            };
             let on_prefill = rng.random_bool(0.5);
             match action {
                 "pause" => {
@@ -676,6 +709,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let slopes = rss_slopes(&samples);
     let findings = c.misdelivered.len() as u64
         + c.no_reason
+        + c.stuck.len() as u64
         + c.notes_missing.len() as u64
         + canary_dirty as u64
         + u64::from(!alive.0)
@@ -692,6 +726,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         "failed_by_code": c.failed,
         "refused_by_code": c.refused,
         "ended_without_reason": c.no_reason,
+        "ended_without_reason_first": c.no_reason_first.iter().take(20).collect::<Vec<_>>(),
+        "stuck": c.stuck.len(),
+        "stuck_first": c.stuck.iter().take(20).collect::<Vec<_>>(),
         "misdelivered": c.misdelivered.len(),
         "misdelivered_first": c.misdelivered.iter().take(20).collect::<Vec<_>>(),
         "canary_bytes_touched": canary_dirty,

@@ -315,12 +315,26 @@ impl Client {
     }
 
     /// Subscribes from a resume point: notifications numbered above
-    /// `after_sequence` first (the last `sequence` this worker saw), and with
-    /// `take_over` replaces a live subscription of the same worker.
+    /// `after_sequence` first (the last `sequence` this worker saw, in the
+    /// sidecar incarnation it saw it: pass both from that notification, or 0
+    /// for the incarnation), and with `take_over` replaces a live subscription
+    /// of the same worker.
     pub async fn subscribe_after(
         &mut self,
         worker_id: &str,
         after_sequence: u64,
+        take_over: bool,
+    ) -> Result<Streaming<Notification>, ClientError> {
+        self.resume(worker_id, after_sequence, 0, take_over).await
+    }
+
+    /// As [`Client::subscribe_after`], with the incarnation the resume point
+    /// belongs to: after a sidecar restart everything it retained is delivered.
+    pub async fn resume(
+        &mut self,
+        worker_id: &str,
+        after_sequence: u64,
+        incarnation: u64,
         take_over: bool,
     ) -> Result<Streaming<Notification>, ClientError> {
         Ok(self
@@ -329,6 +343,7 @@ impl Client {
                 worker_id: worker_id.into(),
                 after_sequence,
                 take_over,
+                incarnation,
             })
             .await?
             .into_inner())

@@ -570,6 +570,15 @@ impl Session {
         );
     }
 
+    /// Fails every open transfer with `error` (the link under the session is
+    /// gone for good). Transfers with bytes being placed fail once those land.
+    pub fn fail_all(&mut self, error: TransferError) {
+        let ids: Vec<u64> = self.transfers.keys().copied().collect();
+        for id in ids {
+            self.fail_locally(id, error.clone());
+        }
+    }
+
     /// The peer came back as a new incarnation: every open transfer fails now
     /// (nothing is re-announced to a process that never saw it). Transfers with
     /// bytes being placed into our memory fail once those land.

@@ -450,7 +450,12 @@ impl Sidecar for Api {
         let rx = self
             .shared
             .hub
-            .subscribe(&req.worker_id, req.after_sequence, req.take_over)
+            .subscribe(
+                &req.worker_id,
+                req.after_sequence,
+                req.incarnation,
+                req.take_over,
+            )
             .map_err(|e| Status::already_exists(e.to_string()))?;
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }

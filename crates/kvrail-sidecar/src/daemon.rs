@@ -721,7 +721,9 @@ impl Shared {
                         bytes,
                         failure: None,
                         elapsed_us,
-                        sequence: 0, // numbered by the hub
+                        // Numbered and stamped by the hub.
+                        sequence: 0,
+                        incarnation: 0,
                     },
                 );
             }
@@ -771,7 +773,9 @@ impl Shared {
                         bytes: 0,
                         failure: Some(failure),
                         elapsed_us: 0,
-                        sequence: 0, // numbered by the hub
+                        // Numbered and stamped by the hub.
+                        sequence: 0,
+                        incarnation: 0,
                     },
                 );
             }
@@ -857,7 +861,7 @@ impl Daemon {
             config: config.clone(),
             registry: Registry::for_incarnation(incarnation),
             incarnation,
-            hub: NotificationHub::default(),
+            hub: NotificationHub::new(incarnation),
             transfers: TransferTable::default(),
             peers,
             inbound: DashMap::new(),

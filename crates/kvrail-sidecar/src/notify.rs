@@ -47,9 +47,18 @@ pub enum SubscribeError {
 #[derive(Default)]
 pub struct NotificationHub {
     mailboxes: DashMap<String, Mutex<Mailbox>>,
+    /// This process's incarnation, stamped on every notification.
+    incarnation: u64,
 }
 
 impl NotificationHub {
+    pub fn new(incarnation: u64) -> Self {
+        NotificationHub {
+            mailboxes: DashMap::new(),
+            incarnation,
+        }
+    }
+
     /// Numbers the notification, keeps it, and delivers it to the worker's live
     /// stream if there is one.
     pub fn send(&self, worker_id: &str, mut n: Notification) {
@@ -57,6 +66,7 @@ impl NotificationHub {
         let Ok(mut mb) = entry.lock() else { return };
         mb.last += 1;
         n.sequence = mb.last;
+        n.incarnation = self.incarnation;
         if mb.retained.len() >= RETAINED {
             mb.retained.pop_front();
         }
@@ -78,8 +88,15 @@ impl NotificationHub {
         &self,
         worker_id: &str,
         after_sequence: u64,
+        incarnation: u64,
         take_over: bool,
     ) -> Result<mpsc::UnboundedReceiver<Item>, SubscribeError> {
+        // A resume point of another process numbers nothing here.
+        let after_sequence = if incarnation != 0 && incarnation != self.incarnation {
+            0
+        } else {
+            after_sequence
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
         let Ok(mut mb) = entry.lock() else {
@@ -98,6 +115,8 @@ impl NotificationHub {
         }
         let from = if after_sequence > 0 {
             after_sequence
+        } else if incarnation != 0 && incarnation != self.incarnation {
+            0
         } else {
             mb.handed
         };
@@ -131,28 +150,33 @@ mod tests {
 
     #[test]
     fn resubscribing_after_the_last_seen_sequence_misses_nothing() {
-        let hub = NotificationHub::default();
+        let hub = NotificationHub::new(7);
         hub.send("w", note(1));
-        let mut a = hub.subscribe("w", 0, false).unwrap();
+        let mut a = hub.subscribe("w", 0, 0, false).unwrap();
         hub.send("w", note(2));
         hub.send("w", note(3));
         // The worker saw 1 and 2; 3 was handed to a stream it is about to drop.
         assert_eq!(drain(&mut a)[..2], [1, 2]);
         drop(a);
         hub.send("w", note(4));
-        let mut b = hub.subscribe("w", 2, false).unwrap();
+        let mut b = hub.subscribe("w", 2, 0, false).unwrap();
         assert_eq!(drain(&mut b), vec![3, 4]);
+        drop(b);
+        // A resume point from before a restart (another incarnation) delivers
+        // everything retained: this process's 2 numbers nothing the worker saw.
+        let mut c = hub.subscribe("w", 2, 99, false).unwrap();
+        assert_eq!(drain(&mut c), vec![1, 2, 3, 4]);
     }
 
     #[test]
     fn a_second_live_subscription_is_refused_unless_it_takes_over() {
         let hub = NotificationHub::default();
-        let mut a = hub.subscribe("w", 0, false).unwrap();
+        let mut a = hub.subscribe("w", 0, 0, false).unwrap();
         assert!(matches!(
-            hub.subscribe("w", 0, false),
+            hub.subscribe("w", 0, 0, false),
             Err(SubscribeError::AlreadySubscribed(_))
         ));
-        let mut b = hub.subscribe("w", 0, true).unwrap();
+        let mut b = hub.subscribe("w", 0, 0, true).unwrap();
         match a.try_recv() {
             Ok(Err(status)) => assert_eq!(status.code(), tonic::Code::Aborted),
             other => panic!("the old stream must be told: {other:?}"),

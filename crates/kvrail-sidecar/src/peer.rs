@@ -81,6 +81,8 @@ struct LinkState {
     session: Session,
     conns: Vec<ConnHandle>,
     closed: bool,
+    /// Why the link was closed (for the transfers that were still on it).
+    closed_because: String,
     next_generation: u64,
     gauges_at: Option<Instant>,
     gauged_rails: usize,
@@ -134,6 +136,7 @@ impl PeerLink {
                 session: Session::new(shared.session_config(dial.is_some())),
                 conns: Vec::new(),
                 closed: false,
+                closed_because: String::new(),
                 next_generation: 0,
                 gauges_at: None,
                 gauged_rails: 0,
@@ -226,6 +229,15 @@ impl PeerLink {
             return;
         };
         let now = Instant::now();
+        if st.closed && st.session.active_transfers() > 0 {
+            // A closed link runs no timers and carries nothing: whatever is on
+            // it (also a transfer started just as it closed) ends now.
+            let message = format!("the link to {} closed: {}", self.peer, st.closed_because);
+            st.session.fail_all(kvrail_core::TransferError::Local {
+                code: ErrorCode::Internal,
+                message,
+            });
+        }
         while let Some(t) = st.session.poll_transmit(now) {
             if let Transmit::Slice {
                 conn,
@@ -667,6 +679,7 @@ impl PeerLink {
         let handles: Vec<(ConnId, u64)> = {
             let mut st = self.lock();
             st.closed = true;
+            st.closed_because = reason.to_string();
             st.conns
                 .iter()
                 .enumerate()
