@@ -43,9 +43,9 @@ impl Report {
     }
 }
 
-/// An input that takes longer than this, three runs in a row, is a finding too
-/// (a peer could make the session spin on it). Re-running tells a slow input
-/// from a run the machine paused (another process, a page fault storm).
+/// An input that takes longer than this is a finding too (a peer could make the
+/// session spin on it), once two more runs confirm it on CPU time: wall time
+/// alone also counts the moments a busy machine did not run the fuzzer.
 pub const SLOW: Duration = Duration::from_secs(1);
 
 impl Report {
@@ -66,6 +66,22 @@ impl Report {
                 .unwrap_or_else(|| "null".into())
         )
     }
+}
+
+/// CPU time this thread has used (from /proc; 10 ms resolution).
+fn thread_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    let ticks: u64 = stat
+        .rsplit_once(") ")
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .skip(11) // fields 14 (utime) and 15 (stime), after pid and comm
+                .take(2)
+                .filter_map(|f| f.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0);
+    Duration::from_millis(ticks * 10)
 }
 
 /// Values that often sit on a boundary.
@@ -188,8 +204,16 @@ pub fn run(target: &str, dir: &Path, budget: Duration, seed: u64) -> anyhow::Res
         let (ok, took) = timed();
         if !ok {
             kind = Some("panic");
-        } else if took > SLOW && (0..2).all(|_| timed().1 > SLOW) {
-            kind = Some("slow");
+        } else if took > SLOW {
+            // Confirm on CPU time, which a busy machine does not inflate.
+            let before = thread_cpu();
+            let reruns = 2;
+            for _ in 0..reruns {
+                timed();
+            }
+            if thread_cpu().saturating_sub(before) > SLOW * reruns {
+                kind = Some("slow");
+            }
         }
         kind.is_none()
     };
