@@ -33,14 +33,16 @@ impl RegionLayout {
         num_blocks: u32,
         block_bytes: u64,
     ) -> Self {
-        let plane_stride = u64::from(num_blocks) * block_bytes;
+        // Saturating, so that absurd dimensions yield a layout `validate` refuses
+        // instead of an overflow.
+        let plane_stride = u64::from(num_blocks).saturating_mul(block_bytes);
         Self {
             num_layers,
             planes_per_layer,
             num_blocks,
             block_bytes,
             base_offset: 0,
-            layer_stride: plane_stride * u64::from(planes_per_layer),
+            layer_stride: plane_stride.saturating_mul(u64::from(planes_per_layer)),
             plane_stride,
             block_stride: block_bytes,
         }
