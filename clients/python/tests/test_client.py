@@ -173,3 +173,24 @@ def test_a_plain_grpc_channel_needs_no_authority_option(pair):
         stub = sidecar_pb2_grpc.SidecarStub(channel)
         peers = stub.ListPeers(sidecar_pb2.ListPeersRequest(), timeout=10)
     assert [p.name for p in peers.peers] == ["prefill"]
+
+
+def test_notifications_resume_without_loss_and_are_not_taken_over_silently(pair):
+    """A worker that drops its stream resumes after the last sequence it saw
+    and gets exactly the rest; a second live stream is refused unless it takes
+    over."""
+    src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid, did = p.register_kv_cache(src), d.register_kv_cache(dst)
+        first = d.notifications()
+        for i in range(6):
+            p.wait(p.push(f"r{i}", "decode", Blocks(sid, [i]), Blocks(did, [i])), timeout=20)
+        seen = [first.get(timeout=10) for _ in range(2)]
+        with pytest.raises(kvrail.AlreadyExists):
+            d.notifications().get(timeout=10)
+        first.close()
+        rest = d.notifications(after_sequence=seen[-1].sequence, incarnation=seen[-1].incarnation)
+        got = seen + [rest.get(timeout=10) for _ in range(4)]
+        assert [n.sequence for n in got] == list(range(got[0].sequence, got[0].sequence + 6))
+        assert sorted(n.request_id for n in got) == [f"r{i}" for i in range(6)]
+        rest.close()

@@ -112,6 +112,8 @@ class Notification:
     elapsed_us: int
     failure: Failure | None = None
     received_at: float = field(default=0.0, compare=False)  # time.monotonic()
+    sequence: int = 0  # this worker's notification number (resume point)
+    incarnation: int = 0  # the sidecar process that numbered it
 
     def raise_if_failed(self) -> "Notification":
         if self.failure is not None:
@@ -149,6 +151,8 @@ def _notification(n: pb.Notification) -> Notification:
         elapsed_us=n.elapsed_us,
         failure=_failure(n.failure, n.HasField("failure")),
         received_at=time.monotonic(),
+        sequence=n.sequence,
+        incarnation=n.incarnation,
     )
 
 
@@ -394,10 +398,30 @@ class Client:
         tid = transfer.transfer_id if isinstance(transfer, Transfer) else transfer
         return _status(self._call(self._stub.Cancel, pb.CancelRequest(transfer_id=tid)))
 
-    def notifications(self, worker_id: str | None = None) -> Notifications:
-        """Subscribes to this worker's notifications (replacing an earlier
-        subscription; ones that arrived before are delivered first)."""
-        call = self._stub.Subscribe(pb.SubscribeRequest(worker_id=worker_id or self.worker_id))
+    def notifications(
+        self,
+        worker_id: str | None = None,
+        *,
+        after_sequence: int = 0,
+        incarnation: int = 0,
+        take_over: bool = False,
+    ) -> Notifications:
+        """Subscribes to this worker's notifications. Each carries ``sequence``
+        (numbered per worker) and ``incarnation`` (the sidecar process): to
+        resume after a dropped stream, pass the last ones seen as
+        ``after_sequence`` and ``incarnation`` and get exactly what was missed
+        (everything retained, if the sidecar restarted in between). Without
+        them, what no stream was handed yet comes first. A second live
+        subscription of the same worker raises AlreadyExists unless
+        ``take_over`` (the first stream then ends ABORTED)."""
+        call = self._stub.Subscribe(
+            pb.SubscribeRequest(
+                worker_id=worker_id or self.worker_id,
+                after_sequence=after_sequence,
+                incarnation=incarnation,
+                take_over=take_over,
+            )
+        )
         return Notifications(call, self.socket)
 
     def peers(self) -> pb.ListPeersResponse:

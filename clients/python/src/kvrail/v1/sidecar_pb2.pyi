@@ -208,7 +208,7 @@ class TransferStatus(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., total_bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ...) -> None: ...
 
 class Notification(_message.Message):
-    __slots__ = ("kind", "transfer_id", "request_id", "peer", "region_id", "block_ids", "bytes", "failure", "elapsed_us")
+    __slots__ = ("kind", "transfer_id", "request_id", "peer", "region_id", "block_ids", "bytes", "failure", "elapsed_us", "sequence", "incarnation")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,8 @@ class Notification(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_US_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     kind: NotificationKind
     transfer_id: int
     request_id: str
@@ -227,13 +229,21 @@ class Notification(_message.Message):
     bytes: int
     failure: Failure
     elapsed_us: int
-    def __init__(self, kind: _Optional[_Union[NotificationKind, str]] = ..., transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., peer: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ...) -> None: ...
+    sequence: int
+    incarnation: int
+    def __init__(self, kind: _Optional[_Union[NotificationKind, str]] = ..., transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., peer: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ..., sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "after_sequence", "take_over", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    after_sequence: int
+    take_over: bool
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., after_sequence: _Optional[int] = ..., take_over: bool = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ListPeersRequest(_message.Message):
     __slots__ = ()
