@@ -470,6 +470,7 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
             layer_start: 0,
             layer_count: 1,
             block_ids: vec![4],
+            generations: Vec::new(),
         }),
         block_bytes: 4096,
         total_bytes: 8192,

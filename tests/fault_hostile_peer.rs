@@ -210,6 +210,7 @@ async fn a_pull_open_with_an_unbounded_plan_is_refused() {
             layer_start: 0,
             layer_count: 80,
             block_ids: vec![0; 1_000_000],
+            generations: Vec::new(),
         }),
         block_bytes: 64,
         total_bytes: 80 * 1_000_000 * 64,

@@ -132,6 +132,7 @@ pub fn blocks(region_id: u64, layers: std::ops::Range<u32>, block_ids: Vec<u32>)
         layer_start: layers.start,
         layer_count: layers.end.saturating_sub(layers.start),
         block_ids,
+        generations: Vec::new(),
     }
 }
 
@@ -225,6 +226,44 @@ impl Client {
             .unregister_region(UnregisterRegionRequest { region_id })
             .await?;
         Ok(())
+    }
+
+    /// The current generation of each listed block of a local region: hand them
+    /// to the other side with the block ids (`BlockRange::generations`), so a
+    /// transfer can never move these blocks once they are released.
+    pub async fn block_generations(
+        &mut self,
+        region_id: u64,
+        block_ids: Vec<u32>,
+    ) -> Result<Vec<u64>, ClientError> {
+        let r = self
+            .inner
+            .block_generations(BlockGenerationsRequest {
+                region_id,
+                block_ids,
+            })
+            .await?;
+        Ok(r.into_inner().generations)
+    }
+
+    /// Releases blocks of a local region (the worker freed them or will reuse
+    /// them): their generations move on and every transfer naming them fails
+    /// (`blocks_released`) before this returns. The new generations, and how
+    /// many transfers failed.
+    pub async fn release_blocks(
+        &mut self,
+        region_id: u64,
+        block_ids: Vec<u32>,
+    ) -> Result<(Vec<u64>, u32), ClientError> {
+        let r = self
+            .inner
+            .release_blocks(ReleaseBlocksRequest {
+                region_id,
+                block_ids,
+            })
+            .await?
+            .into_inner();
+        Ok((r.generations, r.transfers_failed))
     }
 
     /// Writes local `source` blocks into `destination` blocks of a region on `peer`.

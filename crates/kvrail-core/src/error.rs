@@ -52,6 +52,9 @@ pub enum PlanError {
     /// A block id past the region's last block.
     #[error("block {block} out of range (region has {num_blocks})")]
     BlockOutOfRange { block: u32, num_blocks: u32 },
+    /// Generations listed, but not one per block.
+    #[error("{generations} generations listed for {blocks} blocks (give none, or one per block)")]
+    GenerationCount { blocks: usize, generations: usize },
     /// A destination lists the same block twice.
     #[error("destination block {0} is listed more than once")]
     DuplicateBlock(u32),
@@ -74,7 +77,9 @@ impl PlanError {
         match self {
             PlanError::DuplicateBlock(_) => ErrorCode::OverlappingBlocks,
             PlanError::SizeMismatch { .. } => ErrorCode::SizeMismatch,
-            PlanError::OutsideStream { .. } => ErrorCode::Protocol,
+            PlanError::OutsideStream { .. } | PlanError::GenerationCount { .. } => {
+                ErrorCode::Protocol
+            }
             _ => ErrorCode::OutOfRange,
         }
     }

@@ -17,7 +17,7 @@ pub mod wire;
 
 pub use error::{FailureSide, LayoutError, PlanError, TransferError};
 pub use layout::RegionLayout;
-pub use plan::{Access, BlockSelection, Plan, Segment};
+pub use plan::{Access, BlockSelection, Plan, Segment, MAX_BLOCKS_PER_TRANSFER};
 pub use rail::{RailConfig, RailHealth, RailId, RailStats};
 pub use session::{
     ConnId, Event, LocalTransfer, OneSidedOp, RailChange, RegionAccess, RegionDirectory,

@@ -593,3 +593,89 @@ fn an_abort_that_overtakes_its_open_leaves_no_orphan() {
     assert_eq!(b.session.active_transfers(), 0);
     assert!(b.session.progress(id).is_none());
 }
+
+fn with_generations(mut s: BlockSelection, generations: &[u64]) -> BlockSelection {
+    s.generations = generations.to_vec();
+    s
+}
+
+#[test]
+fn a_pull_naming_released_blocks_is_refused_before_a_byte_moves() {
+    let mut p = Pair::new(2, small_slices(), 21);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 8, 1000), false, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 8, 1000), true, true);
+    // The prefill worker released block 5 after the decode learnt its generation.
+    p.sides[1].regions.release(2, &[5]);
+    p.pull(
+        sel(1, (0, 1), &[0, 1, 2]),
+        with_generations(sel(2, (0, 1), &[4, 5, 6]), &[1, 1, 1]),
+    );
+    p.drive();
+    let [TransferError::Peer { code, message }] = &p.failures(0)[..] else {
+        panic!("{:?}", p.failures(0));
+    };
+    assert_eq!(*code, ErrorCode::BlocksReleased);
+    assert!(
+        message.contains("block 5 of region 2") && message.contains("generation 2"),
+        "{message}"
+    );
+    assert!(p.sides[0].regions.0[&1].bytes.iter().all(|&b| b == 0));
+    // Naming the current generations (or none) moves the blocks.
+    p.pull(
+        sel(1, (0, 1), &[0, 1, 2]),
+        with_generations(sel(2, (0, 1), &[4, 5, 6]), &[1, 2, 0]),
+    );
+    p.drive();
+    assert_eq!(p.failures(0).len(), 1);
+    assert!(p.sides[0].regions.0[&1].bytes[..3000]
+        .iter()
+        .all(|&b| b != 0));
+}
+
+#[test]
+fn blocks_released_mid_transfer_fail_it_on_both_sides() {
+    for (releasing_side, region) in [(1usize, 2u64), (0, 1)] {
+        let mut p = Pair::new(2, small_slices(), 22);
+        p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), false, false);
+        p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), true, true);
+        let blocks: Vec<u32> = (0..64).collect();
+        let id = p.pull(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+        for _ in 0..12 {
+            p.step();
+        }
+        let now = p.now;
+        let side = &mut p.sides[releasing_side];
+        side.regions.release(region, &[40]);
+        assert_eq!(
+            side.session
+                .blocks_released(region, &[40], "block 40 released by the worker", now),
+            vec![id]
+        );
+        // Releasing blocks no transfer names fails nothing.
+        assert_eq!(
+            side.session
+                .blocks_released(region + 10, &[40], "other", now),
+            Vec::<u64>::new()
+        );
+        p.drive();
+        for s in 0..2 {
+            let f = p.failures(s);
+            assert_eq!(f.len(), 1, "side {s}: {f:?}");
+            assert_eq!(f[0].code(), "blocks_released", "side {s}: {f:?}");
+            let expected = if s == releasing_side {
+                FailureSide::Local
+            } else {
+                FailureSide::Peer
+            };
+            assert_eq!(f[0].side(), expected);
+            assert!(
+                !p.sides[s]
+                    .events
+                    .iter()
+                    .any(|e| matches!(e, Event::Done { transfer_id, .. } if *transfer_id == id)),
+                "side {s} finished a transfer whose blocks were released"
+            );
+            assert_eq!(p.sides[s].session.active_transfers(), 0);
+        }
+    }
+}

@@ -24,6 +24,9 @@ pub struct BlockSelection {
     pub layer_start: u32,
     pub layer_count: u32,
     pub block_ids: Vec<u32>,
+    /// Empty, or one per block id: the generation each block must still be at
+    /// (0 = any). Checked by the sidecar that holds the region.
+    pub generations: Vec<u64>,
 }
 
 impl BlockSelection {
@@ -40,6 +43,12 @@ impl BlockSelection {
         if self.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
             return Err(PlanError::TooManyBlocks(self.block_ids.len()));
         }
+        if !self.generations.is_empty() && self.generations.len() != self.block_ids.len() {
+            return Err(PlanError::GenerationCount {
+                blocks: self.block_ids.len(),
+                generations: self.generations.len(),
+            });
+        }
         // Checked here too (with at least one plane), so the side that does not
         // hold the region refuses before anything is built.
         let pieces = self.block_ids.len() as u64 * u64::from(self.layer_count);
@@ -54,6 +63,31 @@ impl BlockSelection {
             sorted.sort_unstable();
             if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
                 return Err(PlanError::DuplicateBlock(w[0]));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BlockSelection {
+    /// Compares the generations this selection names with the blocks' current
+    /// ones (`current(block)`; `None` for a block past the region's end, which
+    /// the plan refuses anyway): the reason, naming the first block that moved
+    /// on, or `Ok` when none did or no generations were named.
+    pub fn check_generations(&self, current: impl Fn(u32) -> Option<u64>) -> Result<(), String> {
+        for (&block, &named) in self.block_ids.iter().zip(&self.generations) {
+            if named == 0 {
+                continue;
+            }
+            match current(block) {
+                Some(now) if now == named => {}
+                Some(now) => {
+                    return Err(format!(
+                        "block {block} of region {} was released by its worker (generation {now}, the request named {named})",
+                        self.region_id
+                    ))
+                }
+                None => {}
             }
         }
         Ok(())
@@ -224,6 +258,7 @@ mod tests {
             layer_start: 0,
             layer_count: 80,
             block_ids: vec![0; 1_000_000],
+            generations: Vec::new(),
         };
         assert!(matches!(
             hostile.check_shape(Access::Read),
@@ -238,6 +273,7 @@ mod tests {
             layer_start: 0,
             layer_count: 1,
             block_ids: (0..1 << 20).collect(),
+            generations: Vec::new(),
         };
         // 2^20 pieces of one plane are fine; with 8 planes the plan is refused.
         assert!(Plan::build(&tiny, &all, Access::Read).is_ok());
@@ -254,6 +290,7 @@ mod tests {
             layer_start: layers.0,
             layer_count: layers.1,
             block_ids: blocks.to_vec(),
+            generations: Vec::new(),
         }
     }
 

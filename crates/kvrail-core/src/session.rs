@@ -58,6 +58,13 @@ impl Default for SessionConfig {
 pub trait RegionDirectory {
     /// The layout of a registered region and whether peers may read it.
     fn lookup(&self, region_id: u64) -> Option<RegionAccess>;
+
+    /// Whether every block the selection names is still at the generation it
+    /// names (a block the worker released has moved on); the reason if not.
+    /// Called before any byte of a peer's request moves.
+    fn check_generations(&self, _selection: &BlockSelection) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A region as the session sees it.
@@ -492,6 +499,55 @@ impl Session {
         self.transfers
             .values()
             .any(|t| t.selection.region_id == region_id)
+    }
+
+    /// A local worker released blocks of one of our regions: every transfer of
+    /// this session that names any of them fails now (`blocks_released`), and the
+    /// peer is told, so that no later slice is read from or placed into them.
+    /// Slices being placed into them right now land first (the failure waits for
+    /// them, as every failure does: see [`Session::still_placing`]). Returns
+    /// the transfers that failed.
+    pub fn blocks_released(
+        &mut self,
+        region_id: u64,
+        released: &[u32],
+        why: &str,
+        now: Instant,
+    ) -> Vec<u64> {
+        let hit = self.transfers_naming(region_id, released);
+        for &id in &hit {
+            self.abort(
+                id,
+                ErrorCode::BlocksReleased,
+                why,
+                TransferError::Local {
+                    code: ErrorCode::BlocksReleased,
+                    message: why.to_string(),
+                },
+                now,
+            );
+        }
+        hit
+    }
+
+    /// The open transfers that name any of `blocks` of our region `region_id`.
+    pub fn transfers_naming(&self, region_id: u64, blocks: &[u32]) -> Vec<u64> {
+        let blocks: HashSet<u32> = blocks.iter().copied().collect();
+        self.transfers
+            .iter()
+            .filter(|(_, t)| {
+                t.selection.region_id == region_id
+                    && t.selection.block_ids.iter().any(|b| blocks.contains(b))
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Whether any of these transfers still has a slice being placed into our
+    /// memory (a failed one ends only once those land).
+    pub fn still_placing(&self, ids: &[u64]) -> bool {
+        ids.iter()
+            .any(|id| self.transfers.get(id).is_some_and(|t| t.placing > 0))
     }
 
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
@@ -1750,6 +1806,7 @@ fn block_set(sel: &BlockSelection) -> pb::BlockSet {
         layer_start: sel.layer_start,
         layer_count: sel.layer_count,
         block_ids: sel.block_ids.clone(),
+        generations: sel.generations.clone(),
     }
 }
 
@@ -1759,6 +1816,7 @@ fn selection_of(set: Option<&pb::BlockSet>) -> BlockSelection {
         layer_start: s.layer_start,
         layer_count: s.layer_count,
         block_ids: s.block_ids.clone(),
+        generations: s.generations.clone(),
     })
     .unwrap_or_default()
 }
@@ -1785,6 +1843,9 @@ fn accept_plan(
     }
     let plan = Plan::build(&region.layout, selection, access)
         .map_err(|e| (e.wire_code(), e.to_string()))?;
+    regions
+        .check_generations(selection)
+        .map_err(|why| (ErrorCode::BlocksReleased, why))?;
     if plan.total_bytes() != total_bytes || plan.block_bytes() != block_bytes {
         let e = PlanError::SizeMismatch {
             source_bytes: total_bytes,

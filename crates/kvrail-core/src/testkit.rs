@@ -21,6 +21,8 @@ pub struct Region {
     pub exposed: bool,
     /// One-sided keys the region grants (none: two-sided only).
     pub keys: Vec<pb::MemoryKey>,
+    /// Each block's generation (1 until released).
+    pub generations: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -38,8 +40,17 @@ impl Regions {
                 bytes,
                 exposed,
                 keys: Vec::new(),
+                generations: vec![1; layout.num_blocks as usize],
             },
         );
+    }
+
+    /// The worker released `blocks`: their generations move on.
+    pub fn release(&mut self, id: u64, blocks: &[u32]) {
+        let r = self.0.get_mut(&id).unwrap();
+        for &b in blocks {
+            r.generations[b as usize] += 1;
+        }
     }
 
     /// Lets peers reach region `id` one-sided on `rails` (offsets are addresses, rkey = id).
@@ -131,6 +142,13 @@ impl RegionDirectory for Regions {
             keys: r.keys.clone(),
         })
     }
+
+    fn check_generations(&self, selection: &BlockSelection) -> Result<(), String> {
+        let Some(r) = self.0.get(&selection.region_id) else {
+            return Ok(());
+        };
+        selection.check_generations(|b| r.generations.get(b as usize).copied())
+    }
 }
 
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -145,5 +163,6 @@ pub fn sel(region: u64, layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
         layer_start: layers.0,
         layer_count: layers.1,
         block_ids: blocks.to_vec(),
+        generations: Vec::new(),
     }
 }

@@ -191,6 +191,7 @@ impl ErrorCode {
             ErrorCode::RegionGone => "region_gone",
             ErrorCode::Internal => "internal",
             ErrorCode::RegionTruncated => "region_truncated",
+            ErrorCode::BlocksReleased => "blocks_released",
         }
     }
 }

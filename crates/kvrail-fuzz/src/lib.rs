@@ -160,6 +160,10 @@ fn selection(c: &mut Cursor<'_>) -> BlockSelection {
         layer_start: c.small(8) as u32,
         layer_count: c.small(8) as u32,
         block_ids: (0..n.min(4096)).map(|_| c.small(70) as u32).collect(),
+        // Mostly none, sometimes one per block, now and then a wrong count.
+        generations: (0..c.small(n as u64 + 1).min(4096))
+            .map(|_| c.small(3))
+            .collect(),
     }
 }
 
@@ -286,6 +290,7 @@ pub fn session(data: &[u8]) {
                     layer_start: 0,
                     layer_count: 1,
                     block_ids: (0..(c.u8() % 5 + 1) as u32).collect(),
+                    generations: Vec::new(),
                 };
                 let req = LocalTransfer {
                     transfer_id: next_id,
@@ -342,6 +347,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             layer_start: 0,
             layer_count: 1,
             block_ids: vec![0, 1],
+            generations: Vec::new(),
         }),
         block_bytes: 512,
         total_bytes: 2048,

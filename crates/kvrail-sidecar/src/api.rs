@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status};
 use tracing::info;
 
 use crate::daemon::Shared;
-use crate::daemon::UnregisterError;
+use crate::daemon::{ReleaseError, UnregisterError};
 use crate::metrics as m;
 use crate::regions::{RegionSource, RegisterError};
 use crate::transfers::TransferRecord;
@@ -91,6 +91,7 @@ fn selection_of(b: &BlockRange) -> BlockSelection {
         layer_start: b.layer_start,
         layer_count: b.layer_count,
         block_ids: b.block_ids.clone(),
+        generations: b.generations.clone(),
     }
 }
 
@@ -128,6 +129,17 @@ fn check_remote(
             local_blocks,
             sel.layer_count,
             sel.block_ids.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_block_count(blocks: &[u32]) -> Result<(), Status> {
+    if blocks.is_empty() || blocks.len() > kvrail_core::MAX_BLOCKS_PER_TRANSFER {
+        return Err(Status::invalid_argument(format!(
+            "list 1..={} block ids (got {})",
+            kvrail_core::MAX_BLOCKS_PER_TRANSFER,
+            blocks.len()
         )));
     }
     Ok(())
@@ -248,20 +260,37 @@ impl Api {
         let kind = if push { "push" } else { "pull" };
         metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);
         let started = link.with_session(|s, now| {
+            // Checked under the session lock, so a concurrent ReleaseBlocks
+            // either is seen here or finds the transfer (Shared::release_blocks).
+            region.check_generations(&req.local).map_err(|why| {
+                (
+                    "blocks_released",
+                    Status::failed_precondition(format!("blocks_released: {why}")),
+                )
+            })?;
             if push {
                 s.start_push(req, now)
             } else {
                 s.start_pull(req, now)
             }
+            .map_err(|e| {
+                (
+                    "internal",
+                    Status::internal(format!("plan rejected after validation: {e}")),
+                )
+            })
         });
         link.rearm_timer();
-        if let Err(e) = started {
-            self.shared
-                .transfers
-                .finish(id, |s| s.state = TransferState::Failed as i32);
-            return Err(Status::internal(format!(
-                "plan rejected after validation: {e}"
-            )));
+        if let Err((code, status)) = started {
+            self.shared.transfers.finish(id, |s| {
+                s.state = TransferState::Failed as i32;
+                s.failure = Some(Failure {
+                    side: FailureSide::Local as i32,
+                    code: code.into(),
+                    message: status.message().to_string(),
+                });
+            });
+            return Err(status);
         }
         Ok(TransferAccepted {
             transfer_id: id,
@@ -382,6 +411,59 @@ impl Sidecar for Api {
             Err(UnregisterError::Held) => Err(Status::failed_precondition(format!(
                 "region {id}: a sender still holds bytes of it that the peer has not acknowledged (a failed transfer); try again shortly"
             ))),
+        }
+    }
+
+    async fn block_generations(
+        &self,
+        req: Request<BlockGenerationsRequest>,
+    ) -> Result<Response<BlockGenerationsResponse>, Status> {
+        let req = req.into_inner();
+        let region = self
+            .shared
+            .registry
+            .get(req.region_id)
+            .ok_or_else(|| Status::not_found(format!("unknown region {}", req.region_id)))?;
+        check_block_count(&req.block_ids)?;
+        let generations = region.generations(&req.block_ids).map_err(|block| {
+            Status::invalid_argument(format!(
+                "block {block} out of range (region has {})",
+                region.layout.num_blocks
+            ))
+        })?;
+        Ok(Response::new(BlockGenerationsResponse { generations }))
+    }
+
+    async fn release_blocks(
+        &self,
+        req: Request<ReleaseBlocksRequest>,
+    ) -> Result<Response<ReleaseBlocksResponse>, Status> {
+        let req = req.into_inner();
+        check_block_count(&req.block_ids)?;
+        match self
+            .shared
+            .release_blocks(req.region_id, &req.block_ids)
+            .await
+        {
+            Ok((generations, failed)) => {
+                if failed > 0 {
+                    info!(
+                        region = req.region_id,
+                        blocks = req.block_ids.len(),
+                        transfers = failed,
+                        "blocks released under running transfers; those transfers failed"
+                    );
+                }
+                Ok(Response::new(ReleaseBlocksResponse {
+                    generations,
+                    transfers_failed: failed as u32,
+                }))
+            }
+            Err(e @ ReleaseError::UnknownRegion(_)) => Err(Status::not_found(e.to_string())),
+            Err(e @ ReleaseError::BlockOutOfRange { .. }) => {
+                Err(Status::invalid_argument(e.to_string()))
+            }
+            Err(e @ ReleaseError::StillMoving { .. }) => Err(Status::unavailable(e.to_string())),
         }
     }
 

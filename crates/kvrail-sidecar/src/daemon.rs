@@ -82,6 +82,33 @@ pub struct Shared {
     pub incarnation: u64,
 }
 
+/// Why blocks cannot be released.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    #[error("unknown region {0}")]
+    UnknownRegion(u64),
+    #[error("block {block} out of range (region has {num_blocks}); nothing was released")]
+    BlockOutOfRange { block: u32, num_blocks: u32 },
+    /// Released, and the transfers failed, but bytes of them were still being
+    /// copied after the limit: the blocks must not be reused yet.
+    #[error("the blocks were released and their transfers failed, but on {links} peer link(s) bytes were still being copied after {waited:?}; do not reuse the blocks yet (release them again to wait again)")]
+    StillMoving { links: usize, waited: Duration },
+}
+
+/// How long ReleaseBlocks waits for copies of failed transfers to stop.
+const RELEASE_SETTLE_LIMIT: Duration = Duration::from_secs(5);
+
+/// A short list of block ids for messages: the first few, then how many more.
+fn summarize_blocks(blocks: &[u32]) -> String {
+    const SHOWN: usize = 8;
+    let head: Vec<String> = blocks.iter().take(SHOWN).map(u32::to_string).collect();
+    if blocks.len() > SHOWN {
+        format!("{} and {} more", head.join(","), blocks.len() - SHOWN)
+    } else {
+        head.join(",")
+    }
+}
+
 /// Why a region could not be unregistered.
 #[derive(Debug, thiserror::Error)]
 pub enum UnregisterError {
@@ -165,6 +192,59 @@ impl Shared {
         self.registry.remove(id);
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.registry.len() as f64);
         Ok(())
+    }
+
+    /// A worker released blocks of its region: their generations move on, then
+    /// every session fails the transfers that name them. Bumping first, then
+    /// visiting each session under its lock, leaves no gap: a transfer opened
+    /// concurrently either checks its generations after the bump (and is
+    /// refused) or is already in the session when it is visited (and fails).
+    pub async fn release_blocks(
+        &self,
+        region_id: u64,
+        blocks: &[u32],
+    ) -> Result<(Vec<u64>, usize), ReleaseError> {
+        let region = self
+            .registry
+            .get(region_id)
+            .ok_or(ReleaseError::UnknownRegion(region_id))?;
+        let generations =
+            region
+                .release(blocks)
+                .map_err(|block| ReleaseError::BlockOutOfRange {
+                    block,
+                    num_blocks: region.layout.num_blocks,
+                })?;
+        let why = format!(
+            "blocks {} of region {region_id} were released by worker {:?}",
+            summarize_blocks(blocks),
+            region.worker_id
+        );
+        let mut links: Vec<Arc<PeerLink>> =
+            self.inbound.iter().map(|l| l.value().clone()).collect();
+        for slot in self.peers.values() {
+            // A slot being dialed holds no transfer yet: those start after the
+            // dial, under the session lock, and check generations there.
+            if let Ok(Some(link)) = slot.link.try_lock().map(|g| g.clone()) {
+                links.push(link);
+            }
+        }
+        let mut failed = 0;
+        let mut unsettled = 0;
+        for link in links {
+            let (n, settled) = link
+                .release_blocks(region_id, blocks, &why, RELEASE_SETTLE_LIMIT)
+                .await;
+            failed += n;
+            unsettled += usize::from(!settled);
+        }
+        if unsettled > 0 {
+            return Err(ReleaseError::StillMoving {
+                links: unsettled,
+                waited: RELEASE_SETTLE_LIMIT,
+            });
+        }
+        Ok((generations, failed))
     }
 
     /// Whether any session still moves bytes of this region.

@@ -104,6 +104,11 @@ impl HeldPayload {
     }
 
     /// The transfer failed: its slices still queued are dropped unsent.
+    /// The views a transfer's writers hold now, to wait for after failing it.
+    pub fn views(&self, transfer_id: u64) -> Option<Arc<HeldViews>> {
+        self.lock().get(&transfer_id).cloned()
+    }
+
     pub fn failed(&self, transfer_id: u64) {
         if let Some(views) = self.lock().remove(&transfer_id) {
             views.abandoned.store(true, Ordering::Release);

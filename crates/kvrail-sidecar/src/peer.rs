@@ -178,6 +178,47 @@ impl PeerLink {
         f(&self.lock().session)
     }
 
+    /// A worker released blocks of our region `region_id`: fails the transfers
+    /// of this link that name them, then waits (up to `limit`) until none of
+    /// them is reading those blocks (a writer's payload views, which the kernel
+    /// may still read from) or placing into them (a slice being read off a
+    /// connection). How many failed, and whether all of them settled in time.
+    pub async fn release_blocks(
+        &self,
+        region_id: u64,
+        blocks: &[u32],
+        why: &str,
+        limit: Duration,
+    ) -> (usize, bool) {
+        let naming = self.inspect(|s| s.transfers_naming(region_id, blocks));
+        if naming.is_empty() {
+            return (0, true);
+        }
+        // Taken before the failure, which forgets them.
+        let views: Vec<_> = naming
+            .iter()
+            .filter_map(|&id| self.held.views(id))
+            .collect();
+        let failed = self.with_session(|s, now| s.blocks_released(region_id, blocks, why, now));
+        self.rearm_timer();
+        let deadline = tokio::time::Instant::now() + limit;
+        for v in views {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if !v.released(left).await {
+                return (failed.len(), false);
+            }
+        }
+        // A slice being placed finishes within one memcpy of a slice; there is
+        // no event for it, so look again shortly.
+        while self.inspect(|s| s.still_placing(&failed)) {
+            if tokio::time::Instant::now() >= deadline {
+                return (failed.len(), false);
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        (failed.len(), true)
+    }
+
     /// Runs `f` on the session, then sends what it queued and reports its events.
     pub fn with_session<R>(&self, f: impl FnOnce(&mut Session, Instant) -> R) -> R {
         let mut st = self.lock();

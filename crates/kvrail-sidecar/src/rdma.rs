@@ -198,6 +198,10 @@ impl RegionDirectory for Directory<'_> {
         access.keys = self.rdma.keys(region_id);
         Some(access)
     }
+
+    fn check_generations(&self, selection: &kvrail_core::BlockSelection) -> Result<(), String> {
+        self.registry.check_generations(selection)
+    }
 }
 
 pub fn endpoint_msg(e: &Endpoint) -> pb::RdmaEndpoint {

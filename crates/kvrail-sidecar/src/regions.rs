@@ -21,6 +21,46 @@ pub struct Region {
     pub layout: RegionLayout,
     pub exposed: bool,
     pub memory: RegionMemory,
+    /// Each block's generation: 1 at registration, one more each time the
+    /// worker releases the block. A transfer that names generations moves the
+    /// blocks only while they still match.
+    generations: Box<[AtomicU64]>,
+}
+
+impl Region {
+    /// The current generation of each listed block (`None` past the last block).
+    pub fn generations(&self, blocks: &[u32]) -> Result<Vec<u64>, u32> {
+        blocks
+            .iter()
+            .map(|&b| {
+                self.generations
+                    .get(b as usize)
+                    .map(|g| g.load(Ordering::SeqCst))
+                    .ok_or(b)
+            })
+            .collect()
+    }
+
+    /// Moves the listed blocks to their next generation; the new generations.
+    /// All ids are checked first, so a bad one releases nothing.
+    pub fn release(&self, blocks: &[u32]) -> Result<Vec<u64>, u32> {
+        self.generations(blocks)?;
+        Ok(blocks
+            .iter()
+            .map(|&b| self.generations[b as usize].fetch_add(1, Ordering::SeqCst) + 1)
+            .collect())
+    }
+
+    /// Whether the blocks a local request names are still at its generations.
+    pub fn check_generations(&self, selection: &kvrail_core::BlockSelection) -> Result<(), String> {
+        selection.check_generations(|b| self.generation(b))
+    }
+
+    fn generation(&self, block: u32) -> Option<u64> {
+        self.generations
+            .get(block as usize)
+            .map(|g| g.load(Ordering::SeqCst))
+    }
 }
 
 impl std::fmt::Debug for Region {
@@ -146,6 +186,7 @@ impl Registry {
             layout,
             exposed,
             memory,
+            generations: (0..layout.num_blocks).map(|_| AtomicU64::new(1)).collect(),
         });
         self.regions.insert(id, region.clone());
         Ok(region)
@@ -184,5 +225,12 @@ impl RegionDirectory for Registry {
             exposed: r.exposed,
             keys: Vec::new(),
         })
+    }
+
+    fn check_generations(&self, selection: &kvrail_core::BlockSelection) -> Result<(), String> {
+        match self.regions.get(&selection.region_id) {
+            Some(r) => selection.check_generations(|b| r.generation(b)),
+            None => Ok(()),
+        }
     }
 }

@@ -50,6 +50,9 @@ class Blocks:
     block_ids: Sequence[int]
     layer_start: int = 0
     layer_count: int = 1
+    #: Empty, or one per block: the generation each block must still be at
+    #: (from ``Client.block_generations`` on the region's side; 0 = any).
+    generations: Sequence[int] = ()
 
     def to_proto(self) -> pb.BlockRange:
         return pb.BlockRange(
@@ -57,6 +60,7 @@ class Blocks:
             layer_start=self.layer_start,
             layer_count=self.layer_count,
             block_ids=list(self.block_ids),
+            generations=list(self.generations),
         )
 
 
@@ -349,6 +353,28 @@ class Client:
 
     def unregister(self, region_id: int) -> None:
         self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id))
+
+    def block_generations(self, region_id: int, block_ids: Sequence[int]) -> list[int]:
+        """The current generation of each listed block of a local region. Hand
+        them to the other side with the block ids (``Blocks.generations``): a
+        transfer naming them fails with ``blocks_released`` once any of the
+        blocks is released, instead of moving bytes the worker has reused."""
+        r = self._call(
+            self._stub.BlockGenerations,
+            pb.BlockGenerationsRequest(region_id=region_id, block_ids=list(block_ids)),
+        )
+        return list(r.generations)
+
+    def release_blocks(self, region_id: int, block_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Releases blocks of a local region (freed, or about to be reused):
+        their generations move on and every transfer naming them fails
+        (``blocks_released``) before this returns. Returns the new generations
+        and how many transfers failed."""
+        r = self._call(
+            self._stub.ReleaseBlocks,
+            pb.ReleaseBlocksRequest(region_id=region_id, block_ids=list(block_ids)),
+        )
+        return list(r.generations), r.transfers_failed
 
     # Transfers -----------------------------------------------------------
 

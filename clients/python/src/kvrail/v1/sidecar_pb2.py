@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrail/v1/sidecar.proto\x12\tkvrail.v1\"\xbc\x01\n\x0cRegionLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x18\n\x10planes_per_layer\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x62\x61se_offset\x18\x05 \x01(\x04\x12\x14\n\x0clayer_stride\x18\x06 \x01(\x04\x12\x14\n\x0cplane_stride\x18\x07 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x08 \x01(\x04\"\xaa\x01\n\x15RegisterRegionRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\'\n\x06layout\x18\x03 \x01(\x0b\x32\x17.kvrail.v1.RegionLayout\x12\x17\n\x0f\x65xpose_to_peers\x18\x04 \x01(\x08\x12*\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x18.kvrail.v1.CudaIpcMemory\"/\n\rCudaIpcMemory\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\"A\n\x16RegisterRegionResponse\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x14\n\x0cmapped_bytes\x18\x02 \x01(\x04\",\n\x17UnregisterRegionRequest\x12\x11\n\tregion_id\x18\x01 \x01(\x04\"\x1a\n\x18UnregisterRegionResponse\"\\\n\nBlockRange\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x13\n\x0blayer_count\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\"\x95\x01\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12%\n\x06source\x18\x04 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\"\x95\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12%\n\x06source\x18\x04 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\"N\n\x10TransferAccepted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x10\n\x08segments\x18\x03 \x01(\x04\"6\n\x0bWaitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\"$\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\"N\n\x07\x46\x61ilure\x12$\n\x04side\x18\x01 \x01(\x0e\x32\x16.kvrail.v1.FailureSide\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xc4\x01\n\x0eTransferStatus\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.kvrail.v1.TransferState\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nbytes_done\x18\x05 \x01(\x04\x12#\n\x07\x66\x61ilure\x18\x06 \x01(\x0b\x32\x12.kvrail.v1.Failure\x12\x12\n\nelapsed_us\x18\x07 \x01(\x04\"\x85\x02\n\x0cNotification\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvrail.v1.NotificationKind\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0c\n\x04peer\x18\x04 \x01(\t\x12\x11\n\tregion_id\x18\x05 \x01(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12#\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x12.kvrail.v1.Failure\x12\x12\n\nelapsed_us\x18\t \x01(\x04\x12\x10\n\x08sequence\x18\n \x01(\x04\x12\x13\n\x0bincarnation\x18\x0b \x01(\x04\"e\n\x10SubscribeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x04\x12\x11\n\ttake_over\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"\x12\n\x10ListPeersRequest\"y\n\x08PeerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05rails\x18\x02 \x03(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x11\n\ttransport\x18\x04 \x01(\t\x12*\n\x0brail_status\x18\x05 \x03(\x0b\x32\x15.kvrail.v1.RailStatus\"\xf7\x01\n\nRailStatus\x12\x0c\n\x04rail\x18\x01 \x01(\r\x12\x11\n\tdirection\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x63onnections\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x13\n\x0bslices_sent\x18\x07 \x01(\x04\x12\x1c\n\x14slices_retransmitted\x18\x08 \x01(\x04\x12\x13\n\x0btransitions\x18\t \x01(\x04\x12\x1a\n\x12rate_bytes_per_sec\x18\n \x01(\x01\x12\x14\n\x0clast_failure\x18\x0b \x01(\t\"J\n\x11ListPeersResponse\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\"\n\x05peers\x18\x02 \x03(\x0b\x32\x13.kvrail.v1.PeerInfo*\x9c\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_STATE_QUEUED\x10\x01\x12\x1c\n\x18TRANSFER_STATE_IN_FLIGHT\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04*\xa7\x01\n\x0b\x46\x61ilureSide\x12\x1c\n\x18\x46\x41ILURE_SIDE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46\x41ILURE_SIDE_LOCAL\x10\x01\x12\x15\n\x11\x46\x41ILURE_SIDE_PEER\x10\x02\x12\x15\n\x11\x46\x41ILURE_SIDE_RAIL\x10\x03\x12\x18\n\x14\x46\x41ILURE_SIDE_TIMEOUT\x10\x04\x12\x1a\n\x16\x46\x41ILURE_SIDE_CANCELLED\x10\x05*\xdd\x01\n\x10NotificationKind\x12!\n\x1dNOTIFICATION_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bNOTIFICATION_KIND_PUSH_DONE\x10\x01\x12#\n\x1fNOTIFICATION_KIND_PUSH_RECEIVED\x10\x02\x12\x1f\n\x1bNOTIFICATION_KIND_PULL_DONE\x10\x03\x12!\n\x1dNOTIFICATION_KIND_PULL_SERVED\x10\x04\x12\x1c\n\x18NOTIFICATION_KIND_FAILED\x10\x05\x32\x87\x05\n\x07Sidecar\x12U\n\x0eRegisterRegion\x12 .kvrail.v1.RegisterRegionRequest\x1a!.kvrail.v1.RegisterRegionResponse\x12[\n\x10UnregisterRegion\x12\".kvrail.v1.UnregisterRegionRequest\x1a#.kvrail.v1.UnregisterRegionResponse\x12;\n\x04Push\x12\x16.kvrail.v1.PushRequest\x1a\x1b.kvrail.v1.TransferAccepted\x12;\n\x04Pull\x12\x16.kvrail.v1.PullRequest\x1a\x1b.kvrail.v1.TransferAccepted\x12\x39\n\x04Wait\x12\x16.kvrail.v1.WaitRequest\x1a\x19.kvrail.v1.TransferStatus\x12G\n\x0bGetTransfer\x12\x1d.kvrail.v1.GetTransferRequest\x1a\x19.kvrail.v1.TransferStatus\x12=\n\x06\x43\x61ncel\x12\x18.kvrail.v1.CancelRequest\x1a\x19.kvrail.v1.TransferStatus\x12\x43\n\tSubscribe\x12\x1b.kvrail.v1.SubscribeRequest\x1a\x17.kvrail.v1.Notification0\x01\x12\x46\n\tListPeers\x12\x1b.kvrail.v1.ListPeersRequest\x1a\x1c.kvrail.v1.ListPeersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrail/v1/sidecar.proto\x12\tkvrail.v1\"\xbc\x01\n\x0cRegionLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x18\n\x10planes_per_layer\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x62\x61se_offset\x18\x05 \x01(\x04\x12\x14\n\x0clayer_stride\x18\x06 \x01(\x04\x12\x14\n\x0cplane_stride\x18\x07 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x08 \x01(\x04\"\xaa\x01\n\x15RegisterRegionRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\'\n\x06layout\x18\x03 \x01(\x0b\x32\x17.kvrail.v1.RegionLayout\x12\x17\n\x0f\x65xpose_to_peers\x18\x04 \x01(\x08\x12*\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x18.kvrail.v1.CudaIpcMemory\"/\n\rCudaIpcMemory\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\"A\n\x16RegisterRegionResponse\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x14\n\x0cmapped_bytes\x18\x02 \x01(\x04\",\n\x17UnregisterRegionRequest\x12\x11\n\tregion_id\x18\x01 \x01(\x04\"\x1a\n\x18UnregisterRegionResponse\"q\n\nBlockRange\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x13\n\x0blayer_count\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0bgenerations\x18\x05 \x03(\x04\"?\n\x17\x42lockGenerationsRequest\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"/\n\x18\x42lockGenerationsResponse\x12\x13\n\x0bgenerations\x18\x01 \x03(\x04\"<\n\x14ReleaseBlocksRequest\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"F\n\x15ReleaseBlocksResponse\x12\x13\n\x0bgenerations\x18\x01 \x03(\x04\x12\x18\n\x10transfers_failed\x18\x02 \x01(\r\"\x95\x01\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12%\n\x06source\x18\x04 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\"\x95\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12%\n\x06source\x18\x04 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.kvrail.v1.BlockRange\"N\n\x10TransferAccepted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x10\n\x08segments\x18\x03 \x01(\x04\"6\n\x0bWaitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\"$\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\"N\n\x07\x46\x61ilure\x12$\n\x04side\x18\x01 \x01(\x0e\x32\x16.kvrail.v1.FailureSide\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xc4\x01\n\x0eTransferStatus\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.kvrail.v1.TransferState\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nbytes_done\x18\x05 \x01(\x04\x12#\n\x07\x66\x61ilure\x18\x06 \x01(\x0b\x32\x12.kvrail.v1.Failure\x12\x12\n\nelapsed_us\x18\x07 \x01(\x04\"\x85\x02\n\x0cNotification\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvrail.v1.NotificationKind\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0c\n\x04peer\x18\x04 \x01(\t\x12\x11\n\tregion_id\x18\x05 \x01(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12#\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x12.kvrail.v1.Failure\x12\x12\n\nelapsed_us\x18\t \x01(\x04\x12\x10\n\x08sequence\x18\n \x01(\x04\x12\x13\n\x0bincarnation\x18\x0b \x01(\x04\"e\n\x10SubscribeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x04\x12\x11\n\ttake_over\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"\x12\n\x10ListPeersRequest\"y\n\x08PeerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05rails\x18\x02 \x03(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x11\n\ttransport\x18\x04 \x01(\t\x12*\n\x0brail_status\x18\x05 \x03(\x0b\x32\x15.kvrail.v1.RailStatus\"\xf7\x01\n\nRailStatus\x12\x0c\n\x04rail\x18\x01 \x01(\r\x12\x11\n\tdirection\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x63onnections\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x13\n\x0bslices_sent\x18\x07 \x01(\x04\x12\x1c\n\x14slices_retransmitted\x18\x08 \x01(\x04\x12\x13\n\x0btransitions\x18\t \x01(\x04\x12\x1a\n\x12rate_bytes_per_sec\x18\n \x01(\x01\x12\x14\n\x0clast_failure\x18\x0b \x01(\t\"J\n\x11ListPeersResponse\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\"\n\x05peers\x18\x02 \x03(\x0b\x32\x13.kvrail.v1.PeerInfo*\x9c\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_STATE_QUEUED\x10\x01\x12\x1c\n\x18TRANSFER_STATE_IN_FLIGHT\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04*\xa7\x01\n\x0b\x46\x61ilureSide\x12\x1c\n\x18\x46\x41ILURE_SIDE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46\x41ILURE_SIDE_LOCAL\x10\x01\x12\x15\n\x11\x46\x41ILURE_SIDE_PEER\x10\x02\x12\x15\n\x11\x46\x41ILURE_SIDE_RAIL\x10\x03\x12\x18\n\x14\x46\x41ILURE_SIDE_TIMEOUT\x10\x04\x12\x1a\n\x16\x46\x41ILURE_SIDE_CANCELLED\x10\x05*\xdd\x01\n\x10NotificationKind\x12!\n\x1dNOTIFICATION_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bNOTIFICATION_KIND_PUSH_DONE\x10\x01\x12#\n\x1fNOTIFICATION_KIND_PUSH_RECEIVED\x10\x02\x12\x1f\n\x1bNOTIFICATION_KIND_PULL_DONE\x10\x03\x12!\n\x1dNOTIFICATION_KIND_PULL_SERVED\x10\x04\x12\x1c\n\x18NOTIFICATION_KIND_FAILED\x10\x05\x32\xb8\x06\n\x07Sidecar\x12U\n\x0eRegisterRegion\x12 .kvrail.v1.RegisterRegionRequest\x1a!.kvrail.v1.RegisterRegionResponse\x12[\n\x10UnregisterRegion\x12\".kvrail.v1.UnregisterRegionRequest\x1a#.kvrail.v1.UnregisterRegionResponse\x12[\n\x10\x42lockGenerations\x12\".kvrail.v1.BlockGenerationsRequest\x1a#.kvrail.v1.BlockGenerationsResponse\x12R\n\rReleaseBlocks\x12\x1f.kvrail.v1.ReleaseBlocksRequest\x1a .kvrail.v1.ReleaseBlocksResponse\x12;\n\x04Push\x12\x16.kvrail.v1.PushRequest\x1a\x1b.kvrail.v1.TransferAccepted\x12;\n\x04Pull\x12\x16.kvrail.v1.PullRequest\x1a\x1b.kvrail.v1.TransferAccepted\x12\x39\n\x04Wait\x12\x16.kvrail.v1.WaitRequest\x1a\x19.kvrail.v1.TransferStatus\x12G\n\x0bGetTransfer\x12\x1d.kvrail.v1.GetTransferRequest\x1a\x19.kvrail.v1.TransferStatus\x12=\n\x06\x43\x61ncel\x12\x18.kvrail.v1.CancelRequest\x1a\x19.kvrail.v1.TransferStatus\x12\x43\n\tSubscribe\x12\x1b.kvrail.v1.SubscribeRequest\x1a\x17.kvrail.v1.Notification0\x01\x12\x46\n\tListPeers\x12\x1b.kvrail.v1.ListPeersRequest\x1a\x1c.kvrail.v1.ListPeersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrail.v1.sidecar_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=2323
-  _globals['_TRANSFERSTATE']._serialized_end=2479
-  _globals['_FAILURESIDE']._serialized_start=2482
-  _globals['_FAILURESIDE']._serialized_end=2649
-  _globals['_NOTIFICATIONKIND']._serialized_start=2652
-  _globals['_NOTIFICATIONKIND']._serialized_end=2873
+  _globals['_TRANSFERSTATE']._serialized_start=2592
+  _globals['_TRANSFERSTATE']._serialized_end=2748
+  _globals['_FAILURESIDE']._serialized_start=2751
+  _globals['_FAILURESIDE']._serialized_end=2918
+  _globals['_NOTIFICATIONKIND']._serialized_start=2921
+  _globals['_NOTIFICATIONKIND']._serialized_end=3142
   _globals['_REGIONLAYOUT']._serialized_start=39
   _globals['_REGIONLAYOUT']._serialized_end=227
   _globals['_REGISTERREGIONREQUEST']._serialized_start=230
@@ -50,35 +50,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERREGIONRESPONSE']._serialized_start=564
   _globals['_UNREGISTERREGIONRESPONSE']._serialized_end=590
   _globals['_BLOCKRANGE']._serialized_start=592
-  _globals['_BLOCKRANGE']._serialized_end=684
-  _globals['_PUSHREQUEST']._serialized_start=687
-  _globals['_PUSHREQUEST']._serialized_end=836
-  _globals['_PULLREQUEST']._serialized_start=839
-  _globals['_PULLREQUEST']._serialized_end=988
-  _globals['_TRANSFERACCEPTED']._serialized_start=990
-  _globals['_TRANSFERACCEPTED']._serialized_end=1068
-  _globals['_WAITREQUEST']._serialized_start=1070
-  _globals['_WAITREQUEST']._serialized_end=1124
-  _globals['_GETTRANSFERREQUEST']._serialized_start=1126
-  _globals['_GETTRANSFERREQUEST']._serialized_end=1167
-  _globals['_CANCELREQUEST']._serialized_start=1169
-  _globals['_CANCELREQUEST']._serialized_end=1205
-  _globals['_FAILURE']._serialized_start=1207
-  _globals['_FAILURE']._serialized_end=1285
-  _globals['_TRANSFERSTATUS']._serialized_start=1288
-  _globals['_TRANSFERSTATUS']._serialized_end=1484
-  _globals['_NOTIFICATION']._serialized_start=1487
-  _globals['_NOTIFICATION']._serialized_end=1748
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1750
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1851
-  _globals['_LISTPEERSREQUEST']._serialized_start=1853
-  _globals['_LISTPEERSREQUEST']._serialized_end=1871
-  _globals['_PEERINFO']._serialized_start=1873
-  _globals['_PEERINFO']._serialized_end=1994
-  _globals['_RAILSTATUS']._serialized_start=1997
-  _globals['_RAILSTATUS']._serialized_end=2244
-  _globals['_LISTPEERSRESPONSE']._serialized_start=2246
-  _globals['_LISTPEERSRESPONSE']._serialized_end=2320
-  _globals['_SIDECAR']._serialized_start=2876
-  _globals['_SIDECAR']._serialized_end=3523
+  _globals['_BLOCKRANGE']._serialized_end=705
+  _globals['_BLOCKGENERATIONSREQUEST']._serialized_start=707
+  _globals['_BLOCKGENERATIONSREQUEST']._serialized_end=770
+  _globals['_BLOCKGENERATIONSRESPONSE']._serialized_start=772
+  _globals['_BLOCKGENERATIONSRESPONSE']._serialized_end=819
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=821
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=881
+  _globals['_RELEASEBLOCKSRESPONSE']._serialized_start=883
+  _globals['_RELEASEBLOCKSRESPONSE']._serialized_end=953
+  _globals['_PUSHREQUEST']._serialized_start=956
+  _globals['_PUSHREQUEST']._serialized_end=1105
+  _globals['_PULLREQUEST']._serialized_start=1108
+  _globals['_PULLREQUEST']._serialized_end=1257
+  _globals['_TRANSFERACCEPTED']._serialized_start=1259
+  _globals['_TRANSFERACCEPTED']._serialized_end=1337
+  _globals['_WAITREQUEST']._serialized_start=1339
+  _globals['_WAITREQUEST']._serialized_end=1393
+  _globals['_GETTRANSFERREQUEST']._serialized_start=1395
+  _globals['_GETTRANSFERREQUEST']._serialized_end=1436
+  _globals['_CANCELREQUEST']._serialized_start=1438
+  _globals['_CANCELREQUEST']._serialized_end=1474
+  _globals['_FAILURE']._serialized_start=1476
+  _globals['_FAILURE']._serialized_end=1554
+  _globals['_TRANSFERSTATUS']._serialized_start=1557
+  _globals['_TRANSFERSTATUS']._serialized_end=1753
+  _globals['_NOTIFICATION']._serialized_start=1756
+  _globals['_NOTIFICATION']._serialized_end=2017
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=2019
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=2120
+  _globals['_LISTPEERSREQUEST']._serialized_start=2122
+  _globals['_LISTPEERSREQUEST']._serialized_end=2140
+  _globals['_PEERINFO']._serialized_start=2142
+  _globals['_PEERINFO']._serialized_end=2263
+  _globals['_RAILSTATUS']._serialized_start=2266
+  _globals['_RAILSTATUS']._serialized_end=2513
+  _globals['_LISTPEERSRESPONSE']._serialized_start=2515
+  _globals['_LISTPEERSRESPONSE']._serialized_end=2589
+  _globals['_SIDECAR']._serialized_start=3145
+  _globals['_SIDECAR']._serialized_end=3969
 # @@protoc_insertion_point(module_scope)

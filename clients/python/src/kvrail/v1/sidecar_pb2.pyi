@@ -110,16 +110,48 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockRange(_message.Message):
-    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids")
+    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids", "generations")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     region_id: int
     layer_start: int
     layer_count: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockGenerationsRequest(_message.Message):
+    __slots__ = ("region_id", "block_ids")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockGenerationsResponse(_message.Message):
+    __slots__ = ("generations",)
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseBlocksRequest(_message.Message):
+    __slots__ = ("region_id", "block_ids")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseBlocksResponse(_message.Message):
+    __slots__ = ("generations", "transfers_failed")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    transfers_failed: int
+    def __init__(self, generations: _Optional[_Iterable[int]] = ..., transfers_failed: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("request_id", "worker_id", "peer", "source", "destination")

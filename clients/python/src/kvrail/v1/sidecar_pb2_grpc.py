@@ -44,6 +44,16 @@ class SidecarStub(object):
                 request_serializer=kvrail_dot_v1_dot_sidecar__pb2.UnregisterRegionRequest.SerializeToString,
                 response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.UnregisterRegionResponse.FromString,
                 _registered_method=True)
+        self.BlockGenerations = channel.unary_unary(
+                '/kvrail.v1.Sidecar/BlockGenerations',
+                request_serializer=kvrail_dot_v1_dot_sidecar__pb2.BlockGenerationsRequest.SerializeToString,
+                response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.BlockGenerationsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseBlocks = channel.unary_unary(
+                '/kvrail.v1.Sidecar/ReleaseBlocks',
+                request_serializer=kvrail_dot_v1_dot_sidecar__pb2.ReleaseBlocksRequest.SerializeToString,
+                response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.ReleaseBlocksResponse.FromString,
+                _registered_method=True)
         self.Push = channel.unary_unary(
                 '/kvrail.v1.Sidecar/Push',
                 request_serializer=kvrail_dot_v1_dot_sidecar__pb2.PushRequest.SerializeToString,
@@ -92,6 +102,22 @@ class SidecarServicer(object):
 
     def UnregisterRegion(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BlockGenerations(self, request, context):
+        """Block generations: what a worker hands to the other side with block ids, so
+        that a transfer can never move blocks its owner has since released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseBlocks(self, request, context):
+        """The worker freed (or is about to reuse) blocks: their generations move on and
+        every transfer naming them fails (blocks_released) before this returns.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -154,6 +180,16 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.UnregisterRegion,
                     request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.UnregisterRegionRequest.FromString,
                     response_serializer=kvrail_dot_v1_dot_sidecar__pb2.UnregisterRegionResponse.SerializeToString,
+            ),
+            'BlockGenerations': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockGenerations,
+                    request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.BlockGenerationsRequest.FromString,
+                    response_serializer=kvrail_dot_v1_dot_sidecar__pb2.BlockGenerationsResponse.SerializeToString,
+            ),
+            'ReleaseBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBlocks,
+                    request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.ReleaseBlocksRequest.FromString,
+                    response_serializer=kvrail_dot_v1_dot_sidecar__pb2.ReleaseBlocksResponse.SerializeToString,
             ),
             'Push': grpc.unary_unary_rpc_method_handler(
                     servicer.Push,
@@ -245,6 +281,60 @@ class Sidecar(object):
             '/kvrail.v1.Sidecar/UnregisterRegion',
             kvrail_dot_v1_dot_sidecar__pb2.UnregisterRegionRequest.SerializeToString,
             kvrail_dot_v1_dot_sidecar__pb2.UnregisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockGenerations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrail.v1.Sidecar/BlockGenerations',
+            kvrail_dot_v1_dot_sidecar__pb2.BlockGenerationsRequest.SerializeToString,
+            kvrail_dot_v1_dot_sidecar__pb2.BlockGenerationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrail.v1.Sidecar/ReleaseBlocks',
+            kvrail_dot_v1_dot_sidecar__pb2.ReleaseBlocksRequest.SerializeToString,
+            kvrail_dot_v1_dot_sidecar__pb2.ReleaseBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
