@@ -52,6 +52,15 @@ impl SidecarProcess {
         Ok(())
     }
 
+    /// The rail addresses it listens on (its `--listen` flags).
+    pub fn listen_addrs(&self) -> Vec<String> {
+        self.args
+            .windows(2)
+            .filter(|w| w[0] == "--listen")
+            .map(|w| w[1].to_string_lossy().into_owned())
+            .collect()
+    }
+
     /// Sends `signal` (e.g. "STOP", "CONT") to the process.
     pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
         let ok = Command::new("kill")

@@ -45,8 +45,9 @@ pub struct SoakArgs {
     /// tcp or quic.
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "quic"])]
     pub transport: String,
-    /// Faults to inject, comma-separated: pause, kill, truncate.
-    #[arg(long, value_delimiter = ',', default_value = "pause,kill,truncate")]
+    /// Faults to inject, comma-separated: pause, kill, cut (rail connections
+    /// reset for 0.3-3 s; TCP, needs root), truncate.
+    #[arg(long, value_delimiter = ',', default_value = "pause,kill,cut,truncate")]
     pub chaos: Vec<String>,
     /// Mean time between faults.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -138,6 +139,7 @@ struct Counts {
     /// Notifications lost otherwise: a finding.
     notes_missing: Vec<String>,
     pauses: u64,
+    cuts: u64,
     kills: u64,
     truncations: u64,
     truncation_failures_seen: u64,
@@ -498,9 +500,40 @@ async fn truncation(cluster: &LocalCluster, block_bytes: u64, seq: u64) -> anyho
     Ok(failed_as_truncated)
 }
 
+/// Resets every TCP connection to or from `port` (needs root and the kernel's
+/// socket-destroy support, as `ss -K` does).
+fn cut_connections(port: &str) -> anyhow::Result<()> {
+    let out = std::process::Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "(",
+            "sport",
+            "=",
+            &format!(":{port}"),
+            "or",
+            "dport",
+            "=",
+            &format!(":{port}"),
+            ")",
+        ])
+        .output()
+        .context("run ss -K (iproute2) to cut a rail")?;
+    if !out.status.success() {
+        bail!(
+            "ss -K failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     if args.max_concurrency == 0 || args.max_concurrency > 1000 {
         bail!("--max-concurrency must be 1..=1000");
+    }
+    if args.chaos.iter().any(|c| c == "cut") && args.transport != "tcp" {
+        bail!("--chaos cut resets TCP connections: use it with --transport tcp");
     }
     let seed = args.seed.unwrap_or_else(rand::random);
     let mut rng = StdRng::seed_from_u64(seed);
@@ -660,6 +693,28 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
                     }
                     world.count(|c| c.kills += 1);
                 }
+                "cut" => {
+                    // The rail is cut for a while: every TCP connection on it is
+                    // reset (ss -K), again and again, so that reconnections fail
+                    // too until the cut ends.
+                    let ports: Vec<String> = cluster
+                        .prefill
+                        .listen_addrs()
+                        .into_iter()
+                        .chain(cluster.decode.listen_addrs())
+                        .filter_map(|a| a.rsplit(':').next().map(str::to_string))
+                        .collect();
+                    let until = Instant::now() + Duration::from_millis(rng.random_range(300..3000));
+                    let mut cut = Ok(());
+                    while cut.is_ok() && Instant::now() < until {
+                        cut = ports.iter().try_for_each(|port| cut_connections(port));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    match cut {
+                        Ok(()) => world.count(|c| c.cuts += 1),
+                        Err(e) => eprintln!("soak: a rail cut could not run: {e:#}"),
+                    }
+                }
                 "truncate" => {
                     let seq = world.seq.fetch_add(1, Ordering::Relaxed);
                     match truncation(&cluster, args.block_bytes, seq).await {
@@ -672,7 +727,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
                         Err(e) => eprintln!("soak: truncation case could not run: {e}"),
                     }
                 }
-                other => bail!("unknown chaos action {other:?} (pause, kill, truncate)"),
+                other => bail!("unknown chaos action {other:?} (pause, kill, cut, truncate)"),
             }
         }
         // Reap finished transfers; wait a moment when nothing finished.
@@ -737,6 +792,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         "notifications_missing": c.notes_missing.len(),
         "notifications_missing_first": c.notes_missing.iter().take(20).collect::<Vec<_>>(),
         "pauses": c.pauses,
+        "rail_cuts": c.cuts,
         "kills": c.kills,
         "truncations": c.truncations,
         "truncated_transfers_failed_as_such": c.truncation_failures_seen,
