@@ -194,3 +194,28 @@ def test_notifications_resume_without_loss_and_are_not_taken_over_silently(pair)
         assert [n.sequence for n in got] == list(range(got[0].sequence, got[0].sequence + 6))
         assert sorted(n.request_id for n in got) == [f"r{i}" for i in range(6)]
         rest.close()
+
+
+def test_a_pull_naming_released_blocks_fails_and_moves_nothing(pair):
+    src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid = p.register_kv_cache(src, expose=True)
+        did = d.register_kv_cache(dst)
+        fill(src, [5, 6], seed=3)
+        dst.memory.array[:] = 0
+        gens = p.block_generations(sid, [5, 6])
+        assert gens == [1, 1]
+        # The prefill frees block 6 before the decode reads it.
+        assert p.release_blocks(sid, [6]) == ([2], 0)
+        t = d.pull("stale", "prefill", Blocks(sid, [5, 6], generations=gens), Blocks(did, [0, 1]))
+        with pytest.raises(kvrail.TransferFailed) as f:
+            d.wait(t, timeout=20)
+        assert f.value.code == "blocks_released" and f.value.side == "PEER"
+        assert "block 6" in f.value.message
+        assert not dst.memory.array.view(np.uint8).any()
+        # With the current generations the pull moves the blocks.
+        t = d.pull("fresh", "prefill", Blocks(sid, [5, 6], generations=p.block_generations(sid, [5, 6])), Blocks(did, [0, 1]))
+        assert d.wait(t, timeout=20).state == "DONE"
+        assert same_blocks(src, [5, 6], dst, [0, 1])
+        with pytest.raises(kvrail.InvalidArgument):
+            p.release_blocks(sid, [32])
