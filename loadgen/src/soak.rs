@@ -145,6 +145,14 @@ struct Counts {
     truncation_failures_seen: u64,
 }
 
+#[derive(Default)]
+struct NoteBook {
+    /// Done pushes whose notification has not arrived: (done at, decode epoch).
+    pending: HashMap<String, (Instant, u64)>,
+    /// Notifications that arrived before their push's wait returned.
+    early: std::collections::HashSet<String>,
+}
+
 struct World {
     p: Mutex<Side>,
     d: Mutex<Side>,
@@ -155,10 +163,9 @@ struct World {
     free_dst: Mutex<Vec<u32>>,
     /// Destination blocks of failed transfers, usable again from then.
     quarantine: Mutex<Vec<(Instant, Vec<u32>)>>,
-    /// Done pushes whose notification has not arrived: (done at, decode epoch).
-    pending_notes: Mutex<HashMap<String, (Instant, u64)>>,
-    /// Notifications that arrived before their push's wait returned.
-    early_notes: Mutex<std::collections::HashSet<String>>,
+    /// Pushes and their notifications, matched under one lock (two locks let a
+    /// notification and its push's return pass each other unmatched).
+    notes: Mutex<NoteBook>,
     counts: Mutex<Counts>,
     seq: AtomicU64,
     inflight: AtomicU64,
@@ -326,14 +333,9 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
                 }
             });
             if push {
-                let early = world
-                    .early_notes
-                    .lock()
-                    .map(|mut e| e.remove(&req))
-                    .unwrap_or(false);
-                if !early {
-                    if let Ok(mut pending) = world.pending_notes.lock() {
-                        pending.insert(req, (Instant::now(), d.epoch));
+                if let Ok(mut notes) = world.notes.lock() {
+                    if !notes.early.remove(&req) {
+                        notes.pending.insert(req, (Instant::now(), d.epoch));
                     }
                 }
             }
@@ -386,15 +388,10 @@ async fn follow_notes(world: Arc<World>, socket: std::path::PathBuf, stop: Arc<A
         {
             (last_seq, incarnation) = (n.sequence, n.incarnation);
             if n.kind == NotificationKind::PushReceived as i32 {
-                let was_pending = world
-                    .pending_notes
-                    .lock()
-                    .map(|mut p| p.remove(&n.request_id).is_some())
-                    .unwrap_or(false);
-                if !was_pending {
-                    // Its push's wait has not returned yet (or it failed there).
-                    if let Ok(mut e) = world.early_notes.lock() {
-                        e.insert(n.request_id.clone());
+                if let Ok(mut notes) = world.notes.lock() {
+                    if notes.pending.remove(&n.request_id).is_none() {
+                        // Its push's wait has not returned yet (or it failed there).
+                        notes.early.insert(n.request_id.clone());
                     }
                 }
                 world.count(|c| c.notes_received += 1);
@@ -409,8 +406,9 @@ async fn follow_notes(world: Arc<World>, socket: std::path::PathBuf, stop: Arc<A
 fn check_notes(world: &World, final_check: bool) {
     let now = Instant::now();
     let d_epoch = world.d.lock().map(|d| d.epoch).unwrap_or(0);
-    let late: Vec<(String, u64)> = match world.pending_notes.lock() {
-        Ok(mut p) => {
+    let late: Vec<(String, u64)> = match world.notes.lock() {
+        Ok(mut notes) => {
+            let p = &mut notes.pending;
             let keys: Vec<String> = p
                 .iter()
                 .filter(|(_, (at, _))| final_check || now.duration_since(*at) > NOTE_GRACE)
@@ -568,8 +566,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         free_src: Mutex::new((0..args.blocks).collect()),
         free_dst: Mutex::new((0..args.blocks).collect()),
         quarantine: Mutex::new(Vec::new()),
-        pending_notes: Mutex::new(HashMap::new()),
-        early_notes: Mutex::new(std::collections::HashSet::new()),
+        notes: Mutex::new(NoteBook::default()),
         counts: Mutex::new(Counts::default()),
         seq: AtomicU64::new(0),
         inflight: AtomicU64::new(0),
@@ -741,9 +738,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let settle = Instant::now() + Duration::from_secs(5);
     while Instant::now() < settle
         && world
-            .pending_notes
+            .notes
             .lock()
-            .map(|p| !p.is_empty())
+            .map(|n| !n.pending.is_empty())
             .unwrap_or(false)
     {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -793,6 +790,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         "notifications_missing_first": c.notes_missing.iter().take(20).collect::<Vec<_>>(),
         "pauses": c.pauses,
         "rail_cuts": c.cuts,
+        // Received for pushes whose worker never saw them done (their wait
+        // failed, e.g. the prefill sidecar was killed after the decode's end).
+        "notifications_for_unfinished_pushes": world.notes.lock().map(|n| n.early.len()).unwrap_or(0),
         "kills": c.kills,
         "truncations": c.truncations,
         "truncated_transfers_failed_as_such": c.truncation_failures_seen,
