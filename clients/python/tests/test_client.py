@@ -189,7 +189,11 @@ def test_notifications_resume_without_loss_and_are_not_taken_over_silently(pair)
         with pytest.raises(kvrail.AlreadyExists):
             d.notifications().get(timeout=10)
         first.close()
-        rest = d.notifications(after_sequence=seen[-1].sequence, incarnation=seen[-1].incarnation)
+        # The sidecar may not have seen the close yet: a worker resuming its
+        # own stream takes over, as the soak's worker does.
+        rest = d.notifications(
+            after_sequence=seen[-1].sequence, incarnation=seen[-1].incarnation, take_over=True
+        )
         got = seen + [rest.get(timeout=10) for _ in range(4)]
         assert [n.sequence for n in got] == list(range(got[0].sequence, got[0].sequence + 6))
         assert sorted(n.request_id for n in got) == [f"r{i}" for i in range(6)]
@@ -207,14 +211,15 @@ def test_a_pull_naming_released_blocks_fails_and_moves_nothing(pair):
         assert gens == [1, 1]
         # The prefill frees block 6 before the decode reads it.
         assert p.release_blocks(sid, [6]) == ([2], 0)
-        t = d.pull("stale", "prefill", Blocks(sid, [5, 6], generations=gens), Blocks(did, [0, 1]))
+        t = d.pull("stale", "prefill", Blocks(sid, [5, 6], 0, 4, gens), Blocks(did, [0, 1], 0, 4))
         with pytest.raises(kvrail.TransferFailed) as f:
             d.wait(t, timeout=20)
         assert f.value.code == "blocks_released" and f.value.side == "PEER"
         assert "block 6" in f.value.message
         assert not dst.memory.array.view(np.uint8).any()
         # With the current generations the pull moves the blocks.
-        t = d.pull("fresh", "prefill", Blocks(sid, [5, 6], generations=p.block_generations(sid, [5, 6])), Blocks(did, [0, 1]))
+        fresh = p.block_generations(sid, [5, 6])
+        t = d.pull("fresh", "prefill", Blocks(sid, [5, 6], 0, 4, fresh), Blocks(did, [0, 1], 0, 4))
         assert d.wait(t, timeout=20).state == "DONE"
         assert same_blocks(src, [5, 6], dst, [0, 1])
         with pytest.raises(kvrail.InvalidArgument):
