@@ -126,7 +126,7 @@ impl Cursor<'_> {
     fn small(&mut self, max: u64) -> u64 {
         let v = self.u64();
         if self.u8() < 230 {
-            v % (max + 1)
+            v % max.saturating_add(1)
         } else {
             v
         }
@@ -154,16 +154,14 @@ fn layout(c: &mut Cursor<'_>) -> RegionLayout {
 }
 
 fn selection(c: &mut Cursor<'_>) -> BlockSelection {
-    let n = c.small(32) as usize;
+    let n = c.small(32).min(4096);
     BlockSelection {
         region_id: 1,
         layer_start: c.small(8) as u32,
         layer_count: c.small(8) as u32,
-        block_ids: (0..n.min(4096)).map(|_| c.small(70) as u32).collect(),
+        block_ids: (0..n).map(|_| c.small(70) as u32).collect(),
         // Mostly none, sometimes one per block, now and then a wrong count.
-        generations: (0..c.small(n as u64 + 1).min(4096))
-            .map(|_| c.small(3))
-            .collect(),
+        generations: (0..c.small(n + 1).min(4096)).map(|_| c.small(3)).collect(),
     }
 }
 
