@@ -28,16 +28,12 @@ pub struct Region {
 }
 
 impl Region {
-    /// The current generation of each listed block (`None` past the last block).
+    /// The current generation of each listed block; the first id past the
+    /// last block is the error.
     pub fn generations(&self, blocks: &[u32]) -> Result<Vec<u64>, u32> {
         blocks
             .iter()
-            .map(|&b| {
-                self.generations
-                    .get(b as usize)
-                    .map(|g| g.load(Ordering::SeqCst))
-                    .ok_or(b)
-            })
+            .map(|&b| self.generation(b).ok_or(b))
             .collect()
     }
 
