@@ -925,37 +925,59 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
     // mirrored here), on loopback.
     let settings = kvrail_sidecar::config::Config::default().quic_settings();
     let connections = bench.args.connections;
+    // One thread per connection and side, as far as the cores go (the sidecars
+    // spread their connections over every core too).
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let threads = connections.min(cores / 2).max(1);
     let bytes = bench.bytes_per_point();
     let me = [std::process::id()];
-    let before = crate::cpu::sample(&me);
-    let raw = tokio::task::spawn_blocking(move || {
-        probe::raw_throughput(&sender, &receiver, &settings, connections, bytes)
-    })
-    .await?;
-    let raw = match raw {
-        Ok(raw) => raw,
-        Err(e) => {
-            // A floor that cannot be measured leaves the rest of the bench standing.
-            eprintln!("quic-floor raw quinn failed: {e}");
-            return Ok(());
-        }
-    };
-    // Both ends run in this process (handshakes included, negligible next to the bytes).
-    let cpu = crate::cpu::since(before, &me, raw.bytes);
-    let gbps = raw.gbps();
-    let mut v = json!({"bench": "quic-floor", "transport": "quic", "op": "raw-quinn", "bytes": raw.bytes,
-        "connections": connections, "gbps": round3(gbps)});
-    if let Some(c) = cpu {
-        v["cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
-        v["machine_busy"] = json!(round3(c.machine_busy));
+    // All connections on one receiving UDP socket (as on a sidecar's rail
+    // listener), then each on its own: what one socket costs.
+    let mut listener_counts = vec![1];
+    if connections > 1 {
+        listener_counts.push(connections);
     }
-    eprintln!(
-        "quic-floor raw quinn, {connections} connections, {}: {gbps:>8.3} GB/s{}",
-        human_bytes(raw.bytes),
-        cpu.map_or(String::new(), |c| format!("  {c}"))
-    );
-    println!("{v}");
-    bench.results.push(v);
+    for listeners in listener_counts {
+        let before = crate::cpu::sample(&me);
+        let (sender, receiver, settings) = (sender.clone(), receiver.clone(), settings.clone());
+        let raw = tokio::task::spawn_blocking(move || {
+            probe::raw_throughput(
+                &sender,
+                &receiver,
+                &settings,
+                connections,
+                threads,
+                listeners,
+                bytes,
+            )
+        })
+        .await?;
+        let raw = match raw {
+            Ok(raw) => raw,
+            Err(e) => {
+                // A floor that cannot be measured leaves the rest of the bench standing.
+                eprintln!("quic-floor raw quinn failed: {e}");
+                continue;
+            }
+        };
+        // Both ends run in this process (handshakes included, negligible next to the bytes).
+        let cpu = crate::cpu::since(before, &me, raw.bytes);
+        let gbps = raw.gbps();
+        let mut v = json!({"bench": "quic-floor", "transport": "quic", "op": "raw-quinn", "bytes": raw.bytes,
+            "connections": connections, "threads_per_side": threads, "receiving_sockets": listeners,
+            "gbps": round3(gbps)});
+        if let Some(c) = cpu {
+            v["cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
+            v["machine_busy"] = json!(round3(c.machine_busy));
+        }
+        eprintln!(
+            "quic-floor raw quinn, {connections} connections, {threads} threads a side, {listeners} receiving socket(s), {}: {gbps:>8.3} GB/s{}",
+            human_bytes(raw.bytes),
+            cpu.map_or(String::new(), |c| format!("  {c}"))
+        );
+        println!("{v}");
+        bench.results.push(v);
+    }
     Ok(())
 }
 

@@ -77,13 +77,17 @@ pub fn packet_cipher_cost(packet: usize, budget: Duration) -> io::Result<CipherC
 }
 
 /// Raw quinn: `bytes` over `connections` connections from `sender` to
-/// `receiver`, each side on its own one-thread runtime (as two processes would
-/// be), with kvrail's settings: zero-copy writes, reads dropped unread.
+/// `receiver`, each side on its own runtime of `threads` worker threads (as two
+/// processes would be), with kvrail's settings: zero-copy writes, reads dropped
+/// unread. The receiver listens on one port with `listeners` UDP sockets (see
+/// `QuicSettings::receive_sockets`; 1: every datagram through one socket).
 pub fn raw_throughput(
     sender: &Identity,
     receiver: &Identity,
     settings: &QuicSettings,
     connections: usize,
+    threads: usize,
+    listeners: usize,
     bytes: u64,
 ) -> io::Result<RawThroughput> {
     let send_side = QuicTransport::new(sender, settings)?;
@@ -93,26 +97,41 @@ pub fn raw_throughput(
     let per_connection = bytes / connections as u64;
     let runtime = || {
         tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            .worker_threads(threads.max(1))
             .enable_all()
             .build()
     };
     let server_rt = runtime()?;
-    let endpoint = {
+    let listeners = listeners.clamp(1, connections);
+    let endpoints = {
         let _guard = server_rt.enter();
-        receive_side.settings.endpoint(
-            ([127, 0, 0, 1], 0).into(),
-            Some(receive_side.server.clone()),
-        )?
+        let mut settings = receive_side.settings.clone();
+        settings.receive_sockets = listeners;
+        settings.listener_endpoints(([127, 0, 0, 1], 0).into(), receive_side.server.clone())?
     };
-    let addr = endpoint.local_addr()?;
-    let server_endpoint = endpoint.clone();
+    let addr = endpoints
+        .first()
+        .ok_or_else(|| io::Error::other("no endpoint"))?
+        .local_addr()?;
+    let server_endpoints = endpoints.clone();
     let server = std::thread::spawn(move || {
         server_rt.block_on(async move {
+            // The kernel picks each connection's socket by its addresses' hash.
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            for endpoint in &endpoints {
+                let (endpoint, tx) = (endpoint.clone(), tx.clone());
+                tokio::spawn(async move {
+                    while let Some(incoming) = endpoint.accept().await {
+                        if tx.send(incoming).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
             let mut tasks = Vec::new();
             for _ in 0..connections {
-                let incoming = endpoint
-                    .accept()
+                let incoming = rx
+                    .recv()
                     .await
                     .ok_or_else(|| io::Error::other("endpoint closed"))?;
                 tasks.push(tokio::spawn(async move {
@@ -188,7 +207,9 @@ pub fn raw_throughput(
     });
     if sent.is_err() {
         // The receiver may still wait for connections that will never come.
-        server_endpoint.close(VarInt::from_u32(0), b"probe failed");
+        for e in &server_endpoints {
+            e.close(VarInt::from_u32(0), b"probe failed");
+        }
     }
     let received = server
         .join()
@@ -227,7 +248,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         generate::cluster(dir.path(), &["a", "b"], Validity::days(1)).unwrap();
         let id = |n: &str| Identity::load(n, &IdentityFiles::in_dir(dir.path(), n)).unwrap();
-        let raw = raw_throughput(&id("a"), &id("b"), &QuicSettings::default(), 2, 8 << 20).unwrap();
+        let raw = raw_throughput(
+            &id("a"),
+            &id("b"),
+            &QuicSettings::default(),
+            2,
+            1,
+            2,
+            8 << 20,
+        )
+        .unwrap();
         assert_eq!(raw.bytes, 8 << 20);
         assert!(raw.gbps() > 0.0);
         // A receiver that is not ours: the client fails and the receiver thread
@@ -235,6 +265,15 @@ mod tests {
         let other = tempfile::tempdir().unwrap();
         generate::cluster(other.path(), &["b"], Validity::days(1)).unwrap();
         let stranger = Identity::load("b", &IdentityFiles::in_dir(other.path(), "b")).unwrap();
-        assert!(raw_throughput(&id("a"), &stranger, &QuicSettings::default(), 1, 1 << 20).is_err());
+        assert!(raw_throughput(
+            &id("a"),
+            &stranger,
+            &QuicSettings::default(),
+            1,
+            1,
+            1,
+            1 << 20
+        )
+        .is_err());
     }
 }

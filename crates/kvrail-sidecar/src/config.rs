@@ -88,6 +88,9 @@ pub struct Config {
     /// QUIC: kvrail connections (of `connections_per_rail`) carried as streams
     /// of one QUIC connection; 1 gives each its own QUIC connection and CPU task.
     pub quic_streams_per_connection: usize,
+    /// QUIC: UDP sockets each rail listener receives on, sharing its port
+    /// (`SO_REUSEPORT`); 0: one per core, at most 16.
+    pub quic_receive_sockets: usize,
 }
 
 impl Default for Config {
@@ -127,6 +130,7 @@ impl Default for Config {
             quic_gso: true,
             quic_socket_buffer: 4 << 20,
             quic_streams_per_connection: 1,
+            quic_receive_sockets: 0,
         }
     }
 }
@@ -248,6 +252,9 @@ impl Config {
         {
             return bad("quic_streams_per_connection must be 1 to 64");
         }
+        if self.quic_receive_sockets > 64 {
+            return bad("quic_receive_sockets must be 0 (one per core) to 64");
+        }
         if self.quic_max_udp_payload < 1200 {
             return bad("quic_max_udp_payload must be at least 1200");
         }
@@ -276,6 +283,7 @@ impl Config {
             gso: self.quic_gso,
             socket_buffer: self.quic_socket_buffer,
             streams_per_connection: self.quic_streams_per_connection,
+            receive_sockets: self.quic_receive_sockets,
             ..Default::default()
         }
     }

@@ -16,6 +16,8 @@ pub mod metrics_http;
 pub mod netinfo;
 pub mod notify;
 pub mod peer;
+#[cfg(feature = "profile")]
+pub mod profile;
 pub mod ratelog;
 pub mod rdma;
 pub mod regions;
@@ -88,6 +90,9 @@ pub struct ServeArgs {
     /// QUIC: kvrail connections per QUIC connection, as streams (default 1).
     #[arg(long)]
     pub quic_streams_per_connection: Option<usize>,
+    /// QUIC: UDP sockets each rail listener receives on (default 0: one per core, at most 16).
+    #[arg(long)]
+    pub quic_receive_sockets: Option<usize>,
     /// GPU regions: slices each connection stages ahead of the one it sends (default 3).
     #[arg(long)]
     pub gpu_stage_depth: Option<usize>,
@@ -156,6 +161,9 @@ impl ServeArgs {
         if let Some(v) = self.quic_streams_per_connection {
             c.quic_streams_per_connection = v;
         }
+        if let Some(v) = self.quic_receive_sockets {
+            c.quic_receive_sockets = v;
+        }
         if let Some(v) = self.gpu_stage_depth {
             c.gpu_stage_depth = v;
         }
@@ -172,6 +180,8 @@ impl ServeArgs {
 
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    #[cfg(feature = "profile")]
+    let profile = profile::start_from_env();
     let config = args.to_config()?;
     let daemon = Daemon::start(config).await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -180,6 +190,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     tracing::info!("shutting down");
+    #[cfg(feature = "profile")]
+    if let Some(p) = &profile {
+        p.write();
+    }
     daemon.shutdown();
     Ok(())
 }

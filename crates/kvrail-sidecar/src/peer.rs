@@ -154,6 +154,8 @@ impl PeerLink {
     }
 
     fn lock(&self) -> MutexGuard<'_, LinkState> {
+        #[cfg(feature = "profile")]
+        let _wait = crate::profile::LockWait::start();
         // A panic while holding the lock is a bug; keep serving with the state as is.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
