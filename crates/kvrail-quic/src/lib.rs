@@ -62,7 +62,7 @@ pub struct QuicSettings {
     /// endpoint reads every datagram of every connection in one task, which
     /// capped raw quinn at 1.3 GB/s with 8 or 16 connections on the 16-core
     /// machine (4.9 and 5.7 GB/s with one socket per connection; docs/quic.md).
-    /// 0: one per core, at most 16.
+    /// 0: one per core, at most 16, on machines of more than 4 cores; 1 below.
     pub receive_sockets: usize,
 }
 
@@ -134,7 +134,13 @@ impl QuicSettings {
     /// How many sockets a listener receives on (`receive_sockets`, resolved).
     pub fn listener_sockets(&self) -> usize {
         match self.receive_sockets {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
+            // Measured (docs/quic.md): on 16 cores one socket per connection
+            // moved 3-4x more; on 2 cores two sockets moved 29% less than one
+            // (more driver tasks on cores that are already full).
+            0 => match std::thread::available_parallelism().map_or(1, |n| n.get()) {
+                cores if cores <= 4 => 1,
+                cores => cores.min(16),
+            },
             n => n,
         }
     }

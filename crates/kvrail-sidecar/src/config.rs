@@ -89,7 +89,7 @@ pub struct Config {
     /// of one QUIC connection; 1 gives each its own QUIC connection and CPU task.
     pub quic_streams_per_connection: usize,
     /// QUIC: UDP sockets each rail listener receives on, sharing its port
-    /// (`SO_REUSEPORT`); 0: one per core, at most 16.
+    /// (`SO_REUSEPORT`); 0: one per core (at most 16) above 4 cores, else 1.
     pub quic_receive_sockets: usize,
 }
 
@@ -382,6 +382,21 @@ mod tests {
             ..with_certs
         };
         secure.validate().unwrap();
+        // Receiving sockets: 0 (chosen by core count) to 64, passed to QUIC.
+        let many = Config {
+            quic_receive_sockets: 8,
+            ..secure.clone()
+        };
+        many.validate().unwrap();
+        assert_eq!(many.quic_settings().receive_sockets, 8);
+        let e = Config {
+            quic_receive_sockets: 65,
+            ..secure
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("quic_receive_sockets"), "{e}");
         let p = Config::parse_peer("b=127.0.0.1:1,127.0.0.1:2").unwrap();
         assert_eq!(p.rails.len(), 2);
         assert!(Config::parse_peer("b").is_err());

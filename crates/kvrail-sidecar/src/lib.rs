@@ -90,7 +90,7 @@ pub struct ServeArgs {
     /// QUIC: kvrail connections per QUIC connection, as streams (default 1).
     #[arg(long)]
     pub quic_streams_per_connection: Option<usize>,
-    /// QUIC: UDP sockets each rail listener receives on (default 0: one per core, at most 16).
+    /// QUIC: UDP sockets each rail listener receives on (default 0: one per core, at most 16, above 4 cores; else 1).
     #[arg(long)]
     pub quic_receive_sockets: Option<usize>,
     /// GPU regions: slices each connection stages ahead of the one it sends (default 3).
