@@ -22,8 +22,13 @@ use loadgen::cluster::{ClusterOptions, LocalCluster};
 /// Flags of `loadgen bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// TCP connections per rail (iperf3 runs with as many streams).
-    #[arg(long, default_value_t = 4)]
+    /// Connections per rail (iperf3 runs with as many streams and processes).
+    /// A list (`1,2,4,8,16`) sweeps: the whole bench, baselines included, runs
+    /// at each count in turn, in this one invocation.
+    #[arg(long = "connections", value_delimiter = ',', default_value = "4")]
+    pub connection_counts: Vec<usize>,
+    /// The count being measured (one of `connection_counts`).
+    #[arg(skip = 4usize)]
     pub connections: usize,
     /// Slice size.
     #[arg(long, default_value = "1M", value_parser = parse_size)]
@@ -348,6 +353,9 @@ impl Bench {
         if let Some(c) = p.cpu {
             v["sidecar_cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
             v["machine_busy"] = json!(round3(c.machine_busy));
+            v["udp_rcvbuf_errors"] = json!(c.net.udp_rcvbuf_errors);
+            v["udp_sndbuf_errors"] = json!(c.net.udp_sndbuf_errors);
+            v["tcp_retrans_segs"] = json!(c.net.tcp_retrans_segs);
         }
         if let Some(i) = self.iperf3_gbps {
             v["ratio_vs_iperf3"] = json!(round3(rate / i));
@@ -605,7 +613,27 @@ async fn latency(
     Ok(())
 }
 
-pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub async fn run(mut args: BenchArgs) -> anyhow::Result<()> {
+    let counts = args.connection_counts.clone();
+    if counts.is_empty() || counts.contains(&0) {
+        bail!("--connections takes counts of 1 or more");
+    }
+    for (i, &count) in counts.iter().enumerate() {
+        args.connections = count;
+        if counts.len() > 1 {
+            eprintln!(
+                "== {count} connection(s) per rail ({} of {})",
+                i + 1,
+                counts.len()
+            );
+        }
+        run_at(args.clone()).await?;
+    }
+    Ok(())
+}
+
+/// The bench at `args.connections`.
+async fn run_at(args: BenchArgs) -> anyhow::Result<()> {
     let wants = |part: &str| args.only.iter().any(|o| o == part);
     let scattered = parse_x(&args.scattered)?;
     let vllm = parse_x(&args.vllm)?;
@@ -994,6 +1022,7 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
         if let Some(c) = cpu {
             v["cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
             v["machine_busy"] = json!(round3(c.machine_busy));
+            v["udp_rcvbuf_errors"] = json!(c.net.udp_rcvbuf_errors);
         }
         eprintln!(
             "quic-floor raw quinn, {connections} connections, {threads} threads a side, {listeners} receiving socket(s), {}: {gbps:>8.3} GB/s{}",

@@ -14,6 +14,70 @@ pub struct CpuSample {
     /// Busy and all ticks of the machine, summed over its cores.
     machine_busy_ticks: u64,
     machine_ticks: u64,
+    /// Machine-wide loss counters (zero where /proc/net/snmp cannot be read).
+    net: NetCounters,
+}
+
+/// The kernel's loss counters of UDP and TCP (`/proc/net/snmp`), machine-wide:
+/// on loopback every drop or resend in a run is one of the run's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NetCounters {
+    /// UDP datagrams dropped because a socket's receive buffer was full.
+    pub udp_rcvbuf_errors: u64,
+    /// UDP datagrams dropped because a socket's send buffer was full.
+    pub udp_sndbuf_errors: u64,
+    /// TCP segments sent again.
+    pub tcp_retrans_segs: u64,
+}
+
+impl NetCounters {
+    /// The counters now.
+    pub fn read() -> Option<NetCounters> {
+        let snmp = std::fs::read_to_string("/proc/net/snmp").ok()?;
+        Some(Self::parse(&snmp))
+    }
+
+    /// Reads the `Udp:` and `Tcp:` pairs of lines (names, then values).
+    fn parse(snmp: &str) -> NetCounters {
+        let mut c = NetCounters::default();
+        let lines: Vec<&str> = snmp.lines().collect();
+        for pair in lines.windows(2) {
+            let (Some((proto, names)), Some((proto2, values))) =
+                (pair[0].split_once(':'), pair[1].split_once(':'))
+            else {
+                continue;
+            };
+            if proto != proto2 || names.trim_start().starts_with(char::is_numeric) {
+                continue;
+            }
+            for (name, value) in names.split_whitespace().zip(values.split_whitespace()) {
+                let Ok(v) = value.parse::<u64>() else {
+                    continue;
+                };
+                match (proto, name) {
+                    ("Udp", "RcvbufErrors") => c.udp_rcvbuf_errors = v,
+                    ("Udp", "SndbufErrors") => c.udp_sndbuf_errors = v,
+                    ("Tcp", "RetransSegs") => c.tcp_retrans_segs = v,
+                    _ => {}
+                }
+            }
+        }
+        c
+    }
+
+    fn since(&self, earlier: &NetCounters) -> NetCounters {
+        NetCounters {
+            udp_rcvbuf_errors: self
+                .udp_rcvbuf_errors
+                .saturating_sub(earlier.udp_rcvbuf_errors),
+            udp_sndbuf_errors: self
+                .udp_sndbuf_errors
+                .saturating_sub(earlier.udp_sndbuf_errors),
+            tcp_retrans_segs: self
+                .tcp_retrans_segs
+                .saturating_sub(earlier.tcp_retrans_segs),
+        }
+    }
 }
 
 /// CPU spent between two samples.
@@ -23,6 +87,8 @@ pub struct CpuUse {
     pub ns_per_byte: f64,
     /// Fraction of all the machine's cores that were busy.
     pub machine_busy: f64,
+    /// Drops and resends meanwhile.
+    pub net: NetCounters,
 }
 
 /// The counters now, or `None` where /proc cannot tell (then nothing is reported).
@@ -51,6 +117,7 @@ pub fn sample(pids: &[u32]) -> Option<CpuSample> {
         process_ticks,
         machine_busy_ticks: machine_ticks - idle,
         machine_ticks,
+        net: NetCounters::read().unwrap_or_default(),
     })
 }
 
@@ -66,7 +133,16 @@ impl std::fmt::Display for CpuUse {
             "cpu {:.2} ns/B, busy {:.0}%",
             self.ns_per_byte,
             self.machine_busy * 100.0
-        )
+        )?;
+        let n = &self.net;
+        if n.udp_rcvbuf_errors + n.udp_sndbuf_errors + n.tcp_retrans_segs > 0 {
+            write!(
+                f,
+                ", udp drops {}+{}, tcp resent {}",
+                n.udp_rcvbuf_errors, n.udp_sndbuf_errors, n.tcp_retrans_segs
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -84,6 +160,7 @@ impl CpuSample {
         Some(CpuUse {
             ns_per_byte: process as f64 / TICKS_PER_S * 1e9 / bytes as f64,
             machine_busy: busy as f64 / all as f64,
+            net: self.net.since(&earlier.net),
         })
     }
 }
@@ -91,6 +168,29 @@ impl CpuSample {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snmp_counters_are_read_by_name() {
+        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\n\
+            Tcp: RtoAlgorithm ActiveOpens RetransSegs InErrs\nTcp: 1 20 7 0\n\
+            Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors\n\
+            Udp: 100 0 42 90 41 3\n\
+            UdpLite: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors\n\
+            UdpLite: 0 0 0 0 9 9\n";
+        let c = NetCounters::parse(snmp);
+        assert_eq!(
+            (c.udp_rcvbuf_errors, c.udp_sndbuf_errors, c.tcp_retrans_segs),
+            (41, 3, 7)
+        );
+        let later = NetCounters {
+            udp_rcvbuf_errors: 50,
+            ..c
+        };
+        assert_eq!(later.since(&c).udp_rcvbuf_errors, 9);
+        if std::path::Path::new("/proc/net/snmp").exists() {
+            assert!(NetCounters::read().is_some());
+        }
+    }
 
     #[test]
     fn our_own_cpu_time_is_counted() {
