@@ -581,7 +581,7 @@ enum Direction {
 struct Stream(sys::CUstream);
 // SAFETY: CUDA streams may be used from any thread once their context is bound.
 unsafe impl Send for Stream {}
-// SAFETY: as above; enqueueing is serialised by the queue's mutex anyway.
+// SAFETY: as above; enqueueing is serialised by its lane's mutex anyway.
 unsafe impl Sync for Stream {}
 
 struct Event(sys::CUevent);
@@ -594,11 +594,21 @@ struct Pending {
     finish: Box<dyn FnOnce(Result<(), CudaError>) + Send>,
 }
 
-/// Stream-ordered copies between device memory and pinned buffers, on a stream
-/// of their own. Each copy's completion is a future; a thread per queue waits on
-/// the copies' events in order.
+/// Stream-ordered copies between device memory and pinned buffers, spread over
+/// `lanes` streams of their own. A slice of scattered KV blocks is one copy call
+/// per block (256 calls for 8 MiB of 32 KiB blocks), so one stream, whose
+/// enqueueing is serialised, capped the staged path near 9 GB/s whatever the
+/// connections (docs/gpu.md); each lane has its own stream, lock and waiter, and
+/// copies go to the lanes in turn. Each copy's completion is a future; a thread
+/// per lane waits on its copies' events in order.
 pub struct CopyQueue {
     gpu: Arc<Gpu>,
+    lanes: Vec<Lane>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+/// One stream of a [`CopyQueue`] and the thread that waits on its copies.
+struct Lane {
     stream: Stream,
     pending: Mutex<Option<mpsc::Sender<Pending>>>,
     waiter: Option<std::thread::JoinHandle<()>>,
@@ -608,34 +618,34 @@ impl fmt::Debug for CopyQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CopyQueue")
             .field("device", &self.gpu.ordinal)
+            .field("lanes", &self.lanes.len())
             .finish()
     }
 }
 
 impl CopyQueue {
+    /// A queue of one lane.
     pub fn new(gpu: &Arc<Gpu>, name: &str) -> Result<CopyQueue, CudaError> {
-        gpu.bind()?;
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| {
-            CudaError::Driver {
-                call: "cuStreamCreate",
-                message: describe(e),
-            }
-        })?;
-        let (tx, rx) = mpsc::channel::<Pending>();
-        let for_thread = gpu.clone();
-        let waiter = std::thread::Builder::new()
-            .name(format!("cuda-{name}"))
-            .spawn(move || wait_loop(for_thread, rx))
-            .map_err(|e| CudaError::Driver {
-                call: "spawn copy waiter",
-                message: e.to_string(),
-            })?;
-        Ok(CopyQueue {
+        Self::with_lanes(gpu, name, 1)
+    }
+
+    /// A queue of `lanes` streams (at least one).
+    pub fn with_lanes(gpu: &Arc<Gpu>, name: &str, lanes: usize) -> Result<CopyQueue, CudaError> {
+        let mut queue = CopyQueue {
             gpu: gpu.clone(),
-            stream: Stream(stream),
-            pending: Mutex::new(Some(tx)),
-            waiter: Some(waiter),
-        })
+            lanes: Vec::new(),
+            next: std::sync::atomic::AtomicUsize::new(0),
+        };
+        for i in 0..lanes.max(1) {
+            // On failure the lanes made so far are torn down by the queue's drop.
+            queue.lanes.push(Lane::new(gpu, &format!("{name}.{i}"))?);
+        }
+        Ok(queue)
+    }
+
+    /// How many streams copies are spread over.
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
     }
 
     /// Gathers `pieces` (offset, length) of `src` into the front of `buffer`, in
@@ -672,7 +682,9 @@ impl CopyQueue {
         if let Err(e) = self.gpu.bind() {
             return Err((e, buffer));
         }
-        let Ok(guard) = self.pending.lock() else {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.lanes.len();
+        let lane = &self.lanes[i];
+        let Ok(guard) = lane.pending.lock() else {
             return Err((CudaError::QueueStopped, buffer));
         };
         let Some(tx) = guard.as_ref() else {
@@ -688,10 +700,10 @@ impl CopyQueue {
                 let host = buffer.ptr.add(at).cast::<c_void>();
                 match direction {
                     Direction::ToHost => {
-                        sys::cuMemcpyDtoHAsync_v2(host, device, len as usize, self.stream.0)
+                        sys::cuMemcpyDtoHAsync_v2(host, device, len as usize, lane.stream.0)
                     }
                     Direction::ToDevice => {
-                        sys::cuMemcpyHtoDAsync_v2(device, host, len as usize, self.stream.0)
+                        sys::cuMemcpyHtoDAsync_v2(device, host, len as usize, lane.stream.0)
                     }
                 }
             };
@@ -705,7 +717,7 @@ impl CopyQueue {
                 // Copies already enqueued may still be running: wait before the
                 // buffer can be reused.
                 // SAFETY: the stream is ours and alive.
-                let _ = unsafe { cu::stream::synchronize(self.stream.0) };
+                let _ = unsafe { cu::stream::synchronize(lane.stream.0) };
                 return Err((e, buffer));
             }
             at += len as usize;
@@ -714,7 +726,7 @@ impl CopyQueue {
             Ok(e) => e,
             Err(e) => {
                 // SAFETY: the stream is ours and alive.
-                let _ = unsafe { cu::stream::synchronize(self.stream.0) };
+                let _ = unsafe { cu::stream::synchronize(lane.stream.0) };
                 return Err((
                     CudaError::Driver {
                         call: "cuEventCreate",
@@ -725,10 +737,10 @@ impl CopyQueue {
             }
         };
         // SAFETY: event and stream are valid and belong to the bound context.
-        if let Err(e) = unsafe { cu::event::record(event, self.stream.0) } {
+        if let Err(e) = unsafe { cu::event::record(event, lane.stream.0) } {
             // SAFETY: as above; the event is destroyed once.
             unsafe {
-                let _ = cu::stream::synchronize(self.stream.0);
+                let _ = cu::stream::synchronize(lane.stream.0);
                 let _ = cu::event::destroy(event);
             }
             return Err((
@@ -757,7 +769,7 @@ impl CopyQueue {
             // closure (with the buffer) was dropped with the failed send.
             // SAFETY: wait for the copies, then release the event.
             unsafe {
-                let _ = cu::stream::synchronize(self.stream.0);
+                let _ = cu::stream::synchronize(lane.stream.0);
                 let _ = cu::event::destroy(event);
             }
         }
@@ -811,18 +823,56 @@ fn wait_loop(gpu: Arc<Gpu>, rx: mpsc::Receiver<Pending>) {
     }
 }
 
+impl Lane {
+    fn new(gpu: &Arc<Gpu>, name: &str) -> Result<Lane, CudaError> {
+        gpu.bind()?;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| {
+            CudaError::Driver {
+                call: "cuStreamCreate",
+                message: describe(e),
+            }
+        })?;
+        let (tx, rx) = mpsc::channel::<Pending>();
+        let for_thread = gpu.clone();
+        let waiter = std::thread::Builder::new()
+            .name(format!("cuda-{name}"))
+            .spawn(move || wait_loop(for_thread, rx));
+        let waiter = match waiter {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: the stream was just created, carries nothing, and is
+                // destroyed once.
+                let _ = unsafe { cu::stream::destroy(stream) };
+                return Err(CudaError::Driver {
+                    call: "spawn copy waiter",
+                    message: e.to_string(),
+                });
+            }
+        };
+        Ok(Lane {
+            stream: Stream(stream),
+            pending: Mutex::new(Some(tx)),
+            waiter: Some(waiter),
+        })
+    }
+}
+
 impl Drop for CopyQueue {
     fn drop(&mut self) {
-        if let Ok(mut p) = self.pending.lock() {
-            p.take();
-        }
-        if let Some(w) = self.waiter.take() {
-            let _ = w.join();
+        for lane in &mut self.lanes {
+            if let Ok(mut p) = lane.pending.lock() {
+                p.take();
+            }
+            if let Some(w) = lane.waiter.take() {
+                let _ = w.join();
+            }
         }
         let _ = self.gpu.bind();
-        // SAFETY: every copy on the stream has completed (the waiter drained them);
-        // the stream is destroyed once.
-        let _ = unsafe { cu::stream::destroy(self.stream.0) };
+        for lane in &self.lanes {
+            // SAFETY: every copy on the stream has completed (its waiter drained
+            // them); the stream is destroyed once.
+            let _ = unsafe { cu::stream::destroy(lane.stream.0) };
+        }
     }
 }
 

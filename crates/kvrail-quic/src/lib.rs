@@ -76,7 +76,7 @@ impl Default for QuicSettings {
             send_window: 64 << 20,
             gso: true,
             idle_timeout: Duration::from_secs(10),
-            socket_buffer: 4 << 20,
+            socket_buffer: 32 << 20,
             streams_per_connection: 1,
             receive_sockets: 0,
         }
@@ -179,10 +179,16 @@ impl QuicSettings {
         };
         let socket =
             socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
-        // The kernel caps both at net.core.{r,w}mem_max instead of failing; say
-        // so once, since small buffers cost throughput (docs/quic.md).
-        socket.set_recv_buffer_size(self.socket_buffer)?;
-        socket.set_send_buffer_size(self.socket_buffer)?;
+        // Past net.core.{r,w}mem_max where the process may (CAP_NET_ADMIN);
+        // otherwise the kernel caps both at those instead of failing: say so
+        // once, since small buffers drop datagrams (docs/quic.md).
+        let n = self.socket_buffer;
+        let forced = rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, n).is_ok()
+            && rustix::net::sockopt::set_socket_send_buffer_size_force(&socket, n).is_ok();
+        if !forced {
+            socket.set_recv_buffer_size(n)?;
+            socket.set_send_buffer_size(n)?;
+        }
         let granted = socket.recv_buffer_size()?.min(socket.send_buffer_size()?);
         if granted < self.socket_buffer {
             static SMALL_BUFFERS: std::sync::Once = std::sync::Once::new();

@@ -76,6 +76,9 @@ pub struct Config {
     /// GPU regions: slices a connection's writer copies device-to-host ahead of
     /// the one on the wire (each takes a pinned buffer of `slice_bytes`).
     pub gpu_stage_depth: usize,
+    /// GPU regions: CUDA streams per copy direction and device, used in turn
+    /// (each with its own waiter thread).
+    pub gpu_copy_streams: usize,
     /// QUIC: per-stream and per-connection receive windows, and the send window.
     pub quic_stream_window: u64,
     pub quic_connection_window: u64,
@@ -124,11 +127,12 @@ impl Default for Config {
             quic_max_udp_payload: 6550,
             quic_initial_mtu: 1200,
             gpu_stage_depth: 3,
+            gpu_copy_streams: 1,
             quic_stream_window: 32 << 20,
             quic_connection_window: 64 << 20,
             quic_send_window: 64 << 20,
             quic_gso: true,
-            quic_socket_buffer: 4 << 20,
+            quic_socket_buffer: 32 << 20,
             quic_streams_per_connection: 1,
             quic_receive_sockets: 0,
         }
@@ -200,6 +204,9 @@ impl Config {
         }
         if !(1..=64).contains(&self.gpu_stage_depth) {
             return bad("gpu_stage_depth must be 1..=64");
+        }
+        if !(1..=32).contains(&self.gpu_copy_streams) {
+            return bad("gpu_copy_streams must be 1..=32");
         }
         if !(4096..=(64 << 20)).contains(&self.slice_bytes) {
             return bad("slice_bytes must be between 4 KiB and 64 MiB");

@@ -948,7 +948,7 @@ impl Daemon {
             transports: transports.clone(),
             rdma: RdmaRails::discover(&config),
             identity: identity.clone(),
-            gpus: GpuDevices::new(config.slice_bytes as usize),
+            gpus: GpuDevices::new(config.slice_bytes as usize, config.gpu_copy_streams),
             watched_workers: DashMap::new(),
             refusal_log: RateLimitedLog::new(5),
             next_transfer: AtomicU64::new(0),

@@ -1,5 +1,5 @@
 //! GPU regions: devices opened on first use, each with its staging pool and a
-//! copy queue per direction.
+//! copy queue per direction (of `gpu_copy_streams` CUDA streams).
 //!
 //! Payload of a GPU region moves through pinned host buffers: a connection's
 //! writer gathers slice i+1 from the device while slice i is on the wire (up to
@@ -24,14 +24,17 @@ pub struct GpuDevice {
 /// Devices, opened when a worker first registers memory on them.
 pub struct GpuDevices {
     staging_bytes: usize,
+    copy_streams: usize,
     devices: Mutex<HashMap<u32, Arc<GpuDevice>>>,
 }
 
 impl GpuDevices {
-    /// Staging buffers hold one slice each.
-    pub fn new(staging_bytes: usize) -> Self {
+    /// Staging buffers hold one slice each; each direction copies on
+    /// `copy_streams` streams.
+    pub fn new(staging_bytes: usize, copy_streams: usize) -> Self {
         GpuDevices {
             staging_bytes,
+            copy_streams,
             devices: Mutex::new(HashMap::new()),
         }
     }
@@ -45,8 +48,8 @@ impl GpuDevices {
         log_capabilities(&gpu);
         let device = Arc::new(GpuDevice {
             pool: StagingPool::new(&gpu, self.staging_bytes),
-            to_host: CopyQueue::new(&gpu, &format!("d2h{ordinal}"))?,
-            to_device: CopyQueue::new(&gpu, &format!("h2d{ordinal}"))?,
+            to_host: CopyQueue::with_lanes(&gpu, &format!("d2h{ordinal}"), self.copy_streams)?,
+            to_device: CopyQueue::with_lanes(&gpu, &format!("h2d{ordinal}"), self.copy_streams)?,
             gpu,
         });
         devices.insert(ordinal, device.clone());

@@ -96,6 +96,9 @@ pub struct ServeArgs {
     /// GPU regions: slices each connection stages ahead of the one it sends (default 3).
     #[arg(long)]
     pub gpu_stage_depth: Option<usize>,
+    /// GPU regions: CUDA streams per copy direction (default 1).
+    #[arg(long)]
+    pub gpu_copy_streams: Option<usize>,
     /// Accept and make TCP peer connections without authentication.
     #[arg(long)]
     pub insecure: bool,
@@ -166,6 +169,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.gpu_stage_depth {
             c.gpu_stage_depth = v;
+        }
+        if let Some(v) = self.gpu_copy_streams {
+            c.gpu_copy_streams = v;
         }
         if self.insecure {
             c.insecure = true;
