@@ -512,6 +512,30 @@ fn iperf3_client(port: u16, streams: usize, seconds: u32) -> anyhow::Result<f64>
     Ok(bps / 8.0 / 1e9)
 }
 
+/// The reference of a scattered batch: one contiguous range of the same size,
+/// same op, same run (reported as a `contiguous` point); its GB/s.
+async fn contiguous_reference(
+    bench: &mut Bench,
+    op: &str,
+    total: u64,
+    reference_for: &str,
+) -> anyhow::Result<f64> {
+    let block = if total % (1 << 20) == 0 {
+        1 << 20
+    } else {
+        total.clamp(1, 1 << 20)
+    };
+    let block = if total % block == 0 { block } else { total };
+    let flat = dense_layout(1, 1, (bench.p_mem.len() / block) as u32, block);
+    let ids: Vec<u32> = (0..(total / block) as u32).collect();
+    let reference = bench
+        .point("contiguous", op, flat, 1, ids.clone(), ids)
+        .await?;
+    let rate = gbps(reference.bytes * reference.iterations, reference.total);
+    bench.report(reference, json!({"reference_for": reference_for}));
+    Ok(rate)
+}
+
 /// Reports a baseline that could not be measured (its ratios are then left out).
 fn baseline_failed(bench: &mut Bench, what: &str, e: &anyhow::Error) {
     eprintln!("{what}: not measured: {e:#}");
@@ -1122,6 +1146,9 @@ async fn run_parts(
         dst.shuffle(&mut rng);
         dst.truncate(count as usize);
         for op in &args.ops {
+            let reference =
+                contiguous_reference(bench, op, u64::from(count) * scattered[1], "scattered")
+                    .await?;
             let point = bench
                 .point(
                     "scattered",
@@ -1132,7 +1159,13 @@ async fn run_parts(
                     dst.clone(),
                 )
                 .await?;
-            bench.report(point, json!({"block_bytes": scattered[1]}));
+            let rate = gbps(point.bytes * point.iterations, point.total);
+            let ratio = round3(rate / reference);
+            eprintln!("scattered  {op:<5} {ratio}x a contiguous {op} of the same size");
+            bench.report(
+                point,
+                json!({"block_bytes": scattered[1], "ratio_vs_contiguous_same_size": ratio}),
+            );
         }
     }
     if wants("vllm") {
@@ -1145,28 +1178,9 @@ async fn run_parts(
         };
         let src = pick(&mut rng);
         let dst = pick(&mut rng);
-        // The reference: one contiguous range of the same size, same op, same run.
         let total = vllm[0] * 2 * vllm[1] * vllm[2];
-        let block = if total % (1 << 20) == 0 {
-            1 << 20
-        } else {
-            vllm[2]
-        };
-        let flat = dense_layout(1, 1, (bench.p_mem.len() / block) as u32, block);
-        let flat_ids: Vec<u32> = (0..(total / block) as u32).collect();
         for op in &args.ops {
-            let reference = bench
-                .point(
-                    "contiguous",
-                    op,
-                    flat,
-                    1,
-                    flat_ids.clone(),
-                    flat_ids.clone(),
-                )
-                .await?;
-            let reference_gbps = gbps(reference.bytes * reference.iterations, reference.total);
-            bench.report(reference, json!({"reference_for": "vllm"}));
+            let reference_gbps = contiguous_reference(bench, op, total, "vllm").await?;
             let point = bench
                 .point(
                     "vllm",
