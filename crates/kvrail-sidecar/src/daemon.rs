@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,29 +9,26 @@ use std::time::Duration;
 use crate::dial::{random_nonce, HANDSHAKE_TIMEOUT};
 use crate::ratelog::RateLimitedLog;
 use dashmap::DashMap;
-use kvrail_auth::{Identity, IdentityFiles};
+use kvrail_auth::Identity;
 use kvrail_core::handshake::{check_hello, transcript, HandshakeError, Signer, NONCE_BYTES};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
-use kvrail_quic::QuicTransport;
-use kvrail_transport::tcp::TcpTransport;
-use kvrail_transport::{read_handshake_frame, Connection, Frame, Listener, Transport};
+use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport};
 use tokio::sync::Mutex as AsyncMutex;
-use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::config::{Config, PeerConfig};
 use crate::gpu::GpuDevices;
+use crate::link::{DialInfo, LinkEnv, PeerLink, ProbeFuture};
 use crate::metrics as m;
 use crate::notify::NotificationHub;
-use crate::peer::{DialInfo, PeerLink};
 use crate::rdma::{Directory, RdmaRails};
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
 
 /// Handshakes one listener runs at once; more connections are closed at once.
-const MAX_CONCURRENT_HANDSHAKES: usize = 64;
+pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
 /// Longest a handshake reply may take to write (a peer that does not read).
 const HANDSHAKE_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest refusal text sent back or logged.
@@ -41,16 +37,7 @@ const MAX_REFUSAL_CHARS: usize = 300;
 /// Longest connect attempt of a probe rebuilding a down rail.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Why a peer could not be reached.
-#[derive(Debug, thiserror::Error)]
-pub enum DialError {
-    #[error("no rail of peer {peer} answered: {reasons}")]
-    Unreachable { peer: String, reasons: String },
-    #[error("peer {peer} refused the handshake: {reason}")]
-    Refused { peer: String, reason: String },
-    #[error("every rail to peer {peer} has been down past the failover deadline ({causes}); still probing")]
-    RailsDown { peer: String, causes: String },
-}
+pub use crate::dial::DialError;
 
 /// An outbound peer: its configuration and the link we dialed, if any.
 pub struct PeerSlot {
@@ -74,8 +61,8 @@ pub struct Shared {
     /// GPUs opened for workers' device regions.
     pub gpus: GpuDevices,
     /// Worker processes whose exit we watch (to drop their regions).
-    watched_workers: DashMap<i32, ()>,
-    next_transfer: AtomicU64,
+    pub(crate) watched_workers: DashMap<i32, ()>,
+    pub(crate) next_transfer: AtomicU64,
     /// Refused handshakes are logged a few per second at most.
     pub refusal_log: RateLimitedLog,
     /// Random per start of this process (never 0): sent in every handshake.
@@ -127,6 +114,12 @@ impl Shared {
             registry: &self.registry,
             rdma: &self.rdma,
         }
+    }
+
+    /// This daemon as its links see it.
+    fn link_env(self: &Arc<Self>) -> std::sync::Weak<dyn LinkEnv> {
+        let weak: std::sync::Weak<Shared> = Arc::downgrade(self);
+        weak
     }
 
     /// Session settings; `dialer` sessions rebuild down rails themselves.
@@ -340,7 +333,13 @@ impl Shared {
             session_id: rand::random(),
             peer_incarnation: Arc::default(),
         };
-        let link = PeerLink::new(&peer.name, transport, self, Some(dial.clone()));
+        let link = PeerLink::new(
+            &peer.name,
+            transport,
+            self.link_env(),
+            self.session_config(true),
+            Some(dial.clone()),
+        );
         let mut reasons = Vec::new();
         let mut rdma = Vec::new();
         for rail in 0..peer.rails.len() as RailId {
@@ -518,7 +517,7 @@ impl Shared {
     }
 
     /// Handshakes one accepted connection and attaches it to its session.
-    async fn accept_one(
+    pub(crate) async fn accept_one(
         self: Arc<Self>,
         transport: &'static str,
         mut conn: Connection,
@@ -680,7 +679,15 @@ impl Shared {
         let link = self
             .inbound
             .entry(key)
-            .or_insert_with(|| PeerLink::new(&hello.node_name, transport, &self, None))
+            .or_insert_with(|| {
+                PeerLink::new(
+                    &hello.node_name,
+                    transport,
+                    self.link_env(),
+                    self.session_config(false),
+                    None,
+                )
+            })
             .clone();
         if hello.connection_index == 0 {
             // The dialer is (re)building this rail: what we still hold on it is stale.
@@ -880,174 +887,6 @@ pub fn failure_of(error: &kvrail_core::TransferError) -> Failure {
     }
 }
 
-/// A running daemon.
-pub struct Daemon {
-    pub shared: Arc<Shared>,
-    pub socket: PathBuf,
-    pub listen: Vec<SocketAddr>,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-impl Daemon {
-    /// Binds every listener and the API socket, then serves in the background.
-    pub async fn start(config: Config) -> anyhow::Result<Daemon> {
-        config.validate()?;
-        // A worker that shrinks its file must not be able to kill the daemon.
-        if let Err(e) = kvrail_shm::guard::install() {
-            warn!("cannot install the SIGBUS guard (a truncated region file would kill the daemon): {e}");
-        }
-        let identity = match &config.tls_dir {
-            Some(dir) => Some(Arc::new(
-                Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))
-                    .map_err(|e| anyhow::anyhow!("node identity: {e}"))?,
-            )),
-            None => None,
-        };
-        if config.insecure && config.wants("tcp") {
-            warn!("--insecure: tcp peer connections are not authenticated; anyone who reaches a rail port can pose as a peer");
-        }
-        // This start of the process: peers compare it across reconnects.
-        let incarnation = rand::random::<u64>() | 1;
-        let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
-        for name in &config.transport_order() {
-            match name.as_str() {
-                "tcp" => transports.push(Arc::new(TcpTransport)),
-                "quic" => {
-                    let identity = identity
-                        .as_ref()
-                        .ok_or_else(|| anyhow::anyhow!("quic needs tls_dir"))?;
-                    transports.push(Arc::new(QuicTransport::new(
-                        identity,
-                        &config.quic_settings(),
-                    )?));
-                }
-                _ => {}
-            }
-        }
-        let peers = config
-            .peers
-            .iter()
-            .map(|p| {
-                (
-                    p.name.clone(),
-                    PeerSlot {
-                        config: p.clone(),
-                        link: AsyncMutex::new(None),
-                    },
-                )
-            })
-            .collect();
-        let shared = Arc::new(Shared {
-            config: config.clone(),
-            registry: Registry::for_incarnation(incarnation),
-            incarnation,
-            hub: NotificationHub::new(incarnation),
-            transfers: TransferTable::default(),
-            peers,
-            inbound: DashMap::new(),
-            transports: transports.clone(),
-            rdma: RdmaRails::discover(&config),
-            identity: identity.clone(),
-            gpus: GpuDevices::new(config.slice_bytes as usize, config.gpu_copy_streams),
-            watched_workers: DashMap::new(),
-            refusal_log: RateLimitedLog::new(5),
-            next_transfer: AtomicU64::new(0),
-        });
-        if let Some(addr) = config.metrics_addr {
-            m::install(addr).await?;
-            info!(%addr, "serving Prometheus metrics");
-        }
-        let mut tasks = Vec::new();
-        let mut listen = Vec::new();
-        for addr in &config.listen {
-            // Every transport on the rail's address and one port number (TCP and UDP),
-            // the first one's when the port was left to the system.
-            let mut bound: Option<SocketAddr> = None;
-            for transport in &transports {
-                let at = bound.unwrap_or(*addr);
-                let listener = transport.listen(at).await.map_err(|e| {
-                    anyhow::anyhow!("cannot listen on {at} ({}): {e}", transport.name())
-                })?;
-                bound.get_or_insert(listener.local_addr()?);
-                tasks.push(tokio::spawn(accept_loop(
-                    shared.clone(),
-                    transport.name(),
-                    listener,
-                )));
-            }
-            listen.extend(bound);
-        }
-        let api = crate::api::serve(shared.clone(), &config.socket).await?;
-        tasks.push(api);
-        info!(node = %config.node, socket = %config.socket.display(), ?listen, transports = ?shared.offered_transports(), "kvrail sidecar ready");
-        Ok(Daemon {
-            shared,
-            socket: config.socket.clone(),
-            listen,
-            tasks,
-        })
-    }
-
-    /// Stops serving and closes every peer connection.
-    pub fn shutdown(self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-        for l in self.shared.inbound.iter() {
-            l.close("daemon shutting down");
-        }
-        for slot in self.shared.peers.values() {
-            if let Ok(guard) = slot.link.try_lock() {
-                if let Some(l) = guard.as_ref() {
-                    l.close("daemon shutting down");
-                }
-            }
-        }
-        let _ = std::fs::remove_file(&self.socket);
-    }
-}
-
-async fn accept_loop(
-    shared: Arc<Shared>,
-    transport: &'static str,
-    mut listener: Box<dyn Listener>,
-) {
-    // Handshakes in progress at once, per listener: each holds at most one
-    // bounded handshake frame, so pre-authentication memory is bounded too.
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HANDSHAKES));
-    loop {
-        match listener.accept().await {
-            Ok((conn, from)) => {
-                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
-                        .increment(1);
-                    if let Some(suppressed) = shared.refusal_log.admit() {
-                        warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
-                    }
-                    drop(conn);
-                    continue;
-                };
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    shared.accept_one(transport, conn, from, permit).await;
-                });
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                // A TLS handshake failed: a peer without a certificate of our CA.
-                warn!(transport, "refused peer handshake: {e}");
-                metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "tls").increment(1);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {
-                warn!(transport, "peer connection dropped during setup: {e}");
-            }
-            Err(e) => {
-                warn!(transport, "accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-}
-
 /// Drops the regions of worker process `pid` once it exits (at most one watch per
 /// process), so an exited worker leaves no mapping behind: above all no GPU
 /// memory imported from it. Regions still moving bytes go when they are done.
@@ -1095,4 +934,31 @@ pub fn watch_worker(shared: &Arc<Shared>, pid: i32) {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
+}
+
+impl LinkEnv for Shared {
+    fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    fn rdma(&self) -> &RdmaRails {
+        &self.rdma
+    }
+
+    fn gpu_stage_depth(&self) -> usize {
+        self.config.gpu_stage_depth
+    }
+
+    fn on_event(&self, peer: &str, event: Event) {
+        Shared::on_event(self, peer, event);
+    }
+
+    fn probe_rail(&self, link: Arc<PeerLink>, dial: DialInfo, rail: RailId) -> ProbeFuture<'_> {
+        Box::pin(async move {
+            self.dial_rail(&link, &dial, rail, true)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+    }
 }

@@ -11,7 +11,16 @@ use kvrail_core::handshake::{transcript, Signer, NONCE_BYTES};
 use kvrail_core::wire::{self, pb, Body};
 use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport, TransportError};
 
-use crate::daemon::DialError;
+/// Why a peer could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("no rail of peer {peer} answered: {reasons}")]
+    Unreachable { peer: String, reasons: String },
+    #[error("peer {peer} refused the handshake: {reason}")]
+    Refused { peer: String, reason: String },
+    #[error("every rail to peer {peer} has been down past the failover deadline ({causes}); still probing")]
+    RailsDown { peer: String, causes: String },
+}
 
 /// How long the acceptor has to answer a hello.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);

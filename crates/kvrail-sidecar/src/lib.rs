@@ -11,23 +11,24 @@ pub mod dial;
 pub mod doctor;
 pub mod gpu;
 pub mod held;
+pub mod link;
 pub mod metrics;
 pub mod metrics_http;
 pub mod netinfo;
 pub mod notify;
-pub mod peer;
 #[cfg(feature = "profile")]
 pub mod profile;
 pub mod ratelog;
 pub mod rdma;
 pub mod regions;
+pub mod startup;
 pub mod transfers;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 pub use config::{Config, PeerConfig};
-pub use daemon::Daemon;
+pub use startup::Daemon;
 
 /// Flags of `kvrail serve`; each overrides the config file.
 #[derive(Debug, Clone, clap::Args)]

@@ -8,7 +8,7 @@ use dashmap::DashMap;
 use kvrail_proto::{TransferState, TransferStatus};
 use tokio::sync::watch;
 
-use crate::peer::PeerLink;
+use crate::link::PeerLink;
 
 /// Finished transfers remembered for late Wait/GetTransfer calls.
 const FINISHED_MEMORY: usize = 65_536;

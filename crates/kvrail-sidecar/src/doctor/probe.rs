@@ -14,7 +14,7 @@ use kvrail_transport::Transport;
 
 use super::checks::{Finding, Status};
 use crate::config::Config;
-use crate::daemon::DialError;
+use crate::dial::DialError;
 
 /// A stream transport and the node identity it authenticates with.
 type ProbeTransport = (Arc<dyn Transport>, Option<Arc<Identity>>);

@@ -1,0 +1,38 @@
+//! What a link needs from the daemon around it, and nothing more: the regions,
+//! the RDMA devices, where transfer ends go, and how to dial a rail again. The
+//! daemon implements it; a link holds it weakly (the daemon owns the links).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use kvrail_core::{Event, RailId};
+
+use super::{DialInfo, PeerLink};
+use crate::rdma::{Directory, RdmaRails};
+use crate::regions::Registry;
+
+/// A rail probe's outcome: Err with why the rail is still unreachable.
+pub type ProbeFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
+
+/// The daemon as a link sees it.
+pub trait LinkEnv: Send + Sync + 'static {
+    /// Regions registered by local workers.
+    fn registry(&self) -> &Registry;
+    /// RDMA devices and memory registrations of the rails.
+    fn rdma(&self) -> &RdmaRails;
+    /// GPU slices a connection stages ahead of the one it sends.
+    fn gpu_stage_depth(&self) -> usize;
+    /// A transfer of the link to `peer` ended (or progressed): tell its worker.
+    fn on_event(&self, peer: &str, event: Event);
+    /// Dials `rail` of an outbound link again (a probe after the rail went down).
+    fn probe_rail(&self, link: Arc<PeerLink>, dial: DialInfo, rail: RailId) -> ProbeFuture<'_>;
+
+    /// Regions as the session checks requests against them.
+    fn directory(&self) -> Directory<'_> {
+        Directory {
+            registry: self.registry(),
+            rdma: self.rdma(),
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! GPU regions' slices through pinned host buffers: the writer starts each
+//! slice's device-to-host copy ahead of its turn; the reader hands received
+//! slices to the host-to-device queue and reads on.
+
+use super::*;
+
+/// A staged slice: header, transfer, payload length, and its copy's outcome.
+pub(super) type StagedSlice = (
+    [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+    u64,
+    usize,
+    Result<CopyDone, oneshot::error::RecvError>,
+);
+
+/// What one write carried.
+pub(super) struct Sent {
+    pub(super) slices: u64,
+    pub(super) bytes: u64,
+}
+
+/// A frame waiting for its turn on a connection.
+pub(super) enum Queued {
+    Ready(Outgoing),
+    /// A GPU region's slice being copied into a pinned buffer.
+    Staging {
+        header: [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+        transfer_id: u64,
+        len: usize,
+        device: Arc<gpu::GpuDevice>,
+        copy: oneshot::Receiver<CopyDone>,
+        /// The device copy reads the worker's GPU memory until it completes.
+        _hold: ViewToken,
+    },
+}
+
+impl PeerLink {
+    /// Queues a frame; a GPU region's slice starts its device-to-host copy now.
+    /// Returns 1 when a copy was started.
+    pub(super) fn admit(&self, out: Outgoing, queue: &mut VecDeque<Queued>) -> usize {
+        if out.abandoned() {
+            return 0;
+        }
+        let Outgoing::Slice {
+            header,
+            transfer_id,
+            region,
+            pieces,
+            len,
+            hold,
+        } = out
+        else {
+            queue.push_back(Queued::Ready(out));
+            return 0;
+        };
+        let RegionMemory::Gpu(g) = &region.memory else {
+            queue.push_back(Queued::Ready(Outgoing::Slice {
+                header,
+                transfer_id,
+                region,
+                pieces,
+                len,
+                hold,
+            }));
+            return 0;
+        };
+        let started = g.device.pool.take().and_then(|buffer| {
+            g.device
+                .to_host
+                .to_host(g.memory.clone(), &pieces, buffer)
+                .map_err(|(e, buffer)| {
+                    g.device.pool.give(buffer);
+                    e
+                })
+        });
+        match started {
+            Ok(copy) => {
+                queue.push_back(Queued::Staging {
+                    header,
+                    transfer_id,
+                    len: len as usize,
+                    device: g.device.clone(),
+                    copy,
+                    _hold: hold,
+                });
+                1
+            }
+            Err(e) => {
+                self.device_copy_failed(transfer_id, &e.to_string());
+                0
+            }
+        }
+    }
+
+    /// Sends staged slices in one write; a slice whose copy failed is left out
+    /// (its transfer fails, the connection goes on).
+    pub(super) async fn send_staged(
+        &self,
+        writer: &mut dyn FrameWriter,
+        staged: Vec<StagedSlice>,
+        device: &gpu::GpuDevice,
+    ) -> std::io::Result<Sent> {
+        let mut ready = Vec::with_capacity(staged.len());
+        for (header, transfer_id, len, done) in staged {
+            match done {
+                Ok(CopyDone {
+                    buffer,
+                    result: Ok(()),
+                }) => ready.push((header, len, buffer)),
+                Ok(CopyDone {
+                    buffer,
+                    result: Err(e),
+                }) => {
+                    device.pool.give(buffer);
+                    self.device_copy_failed(transfer_id, &e.to_string());
+                }
+                Err(_) => self.device_copy_failed(transfer_id, "the copy queue stopped"),
+            }
+        }
+        let mut bufs = Vec::with_capacity(ready.len() * 2);
+        for (header, len, buffer) in &ready {
+            bufs.push(IoSlice::new(header));
+            bufs.push(IoSlice::new(&buffer.as_slice()[..*len]));
+        }
+        let r = writer.write_all_vectored(&mut bufs).await;
+        let sent = Sent {
+            slices: ready.len() as u64,
+            bytes: ready.iter().map(|(_, len, _)| *len as u64).sum(),
+        };
+        for (_, _, buffer) in ready {
+            device.pool.give(buffer);
+        }
+        r.map(|()| sent)
+    }
+
+    pub(super) fn device_copy_failed(&self, transfer_id: u64, reason: &str) {
+        warn!(peer = %self.peer, transfer = transfer_id, "GPU copy failed: {reason}");
+        metrics::counter!(m::GPU_COPY_FAILURES).increment(1);
+        self.with_session(|s, now| {
+            s.fail(
+                transfer_id,
+                ErrorCode::Internal,
+                &format!("GPU copy failed: {reason}"),
+                now,
+            )
+        });
+    }
+}
+
+/// Reads a GPU region's slice into a pinned buffer and hands it to the
+/// host-to-device queue; the slice is placed when that copy is done, while this
+/// connection already reads the next one.
+pub(super) async fn receive_staged(
+    link: &Arc<PeerLink>,
+    conn: ConnId,
+    header: kvrail_core::wire::SliceHeader,
+    payload_len: u32,
+    pieces: Vec<(u64, u64)>,
+    g: &gpu::GpuMemory,
+    reader: &mut dyn FrameReader,
+) -> Result<(), TransportError> {
+    let len = payload_len as usize;
+    let mut buffer = match g.device.pool.take() {
+        Ok(b) if b.len() >= len => b,
+        taken => {
+            let reason = match taken {
+                Ok(b) => {
+                    let size = b.len();
+                    g.device.pool.give(b);
+                    format!("slice of {len} bytes exceeds the {size}-byte staging buffers")
+                }
+                Err(e) => e.to_string(),
+            };
+            reader.discard(u64::from(payload_len)).await?;
+            link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
+            return Ok(());
+        }
+    };
+    let read = reader
+        .read_payload(&mut [std::io::IoSliceMut::new(&mut buffer.as_mut_slice()[..len])])
+        .await;
+    if let Err(e) = read {
+        g.device.pool.give(buffer);
+        link.with_session(|s, _| s.slice_abandoned(conn, header));
+        return Err(e.into());
+    }
+    // The bytes are off the connection: its loss no longer concerns this slice.
+    link.with_session(|s, _| s.slice_read(conn, header));
+    match g
+        .device
+        .to_device
+        .to_device(g.memory.clone(), &pieces, buffer)
+    {
+        Ok(copy) => {
+            let link = link.clone();
+            let device = g.device.clone();
+            tokio::spawn(async move {
+                let outcome = match copy.await {
+                    Ok(CopyDone { buffer, result }) => {
+                        device.pool.give(buffer);
+                        result.map_err(|e| e.to_string())
+                    }
+                    Err(_) => Err("the copy queue stopped".to_string()),
+                };
+                match outcome {
+                    Ok(()) => {
+                        let rail = link.rail_of(conn);
+                        let labels = [
+                            ("peer", link.peer.clone()),
+                            ("rail", rail.to_string()),
+                            ("transport", link.transport.to_string()),
+                        ];
+                        metrics::counter!(m::BYTES_RECEIVED, &labels)
+                            .increment(u64::from(payload_len));
+                        metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
+                        metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_device")
+                            .increment(u64::from(payload_len));
+                        link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
+                    }
+                    Err(reason) => {
+                        warn!(peer = %link.peer, transfer = header.transfer_id, "GPU copy failed: {reason}");
+                        metrics::counter!(m::GPU_COPY_FAILURES).increment(1);
+                        link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
+                    }
+                }
+                link.rearm_timer();
+            });
+        }
+        Err((e, buffer)) => {
+            g.device.pool.give(buffer);
+            let reason = e.to_string();
+            link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
+        }
+    }
+    Ok(())
+}

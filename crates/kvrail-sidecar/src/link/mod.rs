@@ -1,0 +1,648 @@
+//! The link to one peer: the I/O shell around one core [`Session`]: a reader and a writer task per
+//! connection, a timer task (deadlines, and probes that rebuild down rails on the
+//! dialing side), and the pump that turns the session's transmits into socket
+//! writes, its rail changes into closed connections and metrics, and its transfer
+//! events into worker notifications.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::IoSlice;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+
+use kvrail_core::wire::{
+    self, encode_control, encode_data_header, pb, Body, ErrorCode, FRAME_HEADER_LEN,
+    SLICE_HEADER_LEN,
+};
+use kvrail_core::{
+    ConnId, Event, RailChange, RailHealth, RailId, Session, SliceDisposition, Transmit,
+};
+use kvrail_transport::{read_frame, Connection, Frame, FrameReader, FrameWriter, TransportError};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::task::AbortHandle;
+use tracing::{debug, info, warn};
+
+use crate::config::PeerConfig;
+use crate::gpu;
+use crate::held::{HeldPayload, ViewToken};
+use crate::metrics as m;
+use crate::rdma::{self, OneSidedWork};
+use crate::regions::{Region, RegionMemory};
+use kvrail_cuda::CopyDone;
+
+mod env;
+mod gpu_staging;
+mod queue_pairs;
+mod reader;
+mod writer;
+
+pub use env::{LinkEnv, ProbeFuture};
+use gpu_staging::Queued;
+use reader::reader_task;
+use writer::writer_task;
+
+/// What a writer task puts on its connection.
+enum Outgoing {
+    Control(Vec<u8>),
+    Slice {
+        header: [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
+        transfer_id: u64,
+        region: Arc<Region>,
+        pieces: Vec<(u64, u64)>,
+        len: u64,
+        /// Held until the writer is done with the payload (see `held`).
+        hold: ViewToken,
+    },
+}
+
+/// Where a connection's task takes its work from.
+enum Sink {
+    Stream(mpsc::UnboundedSender<Outgoing>),
+    QueuePair(mpsc::UnboundedSender<OneSidedWork>),
+}
+
+struct ConnHandle {
+    writer: Option<Sink>,
+    reader: Option<AbortHandle>,
+    writer_task: Option<AbortHandle>,
+    rail: RailId,
+    /// Tells a dead connection's late reports from those of the one reusing its slot.
+    generation: u64,
+}
+
+impl ConnHandle {
+    /// Stops both tasks (dropping the socket); false if it was already stopped.
+    fn stop(&mut self) -> bool {
+        if self.writer.take().is_none() {
+            return false;
+        }
+        for task in [self.reader.take(), self.writer_task.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
+        }
+        true
+    }
+}
+
+struct LinkState {
+    session: Session,
+    conns: Vec<ConnHandle>,
+    closed: bool,
+    /// Why the link was closed (for the transfers that were still on it).
+    closed_because: String,
+    next_generation: u64,
+    gauges_at: Option<Instant>,
+    gauged_rails: usize,
+    /// RdmaConnect requests waiting for the peer's RdmaAccept, by nonce.
+    rdma_pending: HashMap<u64, oneshot::Sender<pb::RdmaAccept>>,
+    /// Rails whose queue pairs are being (re)built right now.
+    rdma_building: HashSet<RailId>,
+}
+
+/// How an outbound session rebuilds its rails.
+#[derive(Clone)]
+pub struct DialInfo {
+    pub peer: PeerConfig,
+    pub session_id: u64,
+    /// The acceptor's incarnation seen at this session's first handshake (0:
+    /// none yet).
+    pub peer_incarnation: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// One session with a peer: the connections we dialed (outbound) or accepted (inbound).
+pub struct PeerLink {
+    pub peer: String,
+    pub transport: &'static str,
+    /// "out" for a session this node dialed, "in" for one the peer dialed.
+    pub direction: &'static str,
+    /// Present on outbound links: what probing dials.
+    pub dial: Option<DialInfo>,
+    state: Mutex<LinkState>,
+    timer: Notify,
+    env: Weak<dyn LinkEnv>,
+    me: Weak<PeerLink>,
+    /// Payload of this link's sending transfers still queued or held by a writer.
+    held: HeldPayload,
+}
+
+/// How often the estimated-throughput gauges are refreshed.
+const GAUGE_PERIOD: Duration = Duration::from_millis(250);
+
+impl PeerLink {
+    pub fn new(
+        peer: &str,
+        transport: &'static str,
+        env: Weak<dyn LinkEnv>,
+        session: kvrail_core::SessionConfig,
+        dial: Option<DialInfo>,
+    ) -> Arc<Self> {
+        let link = Arc::new_cyclic(|me| Self {
+            peer: peer.to_string(),
+            transport,
+            direction: if dial.is_some() { "out" } else { "in" },
+            state: Mutex::new(LinkState {
+                session: Session::new(session),
+                conns: Vec::new(),
+                closed: false,
+                closed_because: String::new(),
+                next_generation: 0,
+                gauges_at: None,
+                gauged_rails: 0,
+                rdma_pending: HashMap::new(),
+                rdma_building: HashSet::new(),
+            }),
+            dial,
+            timer: Notify::new(),
+            env,
+            me: me.clone(),
+            held: HeldPayload::default(),
+        });
+        tokio::spawn(timer_task(Arc::downgrade(&link)));
+        link
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LinkState> {
+        #[cfg(feature = "profile")]
+        let _wait = crate::profile::LockWait::start();
+        // A panic while holding the lock is a bug; keep serving with the state as is.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the link is still in service (its rails may be down for now).
+    pub fn is_alive(&self) -> bool {
+        !self.lock().closed
+    }
+
+    /// Closed, or without a rail for longer than the failover deadline.
+    pub fn is_dead(&self) -> bool {
+        let st = self.lock();
+        st.closed || st.session.is_dead(Instant::now())
+    }
+
+    pub fn alive_connections(&self) -> usize {
+        self.lock().session.alive_connections()
+    }
+
+    /// Reads the session without changing it (nothing to send or report afterwards).
+    pub fn inspect<R>(&self, f: impl FnOnce(&Session) -> R) -> R {
+        f(&self.lock().session)
+    }
+
+    /// A worker released blocks of our region `region_id`: fails the transfers
+    /// of this link that name them, then waits (up to `limit`) until none of
+    /// them is reading those blocks (a writer's payload views, which the kernel
+    /// may still read from) or placing into them (a slice being read off a
+    /// connection). How many failed, and whether all of them settled in time.
+    pub async fn release_blocks(
+        &self,
+        region_id: u64,
+        blocks: &[u32],
+        why: &str,
+        limit: Duration,
+    ) -> (usize, bool) {
+        let naming = self.inspect(|s| s.transfers_naming(region_id, blocks));
+        if naming.is_empty() {
+            return (0, true);
+        }
+        // Taken before the failure, which forgets them.
+        let views: Vec<_> = naming
+            .iter()
+            .filter_map(|&id| self.held.views(id))
+            .collect();
+        let failed = self.with_session(|s, now| s.blocks_released(region_id, blocks, why, now));
+        self.rearm_timer();
+        let deadline = tokio::time::Instant::now() + limit;
+        for v in views {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if !v.released(left).await {
+                return (failed.len(), false);
+            }
+        }
+        // A slice being placed finishes within one memcpy of a slice; there is
+        // no event for it, so look again shortly.
+        while self.inspect(|s| s.still_placing(&failed)) {
+            if tokio::time::Instant::now() >= deadline {
+                return (failed.len(), false);
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        (failed.len(), true)
+    }
+
+    /// Runs `f` on the session, then sends what it queued and reports its events.
+    pub fn with_session<R>(&self, f: impl FnOnce(&mut Session, Instant) -> R) -> R {
+        let mut st = self.lock();
+        let r = f(&mut st.session, Instant::now());
+        self.pump(&mut st);
+        r
+    }
+
+    /// The rail a connection belongs to (0 once it is gone).
+    pub fn rail_of(&self, conn: ConnId) -> RailId {
+        self.lock().conns.get(conn).map_or(0, |c| c.rail)
+    }
+
+    /// Hands a transfer's end to the daemon; a sending transfer's completion
+    /// waits until its writers let go of its payload (see `held`).
+    fn deliver(&self, env: &Arc<dyn LinkEnv>, ev: Event) {
+        let held = match &ev {
+            Event::Done {
+                transfer_id, kind, ..
+            } if kind.sends_data() => self.held.completed(*transfer_id),
+            Event::Failed {
+                transfer_id, kind, ..
+            } if kind.sends_data() => {
+                self.held.failed(*transfer_id);
+                None
+            }
+            _ => None,
+        };
+        let Some(views) = held else {
+            env.on_event(&self.peer, ev);
+            return;
+        };
+        let (env, peer) = (env.clone(), self.peer.clone());
+        tokio::spawn(async move {
+            if !views.released(HELD_PAYLOAD_LIMIT).await {
+                warn!(%peer, "a writer still holds a finished transfer's payload; telling the worker anyway");
+            }
+            env.on_event(&peer, ev);
+        });
+    }
+
+    /// Wakes the timer after a change that may move the next deadline.
+    pub fn rearm_timer(&self) {
+        self.timer.notify_one();
+    }
+
+    fn pump(&self, st: &mut LinkState) {
+        let Some(env) = self.env.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        if st.closed && st.session.active_transfers() > 0 {
+            // A closed link runs no timers and carries nothing: whatever is on
+            // it (also a transfer started just as it closed) ends now.
+            let message = format!("the link to {} closed: {}", self.peer, st.closed_because);
+            st.session.fail_all(kvrail_core::TransferError::Local {
+                code: ErrorCode::Internal,
+                message,
+            });
+        }
+        while let Some(t) = st.session.poll_transmit(now) {
+            if let Transmit::Slice {
+                conn,
+                retransmit: true,
+                ..
+            } = &t
+            {
+                let rail = st.conns.get(*conn).map_or(0, |c| c.rail);
+                metrics::counter!(m::RAIL_SLICES_RETRANSMITTED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+            }
+            let (conn, out) = match t {
+                Transmit::Control { conn, msg } => (conn, Outgoing::Control(encode_control(&msg))),
+                Transmit::Slice {
+                    conn,
+                    header,
+                    len,
+                    region_id,
+                    pieces,
+                    remote,
+                    ..
+                } => {
+                    let Some(region) = env.registry().get(region_id) else {
+                        st.session.fail(
+                            header.transfer_id,
+                            ErrorCode::RegionGone,
+                            "local region was unregistered",
+                            now,
+                        );
+                        continue;
+                    };
+                    if let Some(remote) = remote {
+                        let work = OneSidedWork {
+                            header,
+                            len,
+                            region,
+                            pieces,
+                            remote,
+                        };
+                        if let Some(Sink::QueuePair(tx)) =
+                            st.conns.get(conn).and_then(|c| c.writer.as_ref())
+                        {
+                            // A closed channel means the task died; it reports the loss.
+                            let _ = tx.send(work);
+                        }
+                        continue;
+                    }
+                    (
+                        conn,
+                        Outgoing::Slice {
+                            header: encode_data_header(header, len),
+                            transfer_id: header.transfer_id,
+                            region,
+                            pieces,
+                            len: u64::from(len),
+                            hold: self.held.token(header.transfer_id),
+                        },
+                    )
+                }
+            };
+            if let Some(Sink::Stream(tx)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+                // A closed channel means the writer died; its reader reports the loss.
+                let _ = tx.send(out);
+            }
+        }
+        while let Some(ev) = st.session.poll_event() {
+            match ev {
+                Event::Rail(change) => self.on_rail_change(st, change),
+                ev => self.deliver(&env, ev),
+            }
+        }
+        // Refresh periodically, and at once when a rail appears.
+        let rails = st.session.rail_count();
+        if rails != st.gauged_rails
+            || st
+                .gauges_at
+                .is_none_or(|t| now.duration_since(t) >= GAUGE_PERIOD)
+        {
+            st.gauges_at = Some(now);
+            st.gauged_rails = rails;
+            for r in st.session.rail_stats() {
+                let labels = self.rail_labels(r.rail);
+                metrics::gauge!(m::RAIL_THROUGHPUT, &labels)
+                    .set(r.rate_bytes_per_sec.unwrap_or(0.0));
+                metrics::gauge!(m::RAIL_STATE, &labels).set(r.health.gauge());
+            }
+        }
+    }
+
+    /// Logs and counts a rail change; a rail gone down loses its connections.
+    fn on_rail_change(&self, st: &mut LinkState, c: RailChange) {
+        metrics::gauge!(m::RAIL_STATE, &self.rail_labels(c.rail)).set(c.to.gauge());
+        metrics::counter!(
+            m::RAIL_TRANSITIONS,
+            "peer" => self.peer.clone(),
+            "rail" => c.rail.to_string(),
+            "from" => c.from.as_str(),
+            "to" => c.to.as_str()
+        )
+        .increment(1);
+        match c.to {
+            RailHealth::Down => {
+                warn!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail down: {}", c.reason);
+                let conns = st.session.rail_connections(c.rail);
+                self.stop_connections(st, conns);
+            }
+            RailHealth::Up => {
+                info!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail up");
+            }
+            to => {
+                info!(peer = %self.peer, rail = c.rail, direction = self.direction, "rail {}: {}", to.as_str(), c.reason);
+            }
+        }
+    }
+
+    /// Labels of the per-rail series of this session.
+    fn rail_labels(&self, rail: RailId) -> [(&'static str, String); 3] {
+        [
+            ("peer", self.peer.clone()),
+            ("rail", rail.to_string()),
+            ("direction", self.direction.to_string()),
+        ]
+    }
+
+    /// Stops the tasks of these connections (those still running) and counts them gone.
+    fn stop_connections(&self, st: &mut LinkState, conns: impl IntoIterator<Item = ConnId>) {
+        for conn in conns {
+            if st.conns.get_mut(conn).is_some_and(ConnHandle::stop) {
+                metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).decrement(1.0);
+            }
+        }
+    }
+
+    /// Why each rail is down, for errors that name the cause.
+    pub fn rail_causes(&self) -> String {
+        self.lock().session.rail_causes()
+    }
+
+    /// Per-rail state and counters of this session.
+    pub fn rail_stats(&self) -> Vec<kvrail_core::RailStats> {
+        self.lock().session.rail_stats()
+    }
+
+    /// Marks a rail whose first dial failed as down (to be probed).
+    pub fn rail_unreachable(&self, rail: RailId, reason: &str) {
+        self.with_session(|s, now| s.rail_unreachable(rail, reason, now));
+        self.rearm_timer();
+    }
+
+    /// Rebuilding `rail` failed; the session backs off before the next probe.
+    pub fn probe_failed(&self, rail: RailId, reason: &str) {
+        metrics::counter!(m::RAIL_PROBES_FAILED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+        debug!(peer = %self.peer, rail, "probe failed: {reason}");
+        self.with_session(|s, now| s.probe_failed(rail, reason, now));
+        self.rearm_timer();
+    }
+
+    /// The dialer is rebuilding `rail`: drop what this side still holds on it,
+    /// without judging the rail (its new connections follow at once).
+    pub fn retire_rail(&self, rail: RailId) {
+        let mut st = self.lock();
+        let ids = st.session.retire_rail_connections(rail);
+        self.stop_connections(&mut st, ids);
+        self.pump(&mut st);
+    }
+
+    /// Whether connection `conn` is still open (not retired or failed).
+    pub fn is_live(&self, conn: ConnId) -> bool {
+        self.lock()
+            .conns
+            .get(conn)
+            .is_some_and(|h| h.writer.is_some())
+    }
+
+    /// Adds a handshaken connection on `rail` and starts its tasks.
+    pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
+        self.install(rail, false, |key| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let reader = tokio::spawn(reader_task(self.clone(), key, rail, conn.reader));
+            let writer = tokio::spawn(writer_task(self.clone(), key, rail, conn.writer, rx));
+            (
+                Sink::Stream(tx),
+                Some(reader.abort_handle()),
+                writer.abort_handle(),
+            )
+        })
+    }
+
+    /// Adds a connection to the session (a queue pair if `one_sided`), starts its
+    /// tasks with `start` (given the connection's key) and keeps their handles.
+    fn install(
+        &self,
+        rail: RailId,
+        one_sided: bool,
+        start: impl FnOnce(ConnKey) -> (Sink, Option<AbortHandle>, AbortHandle),
+    ) -> Option<ConnId> {
+        let mut st = self.lock();
+        if st.closed {
+            return None;
+        }
+        let now = Instant::now();
+        let id = if one_sided {
+            st.session.add_one_sided_connection(rail, now)?
+        } else {
+            st.session.add_connection(rail, now)?
+        };
+        st.next_generation += 1;
+        let generation = st.next_generation;
+        let (sink, reader, writer) = start((id, generation));
+        let handle = ConnHandle {
+            writer: Some(sink),
+            reader,
+            writer_task: Some(writer),
+            rail,
+            generation,
+        };
+        // The session may reuse a dead connection's slot.
+        self.stop_connections(&mut st, [id]);
+        match st.conns.get_mut(id) {
+            Some(old) => *old = handle,
+            None => st.conns.push(handle),
+        }
+        metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).increment(1.0);
+        self.pump(&mut st);
+        drop(st);
+        self.timer.notify_one();
+        Some(id)
+    }
+
+    /// A connection broke: stop its tasks and let the session re-plan.
+    pub fn connection_failed(&self, (conn, generation): (ConnId, u64), reason: &str) {
+        let mut st = self.lock();
+        let Some(handle) = st.conns.get_mut(conn) else {
+            return;
+        };
+        if handle.generation != generation || handle.writer.is_none() {
+            return;
+        }
+        let rail = handle.rail;
+        let queue_pair = matches!(handle.writer, Some(Sink::QueuePair(_)));
+        self.stop_connections(&mut st, [conn]);
+        warn!(peer = %self.peer, conn, rail, queue_pair, "peer connection lost: {reason}");
+        metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+        st.session.connection_lost(conn, reason, Instant::now());
+        self.pump(&mut st);
+        let rebuild = queue_pair && self.dial.is_some() && !st.closed;
+        drop(st);
+        self.timer.notify_one();
+        if rebuild {
+            self.spawn_rdma_rebuild(rail);
+        }
+    }
+
+    /// Whether an acceptor's `incarnation` is the one this outbound session
+    /// started with (the first handshake records it). If the peer restarted,
+    /// every transfer of the session fails now and the link closes: the next
+    /// request dials a new session.
+    pub fn same_peer_incarnation(&self, incarnation: u64) -> bool {
+        use std::sync::atomic::Ordering;
+        let Some(dial) = &self.dial else {
+            return true;
+        };
+        let seen = match dial.peer_incarnation.compare_exchange(
+            0,
+            incarnation,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => return true,
+            Err(seen) => seen,
+        };
+        if seen == incarnation || incarnation == 0 {
+            // 0: an older kvrail that does not say; nothing to compare.
+            return true;
+        }
+        warn!(peer = %self.peer, "the peer restarted (incarnation {seen:#x} -> {incarnation:#x}): failing this session's transfers");
+        self.with_session(|s, _| s.peer_restarted(seen, incarnation));
+        self.close("the peer restarted");
+        false
+    }
+
+    /// Closes every connection and stops probing (daemon shutdown, dial refused).
+    pub fn close(&self, reason: &str) {
+        let handles: Vec<(ConnId, u64)> = {
+            let mut st = self.lock();
+            st.closed = true;
+            st.closed_because = reason.to_string();
+            st.conns
+                .iter()
+                .enumerate()
+                .map(|(i, h)| (i, h.generation))
+                .collect()
+        };
+        for h in handles {
+            self.connection_failed(h, reason);
+        }
+        self.timer.notify_one();
+    }
+}
+
+/// Most frames, and payload bytes, one vectored write gathers from the queue.
+const WRITE_BATCH_FRAMES: usize = 64;
+const WRITE_BATCH_BYTES: u64 = 4 << 20;
+
+/// A connection's slot and generation.
+pub type ConnKey = (ConnId, u64);
+
+/// Longest a transfer's end waits for its payload to be let go: quinn keeps
+/// views until they are acknowledged or its connection is dropped, which the
+/// rail-stall timers bound well below this.
+const HELD_PAYLOAD_LIMIT: Duration = Duration::from_secs(30);
+
+/// How long the peer may take to answer an RdmaConnect.
+const RDMA_SETUP_TIMEOUT: Duration = Duration::from_secs(3);
+
+async fn timer_task(link: Weak<PeerLink>) {
+    loop {
+        let Some(l) = link.upgrade() else { return };
+        let (deadline, closed) = {
+            let st = l.lock();
+            (st.session.poll_timeout(), st.closed)
+        };
+        if closed {
+            return;
+        }
+        match deadline {
+            Some(d) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(d)) => {
+                        let probes = l.with_session(|s, now| {
+                            s.handle_timeout(now);
+                            std::iter::from_fn(|| s.poll_probe()).collect::<Vec<_>>()
+                        });
+                        for rail in probes {
+                            tokio::spawn(probe_rail(l.clone(), rail));
+                        }
+                    }
+                    _ = l.timer.notified() => {}
+                }
+            }
+            None => l.timer.notified().await,
+        }
+    }
+}
+
+/// Rebuilds the connections of a down rail (outbound links only).
+async fn probe_rail(link: Arc<PeerLink>, rail: RailId) {
+    let (Some(env), Some(dial)) = (link.env.upgrade(), link.dial.clone()) else {
+        return;
+    };
+    debug!(peer = %link.peer, rail, "probing rail");
+    if let Err(e) = env.probe_rail(link.clone(), dial, rail).await {
+        link.probe_failed(rail, &e);
+    }
+}

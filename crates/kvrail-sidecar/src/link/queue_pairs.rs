@@ -1,0 +1,489 @@
+//! RDMA queue pairs of a link: setting them up over a stream connection
+//! (RdmaConnect / RdmaAccept), rebuilding a rail's after they failed, and the
+//! task that drives each one (posts, completions, trailers).
+
+use std::collections::VecDeque;
+
+use kvrail_core::wire::SliceHeader;
+use kvrail_core::OneSidedOp;
+use kvrail_verbs::{gather, Completion, Opcode, QueuePair, Sge, WorkRequest};
+
+use super::*;
+use crate::rdma::OneSidedWork;
+
+impl PeerLink {
+    /// Rebuilds `rail`'s queue pairs in the background (dialer side).
+    pub fn spawn_rdma_rebuild(&self, rail: RailId) {
+        if let Some(me) = self.me.upgrade() {
+            tokio::spawn(rebuild_queue_pairs(me, rail));
+        }
+    }
+
+    /// The registration of a local region on a rail's RDMA device.
+    pub fn rdma_mr(&self, region_id: u64, rail: RailId) -> Option<Arc<kvrail_verbs::MemoryRegion>> {
+        self.env.upgrade()?.rdma().mr(region_id, rail)
+    }
+
+    /// Queues a driver-level control message on one connection.
+    pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
+        let st = self.lock();
+        match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            Some(Sink::Stream(tx)) => tx
+                .send(Outgoing::Control(encode_control(&wire::message(body))))
+                .is_ok(),
+            _ => false,
+        }
+    }
+
+    /// Adds a connected queue pair on `rail` as a one-sided connection.
+    pub fn attach_qp(
+        self: &Arc<Self>,
+        qp: kvrail_verbs::QueuePair,
+        rail: RailId,
+    ) -> Option<ConnId> {
+        let busy_poll = self.env.upgrade()?.rdma().busy_poll;
+        self.install(rail, true, |key| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = tokio::spawn(qp_task(self.clone(), key, rail, qp, rx, busy_poll));
+            (Sink::QueuePair(tx), None, task.abort_handle())
+        })
+    }
+
+    /// Dialer: sets up `qps_per_rail` queue pairs on `rail` over its stream
+    /// connection `conn`. Ok(n) with the number attached.
+    pub async fn setup_rdma(self: &Arc<Self>, rail: RailId, conn: ConnId) -> Result<usize, String> {
+        let env = self.env.upgrade().ok_or("daemon is shutting down")?;
+        let count = env.rdma().qps_per_rail;
+        let mut qps = rdma::create_qps(env.rdma(), rail, count)?;
+        let endpoints = qps
+            .iter()
+            .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let nonce: u64 = rand::random();
+        let (tx, rx) = oneshot::channel();
+        self.lock().rdma_pending.insert(nonce, tx);
+        let sent = self.send_control(
+            conn,
+            Body::RdmaConnect(pb::RdmaConnect {
+                rail_index: rail,
+                nonce,
+                qps: endpoints,
+            }),
+        );
+        if !sent {
+            self.lock().rdma_pending.remove(&nonce);
+            return Err("the rail's connection closed before setup".into());
+        }
+        let answer = tokio::time::timeout(RDMA_SETUP_TIMEOUT, rx).await;
+        self.lock().rdma_pending.remove(&nonce);
+        let accept = match answer {
+            Ok(Ok(a)) => a,
+            Ok(Err(_)) => return Err("the rail's connection closed during setup".into()),
+            Err(_) => return Err(format!("no answer from the peer in {RDMA_SETUP_TIMEOUT:?}")),
+        };
+        if !accept.error.is_empty() {
+            return Err(format!("peer: {}", accept.error));
+        }
+        if accept.qps.len() != qps.len() {
+            return Err(format!(
+                "peer answered with {} queue pairs for {}",
+                accept.qps.len(),
+                qps.len()
+            ));
+        }
+        for (qp, remote) in qps.iter_mut().zip(&accept.qps) {
+            qp.connect(&rdma::endpoint_of(remote)?)
+                .map_err(|e| e.to_string())?;
+        }
+        let mut attached = 0;
+        for qp in qps {
+            if self.attach_qp(qp, rail).is_some() {
+                attached += 1;
+            }
+        }
+        Ok(attached)
+    }
+
+    /// Acceptor: the dialer asks for queue pairs on the rail of connection `conn`.
+    pub(super) fn on_rdma_connect(self: &Arc<Self>, conn: ConnId, req: pb::RdmaConnect) {
+        let Some(env) = self.env.upgrade() else {
+            return;
+        };
+        let rail = self.lock().session.connection_rail(conn);
+        {
+            // The dialer replaces its queue pairs on this rail: ours are stale.
+            let mut st = self.lock();
+            let stale = st.session.retire_one_sided_connections(req.rail_index);
+            self.stop_connections(&mut st, stale);
+            self.pump(&mut st);
+        }
+        let result = match rail {
+            Some(r) if r == req.rail_index => rdma::accept_qps(env.rdma(), r, &req),
+            _ => Err(format!(
+                "rail {} does not match the connection's rail {rail:?}",
+                req.rail_index
+            )),
+        };
+        let answer = match result {
+            Ok(qps) => {
+                let endpoints: Result<Vec<_>, _> = qps
+                    .iter()
+                    .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+                    .collect();
+                match endpoints {
+                    Ok(endpoints) => {
+                        for qp in qps {
+                            self.attach_qp(qp, req.rail_index);
+                        }
+                        info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
+                        pb::RdmaAccept {
+                            nonce: req.nonce,
+                            qps: endpoints,
+                            error: String::new(),
+                        }
+                    }
+                    Err(e) => pb::RdmaAccept {
+                        nonce: req.nonce,
+                        qps: vec![],
+                        error: e.to_string(),
+                    },
+                }
+            }
+            Err(e) => {
+                info!(peer = %self.peer, rail = req.rail_index, "declined RDMA queue pairs: {e}");
+                pb::RdmaAccept {
+                    nonce: req.nonce,
+                    qps: vec![],
+                    error: e,
+                }
+            }
+        };
+        self.send_control(conn, Body::RdmaAccept(answer));
+    }
+
+    pub(super) fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
+        if let Some(tx) = self.lock().rdma_pending.remove(&accept.nonce) {
+            let _ = tx.send(accept);
+        }
+    }
+}
+
+/// Dialer: rebuilds the queue pairs of `rail` after they failed, with backoff,
+/// for as long as the rail's stream connections live and none is rebuilt.
+pub(super) async fn rebuild_queue_pairs(link: Arc<PeerLink>, rail: RailId) {
+    {
+        let mut st = link.lock();
+        if !st.rdma_building.insert(rail) {
+            return;
+        }
+    }
+    let mut backoff = rdma::QP_RETRY_INITIAL;
+    loop {
+        tokio::time::sleep(backoff).await;
+        let (closed, qps, stream) = {
+            let st = link.lock();
+            let conns = st.session.rail_connections(rail);
+            let stream = conns.into_iter().find(|&c| {
+                matches!(
+                    st.conns.get(c).and_then(|h| h.writer.as_ref()),
+                    Some(Sink::Stream(_))
+                )
+            });
+            (st.closed, st.session.one_sided_connections(rail), stream)
+        };
+        // Done: closed, rebuilt, or the rail itself is down (its rebuild redoes RDMA).
+        let Some(stream) = stream.filter(|_| !closed && qps == 0) else {
+            break;
+        };
+        match link.setup_rdma(rail, stream).await {
+            Ok(n) if n > 0 => {
+                info!(peer = %link.peer, rail, qps = n, "RDMA queue pairs rebuilt");
+                break;
+            }
+            Ok(_) => break,
+            Err(e) => debug!(peer = %link.peer, rail, "RDMA queue pairs not rebuilt yet: {e}"),
+        }
+        backoff = (backoff * 2).min(rdma::QP_RETRY_MAX);
+    }
+    link.lock().rdma_building.remove(&rail);
+}
+
+/// A slice posted and not yet completed.
+pub(super) struct Posted {
+    header: SliceHeader,
+    len: u32,
+    work_requests: u32,
+    op: OneSidedOp,
+}
+
+/// Why a slice could not be posted.
+pub(super) enum PostError {
+    /// The slice itself is bad (the transfer fails; the queue pair lives on).
+    Slice(ErrorCode, String),
+}
+
+/// Drives one queue pair: posts what the session schedules on it, reaps its
+/// completions, and reports trailers (receiver) and completions (initiator).
+pub async fn qp_task(
+    link: Arc<PeerLink>,
+    key: ConnKey,
+    rail: RailId,
+    mut qp: QueuePair,
+    mut rx: mpsc::UnboundedReceiver<OneSidedWork>,
+    rdma_busy_poll: Duration,
+) {
+    let reason = run_qp(&link, key, rail, &mut qp, &mut rx, rdma_busy_poll).await;
+    link.connection_failed(key, &reason);
+}
+
+pub(super) async fn run_qp(
+    link: &Arc<PeerLink>,
+    key: ConnKey,
+    rail: RailId,
+    qp: &mut QueuePair,
+    rx: &mut mpsc::UnboundedReceiver<OneSidedWork>,
+    busy_poll: Duration,
+) -> String {
+    let conn = key.0;
+    let labels = [
+        ("peer", link.peer.clone()),
+        ("rail", rail.to_string()),
+        ("transport", "rdma".to_string()),
+    ];
+    let max_sge = qp.device().limits().max_sge.clamp(1, 30) as usize;
+    let mut free_slots = qp.send_depth();
+    let mut posted: HashMap<u64, Posted> = HashMap::new();
+    let mut next_token: u64 = 1;
+    let mut waiting: VecDeque<OneSidedWork> = VecDeque::new();
+    let mut completions: Vec<Completion> = Vec::new();
+    let mut wrs: Vec<WorkRequest> = Vec::new();
+    let mut input_open = true;
+    loop {
+        // Post what fits in the send queue, oldest first.
+        while let Some(work) = waiting.pop_front() {
+            let token = next_token;
+            let started = Instant::now();
+            match build(link, rail, &work, token, max_sge, &mut wrs) {
+                Ok(()) => {}
+                Err(PostError::Slice(code, msg)) => {
+                    warn!(peer = %link.peer, rail, transfer = work.header.transfer_id, "{msg}");
+                    link.with_session(|s, now| s.fail(work.header.transfer_id, code, &msg, now));
+                    continue;
+                }
+            }
+            let built = started.elapsed();
+            let n = wrs.len() as u32;
+            if n > qp.send_depth() {
+                let msg = format!(
+                    "slice needs {n} work requests, the send queue holds {}",
+                    qp.send_depth()
+                );
+                link.with_session(|s, now| {
+                    s.fail(work.header.transfer_id, ErrorCode::Internal, &msg, now)
+                });
+                continue;
+            }
+            if n > free_slots {
+                waiting.push_front(work);
+                break;
+            }
+            let posting = Instant::now();
+            if let Err(e) = qp.post(&wrs) {
+                return format!("posting to the queue pair failed: {e}");
+            }
+            metrics::counter!(m::RDMA_BUILD_NANOS, &labels).increment(built.as_nanos() as u64);
+            metrics::counter!(m::RDMA_POST_NANOS, &labels)
+                .increment(posting.elapsed().as_nanos() as u64);
+            metrics::counter!(m::RDMA_WORK_REQUESTS, &labels).increment(u64::from(n));
+            metrics::counter!(m::RDMA_DESCRIPTORS, &labels).increment(work.pieces.len() as u64);
+            free_slots -= n;
+            next_token += 1;
+            posted.insert(
+                token,
+                Posted {
+                    header: work.header,
+                    len: work.len,
+                    work_requests: n,
+                    op: work.remote.op,
+                },
+            );
+        }
+        completions.clear();
+        tokio::select! {
+            r = qp.wait(&mut completions, busy_poll) => {
+                if let Err(e) = r {
+                    return format!("completion queue failed: {e}");
+                }
+            }
+            w = rx.recv(), if input_open && waiting.is_empty() => {
+                match w {
+                    Some(w) => waiting.push_back(w),
+                    None => input_open = false,
+                }
+                continue;
+            }
+        }
+        for c in completions.drain(..) {
+            if let Some(e) = c.error {
+                if e.flushed {
+                    continue;
+                }
+                let failed = posted.get(&c.wr_id).map(|p| p.header.transfer_id);
+                if let (true, Some(id)) = (e.remote_access, failed) {
+                    let msg = format!(
+                        "peer refused our access to its memory on rail {rail} ({e}): a stale or foreign memory key, or an address outside its grant"
+                    );
+                    link.with_session(|s, now| s.fail(id, ErrorCode::Protocol, &msg, now));
+                }
+                return format!("queue pair failed: {e}");
+            }
+            if let Some(bytes) = c.received {
+                match wire::decode_slice_trailer(&bytes) {
+                    Some((header, len)) => {
+                        link.with_session(|s, now| {
+                            if let kvrail_core::SliceDisposition::Place { .. } =
+                                s.accept_slice(conn, header, len, now)
+                            {
+                                s.slice_placed(conn, header, len, now);
+                            }
+                        });
+                        metrics::counter!(m::BYTES_RECEIVED, &labels).increment(u64::from(len));
+                        metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
+                        link.rearm_timer();
+                    }
+                    None => return format!("malformed slice trailer of {} bytes", bytes.len()),
+                }
+                continue;
+            }
+            let Some(p) = posted.remove(&c.wr_id) else {
+                continue;
+            };
+            free_slots += p.work_requests;
+            link.with_session(|s, now| s.one_sided_done(conn, p.header, p.len, now));
+            let (bytes, slices) = match p.op {
+                OneSidedOp::Write => (m::BYTES_SENT, m::SLICES_SENT),
+                OneSidedOp::Read => (m::BYTES_RECEIVED, m::SLICES_RECEIVED),
+            };
+            metrics::counter!(bytes, &labels).increment(u64::from(p.len));
+            metrics::counter!(slices, &labels).increment(1);
+            link.rearm_timer();
+        }
+        if !input_open && posted.is_empty() && waiting.is_empty() {
+            return "queue pair closed".into();
+        }
+    }
+}
+
+/// Builds the work requests of one slice into `wrs`, checking every local range
+/// against our registration and every remote one against the peer's grant.
+pub(super) fn build(
+    link: &Arc<PeerLink>,
+    rail: RailId,
+    work: &OneSidedWork,
+    token: u64,
+    max_sge: usize,
+    wrs: &mut Vec<WorkRequest>,
+) -> Result<(), PostError> {
+    wrs.clear();
+    let id = work.header.transfer_id;
+    let mr = link.rdma_mr(work.region.id, rail).ok_or_else(|| {
+        PostError::Slice(
+            ErrorCode::RegionGone,
+            format!(
+                "region {} is not registered for RDMA on rail {rail}",
+                work.region.id
+            ),
+        )
+    })?;
+    let key = &work.remote.key;
+    let mut local = Vec::with_capacity(work.pieces.len());
+    for &(off, len) in &work.pieces {
+        let addr = mr.addr + off;
+        if !mr.contains(addr, len) {
+            return Err(PostError::Slice(
+                ErrorCode::Internal,
+                format!(
+                    "local range {off}+{len} lies outside region {}",
+                    work.region.id
+                ),
+            ));
+        }
+        local.push((addr, len));
+    }
+    let mut remote = Vec::with_capacity(work.remote.pieces.len());
+    for &(off, len) in &work.remote.pieces {
+        let inside = off.checked_add(len).is_some_and(|end| end <= key.length);
+        if !inside {
+            return Err(PostError::Slice(
+                ErrorCode::OutOfRange,
+                format!(
+                    "transfer {id}: peer range {off}+{len} lies outside its grant of {} bytes; nothing posted",
+                    key.length
+                ),
+            ));
+        }
+        remote.push((key.addr + off, len));
+    }
+    // The same plan serves both: each request covers one contiguous remote extent.
+    let opcode = match work.remote.op {
+        OneSidedOp::Write => Opcode::Write,
+        OneSidedOp::Read => Opcode::Read,
+    };
+    let planned = gather(&local, &remote, max_sge)
+        .map_err(|e| PostError::Slice(ErrorCode::Internal, format!("transfer {id}: {e}")))?;
+    for (raddr, sges) in planned {
+        wrs.push(WorkRequest {
+            opcode,
+            wr_id: 0,
+            sges: sges
+                .into_iter()
+                .map(|(addr, len)| Sge {
+                    addr,
+                    len,
+                    lkey: mr.lkey,
+                })
+                .collect(),
+            remote_addr: raddr,
+            rkey: key.rkey,
+            inline: Vec::new(),
+            signaled: false,
+        });
+    }
+    match work.remote.op {
+        OneSidedOp::Write => {
+            // The trailer follows the writes on the same queue pair, so when the
+            // receiver sees it every byte before it is in place.
+            let trailer = wire::encode_slice_trailer(
+                SliceHeader {
+                    transfer_id: id,
+                    offset: work.header.offset,
+                },
+                work.len,
+            )
+            .to_vec();
+            wrs.push(WorkRequest {
+                opcode: Opcode::Send,
+                wr_id: token,
+                sges: Vec::new(),
+                remote_addr: 0,
+                rkey: 0,
+                inline: trailer,
+                signaled: true,
+            });
+        }
+        OneSidedOp::Read => {
+            if let Some(last) = wrs.last_mut() {
+                last.wr_id = token;
+                last.signaled = true;
+            }
+        }
+    }
+    if wrs.is_empty() {
+        return Err(PostError::Slice(
+            ErrorCode::Internal,
+            format!("transfer {id}: empty slice"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! Starting and stopping the daemon: checks the configuration, loads the node's
+//! identity, opens the transports, binds every rail listener and the worker API
+//! socket, and hands each accepted peer connection to the shared state.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use kvrail_auth::{Identity, IdentityFiles};
+use kvrail_quic::QuicTransport;
+use kvrail_transport::tcp::TcpTransport;
+use kvrail_transport::{Listener, Transport};
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::daemon::{PeerSlot, Shared, MAX_CONCURRENT_HANDSHAKES};
+use crate::gpu::GpuDevices;
+use crate::metrics as m;
+use crate::notify::NotificationHub;
+use crate::ratelog::RateLimitedLog;
+use crate::rdma::RdmaRails;
+use crate::regions::Registry;
+use crate::transfers::TransferTable;
+
+/// A running daemon.
+pub struct Daemon {
+    pub shared: Arc<Shared>,
+    pub socket: PathBuf,
+    pub listen: Vec<SocketAddr>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Daemon {
+    /// Binds every listener and the API socket, then serves in the background.
+    pub async fn start(config: Config) -> anyhow::Result<Daemon> {
+        config.validate()?;
+        // A worker that shrinks its file must not be able to kill the daemon.
+        if let Err(e) = kvrail_shm::guard::install() {
+            warn!("cannot install the SIGBUS guard (a truncated region file would kill the daemon): {e}");
+        }
+        let identity = match &config.tls_dir {
+            Some(dir) => Some(Arc::new(
+                Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))
+                    .map_err(|e| anyhow::anyhow!("node identity: {e}"))?,
+            )),
+            None => None,
+        };
+        if config.insecure && config.wants("tcp") {
+            warn!("--insecure: tcp peer connections are not authenticated; anyone who reaches a rail port can pose as a peer");
+        }
+        // This start of the process: peers compare it across reconnects.
+        let incarnation = rand::random::<u64>() | 1;
+        let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
+        for name in &config.transport_order() {
+            match name.as_str() {
+                "tcp" => transports.push(Arc::new(TcpTransport)),
+                "quic" => {
+                    let identity = identity
+                        .as_ref()
+                        .ok_or_else(|| anyhow::anyhow!("quic needs tls_dir"))?;
+                    transports.push(Arc::new(QuicTransport::new(
+                        identity,
+                        &config.quic_settings(),
+                    )?));
+                }
+                _ => {}
+            }
+        }
+        let peers = config
+            .peers
+            .iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    PeerSlot {
+                        config: p.clone(),
+                        link: AsyncMutex::new(None),
+                    },
+                )
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            registry: Registry::for_incarnation(incarnation),
+            incarnation,
+            hub: NotificationHub::new(incarnation),
+            transfers: TransferTable::default(),
+            peers,
+            inbound: DashMap::new(),
+            transports: transports.clone(),
+            rdma: RdmaRails::discover(&config),
+            identity: identity.clone(),
+            gpus: GpuDevices::new(config.slice_bytes as usize, config.gpu_copy_streams),
+            watched_workers: DashMap::new(),
+            refusal_log: RateLimitedLog::new(5),
+            next_transfer: AtomicU64::new(0),
+        });
+        if let Some(addr) = config.metrics_addr {
+            m::install(addr).await?;
+            info!(%addr, "serving Prometheus metrics");
+        }
+        let mut tasks = Vec::new();
+        let mut listen = Vec::new();
+        for addr in &config.listen {
+            // Every transport on the rail's address and one port number (TCP and UDP),
+            // the first one's when the port was left to the system.
+            let mut bound: Option<SocketAddr> = None;
+            for transport in &transports {
+                let at = bound.unwrap_or(*addr);
+                let listener = transport.listen(at).await.map_err(|e| {
+                    anyhow::anyhow!("cannot listen on {at} ({}): {e}", transport.name())
+                })?;
+                bound.get_or_insert(listener.local_addr()?);
+                tasks.push(tokio::spawn(accept_loop(
+                    shared.clone(),
+                    transport.name(),
+                    listener,
+                )));
+            }
+            listen.extend(bound);
+        }
+        let api = crate::api::serve(shared.clone(), &config.socket).await?;
+        tasks.push(api);
+        info!(node = %config.node, socket = %config.socket.display(), ?listen, transports = ?shared.offered_transports(), "kvrail sidecar ready");
+        Ok(Daemon {
+            shared,
+            socket: config.socket.clone(),
+            listen,
+            tasks,
+        })
+    }
+
+    /// Stops serving and closes every peer connection.
+    pub fn shutdown(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        for l in self.shared.inbound.iter() {
+            l.close("daemon shutting down");
+        }
+        for slot in self.shared.peers.values() {
+            if let Ok(guard) = slot.link.try_lock() {
+                if let Some(l) = guard.as_ref() {
+                    l.close("daemon shutting down");
+                }
+            }
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+async fn accept_loop(
+    shared: Arc<Shared>,
+    transport: &'static str,
+    mut listener: Box<dyn Listener>,
+) {
+    // Handshakes in progress at once, per listener: each holds at most one
+    // bounded handshake frame, so pre-authentication memory is bounded too.
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HANDSHAKES));
+    loop {
+        match listener.accept().await {
+            Ok((conn, from)) => {
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
+                        .increment(1);
+                    if let Some(suppressed) = shared.refusal_log.admit() {
+                        warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
+                    }
+                    drop(conn);
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    shared.accept_one(transport, conn, from, permit).await;
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                // A TLS handshake failed: a peer without a certificate of our CA.
+                warn!(transport, "refused peer handshake: {e}");
+                metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "tls").increment(1);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {
+                warn!(transport, "peer connection dropped during setup: {e}");
+            }
+            Err(e) => {
+                warn!(transport, "accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
