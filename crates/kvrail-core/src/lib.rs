@@ -2,13 +2,15 @@
 //!
 //! Regions and block handles ([`layout`], [`plan`]), slicing and connection
 //! scheduling, the transfer state machine ([`transfer`]) and the peer session
-//! ([`session`]), plus the wire framing ([`wire`]). No sockets, no clock, no
+//! ([`session`]), the queue-pair setup exchange ([`qp_setup`]), plus the wire
+//! framing ([`wire`]). No sockets, no clock, no
 //! threads: drivers feed events and `now` in and drain what to send out.
 
 pub mod error;
 pub mod handshake;
 pub mod layout;
 pub mod plan;
+pub mod qp_setup;
 pub mod rail;
 pub mod rangeset;
 pub mod session;

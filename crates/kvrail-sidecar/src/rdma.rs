@@ -235,10 +235,11 @@ pub fn accept_qps(
     rail: RailId,
     req: &pb::RdmaConnect,
 ) -> Result<Vec<QueuePair>, String> {
-    if req.qps.is_empty() || req.qps.len() > 16 {
+    if req.qps.is_empty() || req.qps.len() > kvrail_core::qp_setup::MAX_QPS_PER_REQUEST {
         return Err(format!(
-            "{} queue pairs asked (1..=16 allowed)",
-            req.qps.len()
+            "{} queue pairs asked (1..={} allowed)",
+            req.qps.len(),
+            kvrail_core::qp_setup::MAX_QPS_PER_REQUEST
         ));
     }
     let mut qps = create_qps(rdma, rail, req.qps.len())?;

@@ -97,7 +97,9 @@ struct LinkState {
     gauges_at: Option<Instant>,
     gauged_rails: usize,
     /// RdmaConnect requests waiting for the peer's RdmaAccept, by nonce.
-    rdma_pending: HashMap<u64, oneshot::Sender<pb::RdmaAccept>>,
+    qp_setups: kvrail_core::qp_setup::QpSetups,
+    /// Who waits for each queue-pair setup's outcome, by nonce.
+    qp_waiters: HashMap<u64, oneshot::Sender<kvrail_core::qp_setup::SetupOutcome>>,
     /// Rails whose queue pairs are being (re)built right now.
     rdma_building: HashSet<RailId>,
 }
@@ -151,7 +153,8 @@ impl PeerLink {
                 next_generation: 0,
                 gauges_at: None,
                 gauged_rails: 0,
-                rdma_pending: HashMap::new(),
+                qp_setups: Default::default(),
+                qp_waiters: HashMap::new(),
                 rdma_building: HashSet::new(),
             }),
             dial,
@@ -578,6 +581,10 @@ impl PeerLink {
             let mut st = self.lock();
             st.closed = true;
             st.closed_because = reason.to_string();
+            // The timer stops with the link: queue-pair setups still waiting
+            // end now ("the link closed during setup"), not at a deadline.
+            st.qp_waiters.clear();
+            st.qp_setups = Default::default();
             st.conns
                 .iter()
                 .enumerate()
@@ -603,15 +610,14 @@ pub type ConnKey = (ConnId, u64);
 /// rail-stall timers bound well below this.
 const HELD_PAYLOAD_LIMIT: Duration = Duration::from_secs(30);
 
-/// How long the peer may take to answer an RdmaConnect.
-const RDMA_SETUP_TIMEOUT: Duration = Duration::from_secs(3);
-
 async fn timer_task(link: Weak<PeerLink>) {
     loop {
         let Some(l) = link.upgrade() else { return };
         let (deadline, closed) = {
             let st = l.lock();
-            (st.session.poll_timeout(), st.closed)
+            let session = st.session.poll_timeout();
+            let setups = st.qp_setups.poll_timeout();
+            (session.into_iter().chain(setups).min(), st.closed)
         };
         if closed {
             return;
@@ -624,6 +630,7 @@ async fn timer_task(link: Weak<PeerLink>) {
                             s.handle_timeout(now);
                             std::iter::from_fn(|| s.poll_probe()).collect::<Vec<_>>()
                         });
+                        l.qp_setups_timed_out();
                         for rail in probes {
                             tokio::spawn(probe_rail(l.clone(), rail));
                         }

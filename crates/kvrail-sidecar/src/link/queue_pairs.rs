@@ -62,37 +62,25 @@ impl PeerLink {
             .map_err(|e| e.to_string())?;
         let nonce: u64 = rand::random();
         let (tx, rx) = oneshot::channel();
-        self.lock().rdma_pending.insert(nonce, tx);
-        let sent = self.send_control(
-            conn,
-            Body::RdmaConnect(pb::RdmaConnect {
-                rail_index: rail,
-                nonce,
-                qps: endpoints,
-            }),
-        );
-        if !sent {
-            self.lock().rdma_pending.remove(&nonce);
+        let request = {
+            let mut st = self.lock();
+            st.qp_waiters.insert(nonce, tx);
+            st.qp_setups.start(rail, nonce, endpoints, Instant::now())
+        };
+        self.rearm_timer();
+        if !self.send_control(conn, Body::RdmaConnect(request)) {
+            let mut st = self.lock();
+            st.qp_setups.abandon(nonce);
+            st.qp_waiters.remove(&nonce);
             return Err("the rail's connection closed before setup".into());
         }
-        let answer = tokio::time::timeout(RDMA_SETUP_TIMEOUT, rx).await;
-        self.lock().rdma_pending.remove(&nonce);
-        let accept = match answer {
-            Ok(Ok(a)) => a,
-            Ok(Err(_)) => return Err("the rail's connection closed during setup".into()),
-            Err(_) => return Err(format!("no answer from the peer in {RDMA_SETUP_TIMEOUT:?}")),
-        };
-        if !accept.error.is_empty() {
-            return Err(format!("peer: {}", accept.error));
-        }
-        if accept.qps.len() != qps.len() {
-            return Err(format!(
-                "peer answered with {} queue pairs for {}",
-                accept.qps.len(),
-                qps.len()
-            ));
-        }
-        for (qp, remote) in qps.iter_mut().zip(&accept.qps) {
+        // The link's timer ends the setup at its deadline (QpSetups), so this
+        // always gets an outcome unless the link itself goes away.
+        let outcome = rx
+            .await
+            .map_err(|_| "the link closed during setup".to_string())?;
+        let accept_qps = outcome.result.map_err(|e| e.to_string())?;
+        for (qp, remote) in qps.iter_mut().zip(&accept_qps) {
             qp.connect(&rdma::endpoint_of(remote)?)
                 .map_err(|e| e.to_string())?;
         }
@@ -118,53 +106,45 @@ impl PeerLink {
             self.stop_connections(&mut st, stale);
             self.pump(&mut st);
         }
-        let result = match rail {
-            Some(r) if r == req.rail_index => rdma::accept_qps(env.rdma(), r, &req),
-            _ => Err(format!(
-                "rail {} does not match the connection's rail {rail:?}",
-                req.rail_index
-            )),
-        };
-        let answer = match result {
-            Ok(qps) => {
-                let endpoints: Result<Vec<_>, _> = qps
-                    .iter()
-                    .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
-                    .collect();
-                match endpoints {
-                    Ok(endpoints) => {
-                        for qp in qps {
-                            self.attach_qp(qp, req.rail_index);
-                        }
-                        info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
-                        pb::RdmaAccept {
-                            nonce: req.nonce,
-                            qps: endpoints,
-                            error: String::new(),
-                        }
-                    }
-                    Err(e) => pb::RdmaAccept {
-                        nonce: req.nonce,
-                        qps: vec![],
-                        error: e.to_string(),
-                    },
-                }
+        let result = kvrail_core::qp_setup::check_connect(&req, rail)
+            .map_err(|e| e.to_string())
+            .and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
+        let outcome = result.and_then(|qps| {
+            let endpoints = qps
+                .iter()
+                .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            for qp in qps {
+                self.attach_qp(qp, req.rail_index);
             }
-            Err(e) => {
-                info!(peer = %self.peer, rail = req.rail_index, "declined RDMA queue pairs: {e}");
-                pb::RdmaAccept {
-                    nonce: req.nonce,
-                    qps: vec![],
-                    error: e,
-                }
-            }
-        };
+            info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
+            Ok(endpoints)
+        });
+        if let Err(e) = &outcome {
+            info!(peer = %self.peer, rail = req.rail_index, "declined RDMA queue pairs: {e}");
+        }
+        let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
         self.send_control(conn, Body::RdmaAccept(answer));
     }
 
     pub(super) fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
-        if let Some(tx) = self.lock().rdma_pending.remove(&accept.nonce) {
-            let _ = tx.send(accept);
+        let mut st = self.lock();
+        // An answer to no setup of ours (late or made up) is ignored.
+        if let Some(outcome) = st.qp_setups.on_accept(accept) {
+            if let Some(tx) = st.qp_waiters.remove(&outcome.nonce) {
+                let _ = tx.send(outcome);
+            }
+        }
+    }
+
+    /// Ends the setups whose answer did not come in time.
+    pub(super) fn qp_setups_timed_out(&self) {
+        let mut st = self.lock();
+        for outcome in st.qp_setups.handle_timeout(Instant::now()) {
+            if let Some(tx) = st.qp_waiters.remove(&outcome.nonce) {
+                let _ = tx.send(outcome);
+            }
         }
     }
 }
