@@ -512,20 +512,21 @@ fn iperf3_client(port: u16, streams: usize, seconds: u32) -> anyhow::Result<f64>
     Ok(bps / 8.0 / 1e9)
 }
 
-/// The reference of a scattered batch: one contiguous range of the same size,
-/// same op, same run (reported as a `contiguous` point); its GB/s.
+/// The reference of a scattered batch of `total` bytes in blocks of
+/// `block_bytes`: one contiguous range of the same size, same op, same run
+/// (reported as a `contiguous` point); its GB/s.
 async fn contiguous_reference(
     bench: &mut Bench,
     op: &str,
     total: u64,
+    block_bytes: u64,
     reference_for: &str,
 ) -> anyhow::Result<f64> {
     let block = if total % (1 << 20) == 0 {
         1 << 20
     } else {
-        total.clamp(1, 1 << 20)
+        block_bytes
     };
-    let block = if total % block == 0 { block } else { total };
     let flat = dense_layout(1, 1, (bench.p_mem.len() / block) as u32, block);
     let ids: Vec<u32> = (0..(total / block) as u32).collect();
     let reference = bench
@@ -1146,9 +1147,14 @@ async fn run_parts(
         dst.shuffle(&mut rng);
         dst.truncate(count as usize);
         for op in &args.ops {
-            let reference =
-                contiguous_reference(bench, op, u64::from(count) * scattered[1], "scattered")
-                    .await?;
+            let reference = contiguous_reference(
+                bench,
+                op,
+                u64::from(count) * scattered[1],
+                scattered[1],
+                "scattered",
+            )
+            .await?;
             let point = bench
                 .point(
                     "scattered",
@@ -1180,7 +1186,7 @@ async fn run_parts(
         let dst = pick(&mut rng);
         let total = vllm[0] * 2 * vllm[1] * vllm[2];
         for op in &args.ops {
-            let reference_gbps = contiguous_reference(bench, op, total, "vllm").await?;
+            let reference_gbps = contiguous_reference(bench, op, total, vllm[2], "vllm").await?;
             let point = bench
                 .point(
                     "vllm",

@@ -595,12 +595,10 @@ struct Pending {
 }
 
 /// Stream-ordered copies between device memory and pinned buffers, spread over
-/// `lanes` streams of their own. A slice of scattered KV blocks is one copy call
-/// per block (256 calls for 8 MiB of 32 KiB blocks), so one stream, whose
-/// enqueueing is serialised, capped the staged path near 9 GB/s whatever the
-/// connections (docs/gpu.md); each lane has its own stream, lock and waiter, and
-/// copies go to the lanes in turn. Each copy's completion is a future; a thread
-/// per lane waits on its copies' events in order.
+/// `lanes` streams of their own: each lane has its own stream, lock and waiter,
+/// and copies go to the lanes in turn. (More lanes did not move more on the
+/// H100; docs/gpu.md.) Each copy's completion is a future; a thread per lane
+/// waits on its copies' events in order.
 pub struct CopyQueue {
     gpu: Arc<Gpu>,
     lanes: Vec<Lane>,

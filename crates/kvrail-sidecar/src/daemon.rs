@@ -23,7 +23,7 @@ use crate::gpu::GpuDevices;
 use crate::link::{DialInfo, LinkEnv, PeerLink, ProbeFuture};
 use crate::metrics as m;
 use crate::notify::NotificationHub;
-use crate::rdma::{Directory, RdmaRails};
+use crate::rdma::RdmaRails;
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
 
@@ -108,14 +108,6 @@ pub enum UnregisterError {
 }
 
 impl Shared {
-    /// Regions with their RDMA keys, as sessions look them up.
-    pub fn directory(&self) -> Directory<'_> {
-        Directory {
-            registry: &self.registry,
-            rdma: &self.rdma,
-        }
-    }
-
     /// This daemon as its links see it.
     fn link_env(self: &Arc<Self>) -> std::sync::Weak<dyn LinkEnv> {
         let weak: std::sync::Weak<Shared> = Arc::downgrade(self);

@@ -229,19 +229,14 @@ pub fn create_qps(rdma: &RdmaRails, rail: RailId, count: usize) -> Result<Vec<Qu
         .collect()
 }
 
-/// Acceptor side: connects fresh queue pairs to the dialer's and answers.
+/// Acceptor side: connects fresh queue pairs to the dialer's (the request
+/// already passed `kvrail_core::qp_setup::check_connect`, which bounds their
+/// number).
 pub fn accept_qps(
     rdma: &RdmaRails,
     rail: RailId,
     req: &pb::RdmaConnect,
 ) -> Result<Vec<QueuePair>, String> {
-    if req.qps.is_empty() || req.qps.len() > kvrail_core::qp_setup::MAX_QPS_PER_REQUEST {
-        return Err(format!(
-            "{} queue pairs asked (1..={} allowed)",
-            req.qps.len(),
-            kvrail_core::qp_setup::MAX_QPS_PER_REQUEST
-        ));
-    }
     let mut qps = create_qps(rdma, rail, req.qps.len())?;
     for (qp, remote) in qps.iter_mut().zip(&req.qps) {
         qp.connect(&endpoint_of(remote)?)
