@@ -53,8 +53,13 @@ def free_port() -> int:
 class Sidecar:
     """One `kvrail serve` process; its log is ``<dir>/<node>.log``."""
 
-    def __init__(self, dir: Path, node: str, port: int, peer: str, peer_port: int, *extra: str) -> None:
+    def __init__(
+        self, dir: Path, node: str, port: int, peer: str, peer_port: int, *extra: str, metrics: bool = False
+    ) -> None:
         self.node = node
+        self.metrics_port = free_port() if metrics else None
+        if self.metrics_port is not None:
+            extra = (*extra, "--metrics-addr", f"127.0.0.1:{self.metrics_port}")
         self.socket = dir / f"{node}.sock"
         self.log_path = dir / f"{node}.log"
         self.args = [
@@ -94,6 +99,19 @@ class Sidecar:
                 raise RuntimeError(f"sidecar {self.node} did not come up: {self.log()}")
             time.sleep(0.02)
 
+    def metric(self, name: str) -> float:
+        """The sum of a metric's samples (all label sets) from /metrics."""
+        assert self.metrics_port is not None, "started without metrics=True"
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.split()[-1])
+        return total
+
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
@@ -105,11 +123,11 @@ class Sidecar:
 
 
 class Pair:
-    def __init__(self, dir: Path, *extra: str) -> None:
+    def __init__(self, dir: Path, *extra: str, metrics: bool = False) -> None:
         pp, dp = free_port(), free_port()
         self.dir = dir
-        self.prefill = Sidecar(dir, "prefill", pp, "decode", dp, *extra)
-        self.decode = Sidecar(dir, "decode", dp, "prefill", pp, *extra)
+        self.prefill = Sidecar(dir, "prefill", pp, "decode", dp, *extra, metrics=metrics)
+        self.decode = Sidecar(dir, "decode", dp, "prefill", pp, *extra, metrics=metrics)
 
     def shm(self, name: str) -> Path:
         """A shared-memory path unique to this pair."""

@@ -224,3 +224,45 @@ def test_a_pull_naming_released_blocks_fails_and_moves_nothing(pair):
         assert same_blocks(src, [5, 6], dst, [0, 1])
         with pytest.raises(kvrail.InvalidArgument):
             p.release_blocks(sid, [32])
+
+
+def test_memory_the_worker_allocated_itself_is_adopted_in_place(pair, tmp_path):
+    # vLLM's CPU backend allocates its KV cache with torch.zeros: plain private
+    # memory. Adoption moves its pages under a shared file at the same address.
+    src = make_cache(pair, "src")
+    layers, blocks = 3, 16
+    own = np.zeros((layers * 2 * blocks * int(np.prod(BLOCK_SHAPE)),), np.uint16)
+    own[::7] = 0xBEEF  # contents from before the adoption survive it
+    before = own.copy()
+    address = own.__array_interface__["data"][0]
+    adopted = kvrail.adopt_tensor(own)
+    assert own.__array_interface__["data"][0] == address
+    assert np.array_equal(own, before)
+    assert adopted.path.exists() and adopted.address <= address
+    dst_layers = [own[i * own.size // layers : (i + 1) * own.size // layers].view(np.float16).reshape(2, blocks, *BLOCK_SHAPE) for i in range(layers)]
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid = p.register_kv_cache(src, expose=True)
+        ((did, first, count, _),) = d.register_layers(dst_layers)
+        assert (first, count) == (0, layers)
+        adopted.unlink()  # both sides keep their mappings
+        fill(src, [4, 9], seed=5)
+        d.wait(d.pull("adopted", "prefill", Blocks(sid, [4, 9], 0, 3), Blocks(did, [1, 15], 0, 3)), timeout=20)
+    # The bytes landed in the worker's own array, in the named blocks only.
+    for layer in range(layers):
+        for s, t in ((4, 1), (9, 15)):
+            assert np.array_equal(src.layers[layer][:, s].view(np.uint16), dst_layers[layer][:, t].view(np.uint16))
+        untouched = [b for b in range(blocks) if b not in (1, 15)]
+        want = before[layer * own.size // layers : (layer + 1) * own.size // layers].reshape(2, blocks, -1)
+        assert np.array_equal(dst_layers[layer][:, untouched].view(np.uint16).reshape(2, len(untouched), -1), want[:, untouched])
+    # The owner can still free it: its munmap takes the file's pages along.
+    del dst_layers, own
+
+
+def test_memory_that_is_not_private_is_not_adopted(tmp_path):
+    path = tmp_path / "file-backed"
+    path.write_bytes(b"\0" * (1 << 20))
+    mapped = np.memmap(path, dtype=np.uint8, mode="r+")
+    with pytest.raises(kvrail.LayoutError, match="not wholly private anonymous"):
+        kvrail.adopt_tensor(mapped)
+    with pytest.raises(kvrail.LayoutError):
+        kvrail.adopt_host_memory(mapped.__array_interface__["data"][0], 0)

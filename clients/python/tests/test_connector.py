@@ -113,8 +113,9 @@ def test_bad_configuration_and_layouts(pair, tmp_path):
     kv = kvrail.HostKvCache(pair.shm("bad"), 2, 8, BLOCK_SHAPE, np.uint16)
     with pytest.raises(kvrail.LayoutError):  # layers of different shapes
         w.register_kv_caches({"a": kv.layers[0], "b": kv.layers[1][:, :4]})
-    with pytest.raises(kvrail.LayoutError):  # not in kvrail's shared memory
-        w.register_kv_caches({"a": np.zeros((2, 8, 16, 8, 128), np.uint16)})
+    with pytest.raises(kvrail.LayoutError):  # file-backed: cannot be adopted into shared memory
+        mapped = np.memmap(tmp_path / "kv", np.uint16, "w+", shape=(2, 8, 16, 8, 128))
+        w.register_kv_caches({"a": mapped})
     with pytest.raises(kvrail.LayoutError):  # a block's bytes are not contiguous
         w.register_kv_caches({"a": kv.layers[0][:, :, ::2]})
     w.shutdown()

@@ -29,9 +29,20 @@ from .errors import (
     TransferFailed,
 )
 from .layout import KvLayout, Layout, PagedLayout, paged_layout
-from .memory import CudaIpc, HostKvCache, SharedMemory, cuda_ipc_of_torch, describe, shm_dir
+from .memory import (
+    AdoptedMemory,
+    CudaIpc,
+    HostKvCache,
+    SharedMemory,
+    adopt_host_memory,
+    adopt_tensor,
+    cuda_ipc_of_torch,
+    describe,
+    shm_dir,
+)
 
 __all__ = [
+    "AdoptedMemory",
     "FAILED",
     "PULL_DONE",
     "PULL_SERVED",
@@ -61,6 +72,8 @@ __all__ = [
     "Transfer",
     "TransferFailed",
     "TransferStatus",
+    "adopt_host_memory",
+    "adopt_tensor",
     "cuda_ipc_of_torch",
     "describe",
     "paged_layout",

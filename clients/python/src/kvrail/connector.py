@@ -38,7 +38,7 @@ from .client import (
     Notifications,
 )
 from .errors import KvrailError
-from .memory import shm_dir
+from .memory import adopt_tensor, shm_dir
 
 log = logging.getLogger("kvrail.connector")
 
@@ -141,6 +141,38 @@ def _status_name(request: Any) -> str:
     return getattr(s, "name", str(s))
 
 
+def _blocks_to_load(blocks: Any) -> tuple[list[int], int]:
+    """(the blocks a load fills, how many leading blocks the local prefix cache
+    already holds). vLLM's ``KVCacheBlocks`` tells cached blocks by their hash;
+    an object without per-block detail hands over only the blocks to fill."""
+    groups = getattr(blocks, "blocks", None)
+    if groups:
+        group = [b for b in groups[0] if not getattr(b, "is_null", False)]
+        cached = sum(1 for b in group if b.block_hash is not None)
+        return [b.block_id for b in group if b.block_hash is None], cached
+    return list(blocks.get_block_ids()[0]), 0
+
+
+def _distinct_host_storages(tensors: list[Any]) -> list[Any]:
+    """One tensor per host allocation among the KV-cache tensors (vLLM's CPU
+    backend slices every layer out of one buffer)."""
+    seen: dict[int, Any] = {}
+    for t in tensors:
+        if getattr(getattr(t, "device", None), "type", "cpu") != "cpu":
+            continue
+        key = int(t.untyped_storage().data_ptr()) if hasattr(t, "untyped_storage") else id(t)
+        seen.setdefault(key, t)
+    return list(seen.values())
+
+
+def _vllm_kv_layout(t: Any) -> str | None:
+    """vLLM 0.32's per-layer KV caches are 4-D, ``[blocks, heads, tokens,
+    K and V]`` in some stride order, K and V inside each block: whole blocks
+    move (one plane). Older 5-D caches (``[2, blocks, ...]`` or ``[blocks, 2,
+    ...]``) are told apart by their K/V dimension."""
+    return "mla" if len(getattr(t, "shape", ())) == 4 else None
+
+
 def _layer_region(table: RegionTable, layer: int) -> tuple[int, int]:
     """(region id, layer index inside it) of a layer."""
     for rid, start, count in table:
@@ -237,10 +269,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 }
                 self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid)
             else:
+                # Blocks the local prefix cache already holds are not read again.
+                local, cached = _blocks_to_load(blocks)
                 remote = list(params["remote_block_ids"])
-                # Blocks already computed locally (prefix cache) are not read again.
-                remote = remote[len(remote) - len(local) :] if len(local) < len(remote) else remote
-                self._sched.loading[rid] = RemoteBlocks.from_params(local, remote, params)
+                remote = remote[cached:] if cached else remote[max(0, len(remote) - len(local)) :]
+                n = min(len(local), len(remote))
+                self._sched.loading[rid] = RemoteBlocks.from_params(local[:n], remote[:n], params)
             self._sched.new_loads[rid] = self._sched.loading[rid]
             params["do_remote_prefill"] = False  # once
         elif self.mode == "push" and params.get("push_to"):
@@ -325,7 +359,18 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         one allocation, else one per layer) and publishes the region table."""
         w = self._work
         w.layer_names = list(kv_caches)
-        regions = self.client.register_layers(list(kv_caches.values()), self.kv_layout, expose=self.mode == "pull")
+        tensors = list(kv_caches.values())
+        # Host KV caches the engine allocated itself (vLLM's CPU backend): their
+        # pages move under shared-memory files the sidecar maps, in place.
+        adopted = [adopt_tensor(t) for t in _distinct_host_storages(tensors)]
+        kv_layout = self.kv_layout or _vllm_kv_layout(tensors[0])
+        try:
+            regions = self.client.register_layers(tensors, kv_layout, expose=self.mode == "pull")
+        finally:
+            # Mapped by both sides now (or refused): nothing is left in /dev/shm
+            # when the engine dies.
+            for a in adopted:
+                a.unlink()
         w.regions = [(rid, start, count) for rid, start, count, _ in regions]
         layout = regions[0][3]
         w.block_bytes, w.planes = layout.block_bytes, layout.planes_per_layer
@@ -349,7 +394,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 continue
             pairs = _overlaps(spec.remote_regions, w.regions)
             for i, (src, src_layer, dst, dst_layer, count) in enumerate(pairs):
-                name = f"{spec.remote_request_id}@{rid}#{i}"
+                # "#i/n": the prefill side frees its blocks once all n pulls
+                # were served, however many blocks the local cache spared.
+                name = f"{spec.remote_request_id}@{rid}#{i}/{len(pairs)}"
                 try:
                     t = self.client.pull(
                         name,
@@ -467,6 +514,9 @@ class _WorkerState:
         self.serve_expected: dict[str, int] = {}
         self.served: dict[str, int] = {}
         self.serve_deadline: dict[str, float] = {}
+        # pulls served per request, and how many the decode side said it makes
+        self.served_parts: dict[str, set[int]] = {}
+        self.serve_parts_total: dict[str, int] = {}
         self.finished_seen: set[str] = set()
         self.done_sending: set[str] = set()
         self.done_receiving: set[str] = set()
@@ -487,8 +537,12 @@ class _WorkerState:
             self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
             return
         if n.kind == PULL_SERVED:
-            rid = n.request_id.split("@", 1)[0]
+            rid, _, part = n.request_id.partition("@")
             self.served[rid] = self.served.get(rid, 0) + n.bytes
+            index, _, total = part.rpartition("#")[2].partition("/")
+            if index.isdigit() and total.isdigit() and 0 < int(total) <= 4096:
+                self.served_parts.setdefault(rid, set()).add(int(index))
+                self.serve_parts_total[rid] = int(total)
             return
         owner = self.transfer_owner.pop(n.request_id, None)
         if owner is None:
@@ -536,11 +590,14 @@ class _WorkerState:
                 self.done_sending.add(rid)
         for rid, expected in list(self.serve_expected.items()):
             late = now > self.serve_deadline[rid]
-            if self.served.get(rid, 0) >= expected or late:
+            all_parts = len(self.served_parts.get(rid, ())) >= self.serve_parts_total.get(rid, 1 << 30)
+            if self.served.get(rid, 0) >= expected or all_parts or late:
                 if late:
                     log.warning("kvrail: %s not read within the send timeout; freeing its blocks", rid)
                 del self.serve_expected[rid], self.serve_deadline[rid]
                 self.served.pop(rid, None)
+                self.served_parts.pop(rid, None)
+                self.serve_parts_total.pop(rid, None)
                 self.done_sending.add(rid)
         # vLLM only takes finished sends of requests it has reported finished.
         sending = self.done_sending & self.finished_seen

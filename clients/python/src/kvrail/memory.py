@@ -3,6 +3,7 @@ IPC handles of GPU tensors."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -13,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import LayoutError
-from .layout import KvLayout, Layout, PagedLayout, paged_layout
+from .layout import KvLayout, Layout, PagedLayout, TensorView, paged_layout
 
 # Address ranges of the shared-memory files this process mapped, so that a tensor
 # handed over later (as vLLM hands its KV caches to a connector) can be traced
@@ -73,6 +74,139 @@ def find_shared_memory(address: int) -> tuple[Path, int]:
         f"address {address:#x} is not in shared memory created by kvrail "
         "(allocate host KV caches with kvrail.HostKvCache or kvrail.SharedMemory)"
     )
+
+
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_MAP_SHARED, _MAP_FIXED = 0x01, 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munmap.restype = ctypes.c_int
+    return libc
+
+
+def _private_anonymous(start: int, end: int) -> bool:
+    """Whether ``[start, end)`` lies wholly in private, anonymous, readable and
+    writable mappings of this process (heap or mmap'd allocations: what torch
+    and numpy allocate), read from ``/proc/self/maps``."""
+    covered = start
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if hi <= covered or lo > covered:
+                continue
+            perms = fields[1]
+            path = fields[5] if len(fields) > 5 else ""
+            if not perms.startswith("rw") or perms[3] != "p" or fields[4] != "0":
+                return False
+            if path not in ("", "[heap]"):
+                return False
+            covered = hi
+            if covered >= end:
+                return True
+    return False
+
+
+class AdoptedMemory:
+    """Host memory this process allocated itself (a torch or numpy KV cache),
+    moved under a shared-memory file without moving its address, so the sidecar
+    can map the same pages. See :func:`adopt_host_memory`."""
+
+    def __init__(self, path: Path, address: int, nbytes: int) -> None:
+        self.path = path
+        self.address = address
+        self.nbytes = nbytes
+
+    def unlink(self) -> None:
+        """Removes the file; the pages stay valid for every mapping of them
+        (this process's and the sidecar's) until each is unmapped."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
+    """Puts the pages holding ``[address, address + nbytes)`` into a new file in
+    :func:`shm_dir` and maps that file over them at the same address, contents
+    kept: the allocation (e.g. vLLM's CPU KV cache, which the engine allocates
+    with ``torch.zeros``) stays where it is for its owner, and the sidecar can
+    map the file and read and write the same bytes with no copy per transfer.
+
+    Call it before the memory is in use by other threads (e.g. from
+    ``register_kv_caches``): bytes written to the pages during the call are lost.
+    The whole pages are adopted, so they must belong to one private anonymous
+    allocation (large torch and numpy buffers are mmap'd on their own); anything
+    else (file-backed, read-only, shared) is refused. When the owner frees the
+    allocation, its munmap unmaps the file's pages as it would anonymous ones.
+    Idempotent: memory already in kvrail shared memory is returned as it is.
+    """
+    if nbytes <= 0:
+        raise LayoutError(f"cannot adopt {nbytes} bytes")
+    try:
+        path, offset = find_shared_memory(address)
+        with _mapped_lock:
+            start = address - offset
+            end = _mapped[start][0]
+        if address + nbytes <= end:
+            return AdoptedMemory(path, start, end - start)
+        raise LayoutError(f"{address:#x}+{nbytes} runs past kvrail shared memory {path}")
+    except LayoutError:
+        pass
+    page = mmap.PAGESIZE
+    start = address - address % page
+    end = -(-(address + nbytes) // page) * page
+    length = end - start
+    if not _private_anonymous(start, end):
+        raise LayoutError(
+            f"memory {address:#x}+{nbytes} is not wholly private anonymous read-write "
+            "memory of this process: cannot adopt it into shared memory"
+        )
+    path = shm_dir() / f"kvrail-adopted-{os.getpid()}-{start:x}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    libc = _libc()
+    try:
+        os.ftruncate(fd, length)
+        staging = libc.mmap(None, length, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
+        if staging in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "mmap of the adopted file failed")
+        try:
+            ctypes.memmove(staging, start, length)
+            placed = libc.mmap(start, length, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, fd, 0)
+            if placed != start:
+                raise OSError(ctypes.get_errno(), "mapping the adopted file in place failed")
+        finally:
+            libc.munmap(staging, length)
+    except BaseException:
+        os.close(fd)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    os.close(fd)
+    with _mapped_lock:
+        _mapped[start] = (end, path)
+    return AdoptedMemory(path, start, length)
+
+
+def adopt_tensor(t: Any) -> AdoptedMemory:
+    """:func:`adopt_host_memory` for the whole allocation holding a torch CPU
+    tensor (its untyped storage) or a numpy array (its base buffer)."""
+    if hasattr(t, "untyped_storage"):
+        storage = t.untyped_storage()
+        return adopt_host_memory(int(storage.data_ptr()), int(storage.nbytes()))
+    base = t
+    while isinstance(getattr(base, "base", None), np.ndarray):
+        base = base.base
+    view = TensorView.of(base)
+    return adopt_host_memory(view.address, int(base.nbytes))
 
 
 class HostKvCache:

@@ -1,0 +1,191 @@
+"""A small router for disaggregated vLLM with kvrail: each completion goes to
+a prefill server (``max_tokens=1``, ``kv_transfer_params={"do_remote_decode":
+true}``), whose reply carries the ``kv_transfer_params`` naming the prompt's
+KV blocks; the same request then goes to a decode server with those params,
+where kvrail's connector pulls the blocks before the first decode step.
+
+Standard library only (no vLLM or web framework needed)::
+
+    python -m kvrail.vllm_router --listen 127.0.0.1:8000 \\
+        --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+
+Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed or
+not) and ``GET /health``; anything else is 404. A prefill that fails or returns
+no ``kv_transfer_params`` is answered with 502 and its reason, never silently
+recomputed on the decode side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+log = logging.getLogger("kvrail.vllm_router")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+#: Largest request body accepted (a long prompt is well under this).
+MAX_BODY_BYTES = 16 << 20
+
+
+class RouterError(Exception):
+    """A request the router cannot hand over, with the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill server's copy of a request: one token, not streamed, and
+    asking the engine to keep the prompt's KV for a remote decode."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    out.pop("max_completion_tokens", None)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def hand_off(prefill: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Runs the prefill and returns the decode server's copy of the request."""
+    try:
+        with _post(prefill + path, prefill_request(body), timeout) as r:
+            reply = json.load(r)
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise RouterError(e.code if 400 <= e.code < 500 else 502, f"prefill server: {detail}") from None
+    except (OSError, ValueError) as e:
+        raise RouterError(502, f"prefill server unreachable or unreadable: {e}") from None
+    params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
+    if not params:
+        raise RouterError(
+            502,
+            "prefill server returned no kv_transfer_params: is it started with "
+            "kvrail's connector and kv_role kv_producer (or kv_both)?",
+        )
+    out = dict(body)
+    out["kv_transfer_params"] = params
+    return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "Router"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.info("%s " + format, self.address_string(), *args)
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/health":
+            self._reply(200, {"status": "ok"})
+        else:
+            self._reply(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path not in ROUTES:
+            self._reply(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or "0")
+        except ValueError:
+            self._reply(400, {"error": "bad Content-Length"})
+            return
+        if not 0 < length <= MAX_BODY_BYTES:
+            self._reply(413 if length > MAX_BODY_BYTES else 400, {"error": f"body of {length} bytes"})
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError as e:
+            self._reply(400, {"error": f"body is not JSON: {e}"})
+            return
+        if not isinstance(body, dict):
+            self._reply(400, {"error": "body must be a JSON object"})
+            return
+        try:
+            decode_body = hand_off(self.server.prefill, self.path, body, self.server.timeout_s)
+        except RouterError as e:
+            self._reply(e.status, {"error": str(e)})
+            return
+        try:
+            upstream = _post(self.server.decode + self.path, decode_body, self.server.timeout_s)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            self._reply(e.code if 400 <= e.code < 500 else 502, {"error": f"decode server: {detail}"})
+            return
+        except OSError as e:
+            self._reply(502, {"error": f"decode server unreachable: {e}"})
+            return
+        with upstream:
+            self.send_response(upstream.status)
+            self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
+            # Streamed replies pass through as they come, chunk by chunk.
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while True:
+                chunk = upstream.read1(64 << 10)
+                if not chunk:
+                    break
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+
+
+class Router(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, listen: tuple[str, int], prefill: str, decode: str, timeout_s: float) -> None:
+        super().__init__(listen, _Handler)
+        self.prefill = prefill.rstrip("/")
+        self.decode = decode.rstrip("/")
+        self.timeout_s = timeout_s
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvrail.vllm_router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--listen", type=_address, default=("127.0.0.1", 8000), help="HOST:PORT (default 127.0.0.1:8000)")
+    p.add_argument("--prefill", required=True, help="prefill server URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, help="decode server URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call (default 600)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    with Router(args.listen, args.prefill, args.decode, args.timeout) as router:
+        host, port = router.server_address[:2]
+        print(f"kvrail vLLM router on http://{host}:{port}", file=sys.stderr, flush=True)
+        try:
+            router.serve_forever()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
