@@ -266,3 +266,26 @@ def test_memory_that_is_not_private_is_not_adopted(tmp_path):
         kvrail.adopt_tensor(mapped)
     with pytest.raises(kvrail.LayoutError):
         kvrail.adopt_host_memory(mapped.__array_interface__["data"][0], 0)
+
+
+def test_a_worker_message_reaches_a_subscribed_worker_on_the_peer(pair):
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        with d.notifications() as dn:
+            p.send_message("decode", "nobody-here", "lost", b"x")  # no such worker: dropped there
+            p.send_message("decode", "d0", "grant/1", b"\x00\x01payload")
+            n = dn.get(timeout=20)
+            assert (n.kind, n.request_id, n.payload, n.from_worker, n.peer) == (
+                kvrail.MESSAGE,
+                "grant/1",
+                b"\x00\x01payload",
+                "p0",
+                "prefill",
+            )
+            with pytest.raises(kvrail.InvalidArgument, match="payload"):
+                p.send_message("decode", "d0", "big", b"x" * (16 * 1024 + 1))
+            with pytest.raises(kvrail.InvalidArgument, match="topic"):
+                p.send_message("decode", "d0", "t" * 257)
+            with pytest.raises(kvrail.NotFound):
+                p.send_message("nowhere", "d0", "t")
+            p.send_message("decode", "d0", "grant/2")
+            assert dn.get(timeout=20).request_id == "grant/2"

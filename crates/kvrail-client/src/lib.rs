@@ -395,6 +395,29 @@ impl Client {
             .await?
             .into_inner())
     }
+
+    /// Sends a small message from `from_worker` to `to_worker` on `peer`
+    /// (topic at most 256 bytes, payload at most 16 KiB); it arrives there as
+    /// a MESSAGE notification if that worker has subscribed to its sidecar.
+    pub async fn send_message(
+        &mut self,
+        from_worker: &str,
+        peer: &str,
+        to_worker: &str,
+        topic: &str,
+        payload: Vec<u8>,
+    ) -> Result<(), ClientError> {
+        self.inner
+            .send_message(SendMessageRequest {
+                worker_id: from_worker.to_string(),
+                peer: peer.to_string(),
+                to_worker: to_worker.to_string(),
+                topic: topic.to_string(),
+                payload,
+            })
+            .await?;
+        Ok(())
+    }
 }
 
 /// Whether a status is final.

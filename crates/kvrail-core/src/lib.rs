@@ -9,6 +9,7 @@
 pub mod error;
 pub mod handshake;
 pub mod layout;
+pub mod message;
 pub mod plan;
 pub mod qp_setup;
 pub mod rail;

@@ -679,3 +679,48 @@ fn blocks_released_mid_transfer_fail_it_on_both_sides() {
         }
     }
 }
+
+#[test]
+fn a_worker_message_crosses_and_an_oversized_one_is_dropped_on_receipt() {
+    let mut p = Pair::new(2, small_slices(), 41);
+    let msg = |payload: usize| crate::wire::pb::WorkerMessage {
+        from_worker: "decode-0".into(),
+        to_worker: "prefill-0".into(),
+        topic: "grant/7".into(),
+        payload: vec![3; payload],
+    };
+    p.sides[1].session.send_message(msg(100)).unwrap();
+    // The sender refuses what breaks the limits.
+    assert!(p.sides[1]
+        .session
+        .send_message(msg(crate::message::MAX_PAYLOAD_BYTES + 1))
+        .is_err());
+    p.drive();
+    let got: Vec<_> = p.sides[0]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message(m) => Some(m.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(got, vec![msg(100)]);
+    // A hostile peer's oversized message, bypassing its own checks, is dropped.
+    let body = crate::wire::pb::peer_message::Body::WorkerMessage(msg(
+        crate::message::MAX_PAYLOAD_BYTES + 1,
+    ));
+    let now = p.now;
+    p.sides[0]
+        .session
+        .handle_control(0, body, now, &p.sides[0].regions);
+    p.flush();
+    assert!(matches!(
+        p.sides[0].events.last(),
+        Some(Event::MessageDropped(
+            crate::message::MessageError::TooLong {
+                field: "payload",
+                ..
+            }
+        ))
+    ));
+}

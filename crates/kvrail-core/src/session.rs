@@ -163,6 +163,10 @@ pub enum Event {
     },
     /// A rail changed state. On `Down` the driver closes the rail's connections.
     Rail(RailChange),
+    /// A worker on the peer sent a message to a worker here (sizes checked).
+    Message(pb::WorkerMessage),
+    /// The peer sent a message that breaks the limits: dropped.
+    MessageDropped(crate::message::MessageError),
 }
 
 /// One step of a rail's state machine, with its cause.
@@ -688,6 +692,11 @@ impl Session {
                 let reason = format!("peer reported it down: {}", d.reason);
                 self.rail_signal(d.rail_index, RailSignal::Failed, &reason, false, now);
             }
+            Body::WorkerMessage(m) => match crate::message::check(&m) {
+                Ok(()) => self.events.push_back(Event::Message(m)),
+                // A peer's oversized or nameless message is dropped, not relayed.
+                Err(e) => self.events.push_back(Event::MessageDropped(e)),
+            },
             // Handshake messages belong to the driver; after it, they are ignored.
             Body::Hello(_)
             | Body::HelloAck(_)
@@ -1654,6 +1663,17 @@ impl Session {
     }
 
     /// Next thing to tell workers.
+    /// Queues a message to a worker on the peer (any connection carries it).
+    pub fn send_message(
+        &mut self,
+        m: pb::WorkerMessage,
+    ) -> Result<(), crate::message::MessageError> {
+        crate::message::check(&m)?;
+        self.control
+            .push_back((None, crate::wire::message(Body::WorkerMessage(m))));
+        Ok(())
+    }
+
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
     }

@@ -542,6 +542,32 @@ impl Sidecar for Api {
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
 
+    async fn send_message(
+        &self,
+        req: Request<SendMessageRequest>,
+    ) -> Result<Response<SendMessageResponse>, Status> {
+        let r = req.into_inner();
+        require_text(&r.worker_id, "worker_id")?;
+        require_text(&r.to_worker, "to_worker")?;
+        let message = kvrail_core::wire::pb::WorkerMessage {
+            from_worker: r.worker_id,
+            to_worker: r.to_worker,
+            topic: r.topic,
+            payload: r.payload,
+        };
+        kvrail_core::message::check(&message)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let link = match self.shared.outbound_link(&r.peer).await {
+            Ok(Some(link)) => link,
+            Ok(None) => return Err(Status::not_found(format!("unknown peer {:?}", r.peer))),
+            Err(e) => return Err(Status::unavailable(e.to_string())),
+        };
+        link.with_session(|s, _| s.send_message(message))
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        metrics::counter!(m::MESSAGES_SENT).increment(1);
+        Ok(Response::new(SendMessageResponse {}))
+    }
+
     async fn list_peers(
         &self,
         _req: Request<ListPeersRequest>,

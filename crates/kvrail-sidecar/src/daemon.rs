@@ -753,6 +753,33 @@ impl Shared {
         match event {
             // Rail changes are the link's business (see `PeerLink::on_rail_change`).
             Event::Rail(_) => {}
+            Event::Message(msg) => {
+                let to = msg.to_worker.clone();
+                let delivered = self.hub.send_if_known(
+                    &to,
+                    Notification {
+                        kind: NotificationKind::Message as i32,
+                        request_id: msg.topic,
+                        peer: peer.to_string(),
+                        payload: msg.payload,
+                        from_worker: msg.from_worker,
+                        ..Default::default()
+                    },
+                );
+                let outcome = if delivered {
+                    "delivered"
+                } else {
+                    "unknown_worker"
+                };
+                metrics::counter!(m::MESSAGES_RECEIVED, "outcome" => outcome).increment(1);
+                if !delivered {
+                    warn!(peer, to_worker = %to, "message for a worker that never subscribed here: dropped");
+                }
+            }
+            Event::MessageDropped(e) => {
+                metrics::counter!(m::MESSAGES_RECEIVED, "outcome" => "refused").increment(1);
+                warn!(peer, "message from the peer refused: {e}");
+            }
             Event::Done {
                 transfer_id,
                 request_id,
@@ -803,6 +830,8 @@ impl Shared {
                         // Numbered and stamped by the hub.
                         sequence: 0,
                         incarnation: 0,
+                        payload: vec![],
+                        from_worker: String::new(),
                     },
                 );
             }
@@ -855,6 +884,8 @@ impl Shared {
                         // Numbered and stamped by the hub.
                         sequence: 0,
                         incarnation: 0,
+                        payload: vec![],
+                        from_worker: String::new(),
                     },
                 );
             }

@@ -2,7 +2,8 @@
 //!
 //! Labels: `peer` (node name), `rail` (rail index), `transport` (`tcp`, ...),
 //! `direction` (`out`: the session this node dialed, `in`: one the peer dialed),
-//! `kind` (`push`, `push_receive`, `pull`, `pull_serve`), `reason` (failure code).
+//! `kind` (`push`, `push_receive`, `pull`, `pull_serve`), `reason` (failure code),
+//! `outcome` (of a received worker message).
 
 use std::net::SocketAddr;
 
@@ -18,6 +19,8 @@ pub const TRANSFERS_STARTED: &str = "kvrail_transfers_started_total";
 pub const TRANSFERS_DONE: &str = "kvrail_transfers_done_total";
 pub const TRANSFERS_FAILED: &str = "kvrail_transfers_failed_total";
 pub const TRANSFER_SECONDS: &str = "kvrail_transfer_duration_seconds";
+pub const MESSAGES_SENT: &str = "kvrail_messages_sent_total";
+pub const MESSAGES_RECEIVED: &str = "kvrail_messages_received_total";
 pub const PEER_CONNECTIONS: &str = "kvrail_peer_connections";
 pub const CONNECTIONS_LOST: &str = "kvrail_connections_lost_total";
 pub const FRAMES_REJECTED: &str = "kvrail_frames_rejected_total";
@@ -80,6 +83,14 @@ fn describe() {
     describe_counter!(TRANSFERS_STARTED, "Transfers started, by kind");
     describe_counter!(TRANSFERS_DONE, "Transfers completed, by kind");
     describe_counter!(TRANSFERS_FAILED, "Transfers failed, by kind and reason");
+    describe_counter!(
+        MESSAGES_SENT,
+        "Worker messages queued to peers (SendMessage)"
+    );
+    describe_counter!(
+        MESSAGES_RECEIVED,
+        "Worker messages from peers, by outcome (delivered, unknown_worker, refused)"
+    );
     describe_histogram!(
         TRANSFER_SECONDS,
         Unit::Seconds,

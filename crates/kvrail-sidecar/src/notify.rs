@@ -82,6 +82,17 @@ impl NotificationHub {
         }
     }
 
+    /// As [`send`](Self::send), for a worker that has subscribed here at some
+    /// point; false (and nothing kept) otherwise, so that a peer cannot make
+    /// this sidecar keep notifications for workers it makes up.
+    pub fn send_if_known(&self, worker_id: &str, n: Notification) -> bool {
+        if !self.mailboxes.contains_key(worker_id) {
+            return false;
+        }
+        self.send(worker_id, n);
+        true
+    }
+
     /// Opens the worker's stream: what it missed first (after `after_sequence`,
     /// or what was never handed out when that is 0), then live notifications.
     pub fn subscribe(

@@ -3,6 +3,7 @@ blocks between nodes, follow notifications. See clients/python/README.md."""
 
 from .client import (
     FAILED,
+    MESSAGE,
     PULL_DONE,
     PULL_SERVED,
     PUSH_DONE,
@@ -44,6 +45,7 @@ from .memory import (
 __all__ = [
     "AdoptedMemory",
     "FAILED",
+    "MESSAGE",
     "PULL_DONE",
     "PULL_SERVED",
     "PUSH_DONE",

@@ -35,6 +35,9 @@ PUSH_RECEIVED = "PUSH_RECEIVED"
 PULL_DONE = "PULL_DONE"
 PULL_SERVED = "PULL_SERVED"
 FAILED = "FAILED"
+#: A worker on a peer node sent this worker a message (:meth:`Client.send_message`);
+#: ``request_id`` holds its topic.
+MESSAGE = "MESSAGE"
 
 _FAILURE_SIDES = {v: k.removeprefix("FAILURE_SIDE_") for k, v in pb.FailureSide.items()}
 _KINDS = {v: k.removeprefix("NOTIFICATION_KIND_") for k, v in pb.NotificationKind.items()}
@@ -106,7 +109,7 @@ class TransferStatus:
 
 @dataclass(frozen=True)
 class Notification:
-    kind: str  # PUSH_DONE, PUSH_RECEIVED, PULL_DONE, PULL_SERVED, FAILED
+    kind: str  # PUSH_DONE, PUSH_RECEIVED, PULL_DONE, PULL_SERVED, FAILED, MESSAGE
     transfer_id: int
     request_id: str
     peer: str
@@ -118,6 +121,8 @@ class Notification:
     received_at: float = field(default=0.0, compare=False)  # time.monotonic()
     sequence: int = 0  # this worker's notification number (resume point)
     incarnation: int = 0  # the sidecar process that numbered it
+    payload: bytes = b""  # MESSAGE: what the sender sent
+    from_worker: str = ""  # MESSAGE: the sending worker on ``peer``
 
     def raise_if_failed(self) -> "Notification":
         if self.failure is not None:
@@ -157,6 +162,8 @@ def _notification(n: pb.Notification) -> Notification:
         received_at=time.monotonic(),
         sequence=n.sequence,
         incarnation=n.incarnation,
+        payload=bytes(n.payload),
+        from_worker=n.from_worker,
     )
 
 
@@ -449,6 +456,19 @@ class Client:
             )
         )
         return Notifications(call, self.socket)
+
+    def send_message(self, peer: str, to_worker: str, topic: str, payload: bytes = b"") -> None:
+        """Sends a small message (topic <= 256 bytes, payload <= 16 KiB) to a
+        worker on ``peer``; it arrives there as a ``MESSAGE`` notification if
+        that worker has subscribed to its sidecar (dropped otherwise). Returns
+        once the message is queued to the peer; raises if the peer is unknown
+        or unreachable."""
+        self._call(
+            self._stub.SendMessage,
+            pb.SendMessageRequest(
+                worker_id=self.worker_id, peer=peer, to_worker=to_worker, topic=topic, payload=payload
+            ),
+        )
 
     def peers(self) -> pb.ListPeersResponse:
         """This node's name and its peers (rails, transport, per-rail counters)."""

@@ -31,6 +31,7 @@ class NotificationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOTIFICATION_KIND_PULL_DONE: _ClassVar[NotificationKind]
     NOTIFICATION_KIND_PULL_SERVED: _ClassVar[NotificationKind]
     NOTIFICATION_KIND_FAILED: _ClassVar[NotificationKind]
+    NOTIFICATION_KIND_MESSAGE: _ClassVar[NotificationKind]
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_QUEUED: TransferState
 TRANSFER_STATE_IN_FLIGHT: TransferState
@@ -48,6 +49,7 @@ NOTIFICATION_KIND_PUSH_RECEIVED: NotificationKind
 NOTIFICATION_KIND_PULL_DONE: NotificationKind
 NOTIFICATION_KIND_PULL_SERVED: NotificationKind
 NOTIFICATION_KIND_FAILED: NotificationKind
+NOTIFICATION_KIND_MESSAGE: NotificationKind
 
 class RegionLayout(_message.Message):
     __slots__ = ("num_layers", "planes_per_layer", "num_blocks", "block_bytes", "base_offset", "layer_stride", "plane_stride", "block_stride")
@@ -240,7 +242,7 @@ class TransferStatus(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., total_bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ...) -> None: ...
 
 class Notification(_message.Message):
-    __slots__ = ("kind", "transfer_id", "request_id", "peer", "region_id", "block_ids", "bytes", "failure", "elapsed_us", "sequence", "incarnation")
+    __slots__ = ("kind", "transfer_id", "request_id", "peer", "region_id", "block_ids", "bytes", "failure", "elapsed_us", "sequence", "incarnation", "payload", "from_worker")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,8 @@ class Notification(_message.Message):
     ELAPSED_US_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
     kind: NotificationKind
     transfer_id: int
     request_id: str
@@ -263,7 +267,9 @@ class Notification(_message.Message):
     elapsed_us: int
     sequence: int
     incarnation: int
-    def __init__(self, kind: _Optional[_Union[NotificationKind, str]] = ..., transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., peer: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ..., sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    payload: bytes
+    from_worker: str
+    def __init__(self, kind: _Optional[_Union[NotificationKind, str]] = ..., transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., peer: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., elapsed_us: _Optional[int] = ..., sequence: _Optional[int] = ..., incarnation: _Optional[int] = ..., payload: _Optional[bytes] = ..., from_worker: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("worker_id", "after_sequence", "take_over", "incarnation")
@@ -328,3 +334,21 @@ class ListPeersResponse(_message.Message):
     node_name: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     def __init__(self, node_name: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class SendMessageRequest(_message.Message):
+    __slots__ = ("worker_id", "peer", "to_worker", "topic", "payload")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    peer: str
+    to_worker: str
+    topic: str
+    payload: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[str] = ..., to_worker: _Optional[str] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class SendMessageResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

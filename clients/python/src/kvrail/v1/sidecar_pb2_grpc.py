@@ -89,6 +89,11 @@ class SidecarStub(object):
                 request_serializer=kvrail_dot_v1_dot_sidecar__pb2.ListPeersRequest.SerializeToString,
                 response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.ListPeersResponse.FromString,
                 _registered_method=True)
+        self.SendMessage = channel.unary_unary(
+                '/kvrail.v1.Sidecar/SendMessage',
+                request_serializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageRequest.SerializeToString,
+                response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer(object):
@@ -168,6 +173,14 @@ class SidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendMessage(self, request, context):
+        """Sends a small message to a worker on a peer node (best effort: delivered
+        if that worker has subscribed there). Returns once it is queued to the peer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +238,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.ListPeers,
                     request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.ListPeersRequest.FromString,
                     response_serializer=kvrail_dot_v1_dot_sidecar__pb2.ListPeersResponse.SerializeToString,
+            ),
+            'SendMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendMessage,
+                    request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageRequest.FromString,
+                    response_serializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -524,6 +542,33 @@ class Sidecar(object):
             '/kvrail.v1.Sidecar/ListPeers',
             kvrail_dot_v1_dot_sidecar__pb2.ListPeersRequest.SerializeToString,
             kvrail_dot_v1_dot_sidecar__pb2.ListPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrail.v1.Sidecar/SendMessage',
+            kvrail_dot_v1_dot_sidecar__pb2.SendMessageRequest.SerializeToString,
+            kvrail_dot_v1_dot_sidecar__pb2.SendMessageResponse.FromString,
             options,
             channel_credentials,
             insecure,
