@@ -231,7 +231,9 @@ def test_memory_the_worker_allocated_itself_is_adopted_in_place(pair, tmp_path):
     # memory. Adoption moves its pages under a shared file at the same address.
     src = make_cache(pair, "src")
     layers, blocks = 3, 16
-    own = np.zeros((layers * 2 * blocks * int(np.prod(BLOCK_SHAPE)),), np.uint16)
+    # Larger than glibc's largest mmap threshold (32 MiB): mmap'd on its own.
+    whole = np.zeros(40 << 20, np.uint8)
+    own = whole[: layers * 2 * blocks * int(np.prod(BLOCK_SHAPE)) * 2].view(np.uint16)
     own[::7] = 0xBEEF  # contents from before the adoption survive it
     before = own.copy()
     address = own.__array_interface__["data"][0]
@@ -255,7 +257,7 @@ def test_memory_the_worker_allocated_itself_is_adopted_in_place(pair, tmp_path):
         want = before[layer * own.size // layers : (layer + 1) * own.size // layers].reshape(2, blocks, -1)
         assert np.array_equal(dst_layers[layer][:, untouched].view(np.uint16).reshape(2, len(untouched), -1), want[:, untouched])
     # The owner can still free it: its munmap takes the file's pages along.
-    del dst_layers, own
+    del dst_layers, own, whole
 
 
 def test_memory_that_is_not_private_is_not_adopted(tmp_path):
@@ -289,3 +291,27 @@ def test_a_worker_message_reaches_a_subscribed_worker_on_the_peer(pair):
                 p.send_message("nowhere", "d0", "t")
             p.send_message("decode", "d0", "grant/2")
             assert dn.get(timeout=20).request_id == "grant/2"
+
+
+def test_memory_freed_after_adoption_is_not_mistaken_for_shared_memory():
+    # The owner munmaps adopted memory (as glibc frees a large allocation) and
+    # the address is mapped again, anonymous: not kvrail's memory any more.
+    import ctypes
+
+    from kvrail.memory import _libc
+
+    libc = _libc()
+    size, prot, private_anon = 1 << 20, 0x1 | 0x2, 0x02 | 0x20
+    address = libc.mmap(None, size, prot, private_anon, -1, 0)
+    ctypes.memset(address, 7, size)
+    kvrail.adopt_host_memory(address, size).unlink()
+    assert kvrail.memory.find_shared_memory(address + 10)[1] == 10
+    assert ctypes.string_at(address, 4) == b"\x07" * 4
+    assert libc.munmap(address, size) == 0
+    again = libc.mmap(address, size, prot, private_anon | 0x10, -1, 0)  # MAP_FIXED
+    assert again == address
+    try:
+        with pytest.raises(kvrail.LayoutError, match="not in shared memory"):
+            kvrail.memory.find_shared_memory(address + 10)
+    finally:
+        libc.munmap(address, size)

@@ -34,6 +34,9 @@ else:
 import tiny_model
 
 MAX_TOKENS = 12
+#: The connectors' timeout_s: a prefill frees unread blocks (pull), a decode
+#: gives up on pushed layers (push) after this long.
+TIMEOUT_S = 30
 #: Seconds an engine may take to start (about 60-80 s for both on 2 cores).
 START_TIMEOUT_S = float(os.environ.get("KVRAIL_VLLM_START_TIMEOUT", "600"))
 
@@ -55,15 +58,21 @@ def _metric(base: str, name: str) -> float:
 class Engine:
     """One vLLM OpenAI API server with kvrail's connector."""
 
-    def __init__(self, dir: Path, model: Path, role: str, socket: Path, core: int) -> None:
+    def __init__(self, dir: Path, model: Path, role: str, socket: Path, core: int, mode: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = dir / f"vllm-{role}.log"
+        self.worker_id = f"vllm-{role}"
         kv_config = {
             "kv_connector": "KvrailConnector",
             "kv_connector_module_path": "kvrail.connector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_connector_extra_config": {"socket": str(socket), "timeout_s": 60},
+            "kv_connector_extra_config": {
+                "socket": str(socket),
+                "mode": mode,
+                "worker_id": self.worker_id,
+                "timeout_s": TIMEOUT_S,
+            },
         }
         env = dict(os.environ)
         env.update(
@@ -112,8 +121,9 @@ class Engine:
 
 
 class Disaggregated:
-    def __init__(self, pair: Pair, prefill: Engine, decode: Engine, model: Path) -> None:
+    def __init__(self, pair: Pair, prefill: Engine, decode: Engine, model: Path, mode: str) -> None:
         self.pair, self.prefill, self.decode, self.model = pair, prefill, decode, str(model)
+        self.mode = mode
 
     def complete(self, base: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
@@ -129,29 +139,43 @@ class Disaggregated:
         assert params and params["remote_block_ids"], f"prefill returned no kv_transfer_params: {r}"
         return params
 
-    def disaggregated(self, prompt: str) -> str:
-        params = self.prefill_params(prompt)
-        return self.complete(self.decode.url, prompt, kv_transfer_params=params)["choices"][0]["text"]
+    def disaggregated(self, prompt: str, prefill_prompt: str | None = None) -> str:
+        """The decode engine's output for ``prompt``, its KV computed by the
+        prefill engine (from ``prefill_prompt`` if given: a wrong hand-off)."""
+        if self.mode == "pull":
+            params = self.prefill_params(prefill_prompt or prompt)
+            return self.complete(self.decode.url, prompt, kv_transfer_params=params)["choices"][0]["text"]
+        from kvrail.vllm_router import push_requests
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        pre, dec = push_requests(body, self.pair.prefill.node, self.prefill.worker_id)
+        pre["prompt"] = prefill_prompt or prompt
+        with ThreadPoolExecutor(1) as pool:
+            prefilled = pool.submit(_post, f"{self.prefill.url}/v1/completions", pre)
+            text = _post(f"{self.decode.url}/v1/completions", dec)["choices"][0]["text"]
+            prefilled.result()
+        return text
 
     def decode_received_bytes(self) -> float:
         return self.pair.decode.metric("kvrail_bytes_received_total")
 
 
-@pytest.fixture(scope="module")
-def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
-    dir = tmp_path_factory.mktemp("vllm")
+@pytest.fixture(scope="module", params=["pull", "push"])
+def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
+    mode = request.param
+    dir = tmp_path_factory.mktemp(f"vllm-{mode}")
     model = tiny_model.build(Path(os.environ.get("KVRAIL_TINY_MODEL", dir / "model")))
     pair = Pair(dir, metrics=True)
     engines: list[Engine] = []
     try:
         engines = [
-            Engine(dir, model, "prefill", pair.prefill.socket, 0),
-            Engine(dir, model, "decode", pair.decode.socket, 1),
+            Engine(dir, model, "prefill", pair.prefill.socket, 0, mode),
+            Engine(dir, model, "decode", pair.decode.socket, 1, mode),
         ]
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in engines:
             e.wait_ready(deadline)
-        yield Disaggregated(pair, engines[0], engines[1], model)
+        yield Disaggregated(pair, engines[0], engines[1], model, mode)
     finally:
         for e in engines:
             e.stop()
@@ -177,43 +201,33 @@ def test_short_and_long_prompts_match_the_single_engine(vllm_pair: Disaggregated
 
 
 def test_the_decode_uses_the_transferred_blocks(vllm_pair: Disaggregated) -> None:
-    # Decoding prompt A from prompt B's blocks must not give A's continuation:
-    # the output comes from the bytes kvrail moved, not from a local recompute.
+    # Decoding prompt A from prompt B's KV must not give A's continuation: the
+    # output comes from the bytes kvrail moved, not from a local recompute.
     a, b = long_prompt("alpha", 20), long_prompt("omega", 20)
-    ref_a, ref_b = vllm_pair.reference(a), vllm_pair.reference(b)
-    assert ref_a != ref_b, "the two prompts' outputs must differ for this check"
-    pa, pb = vllm_pair.prefill_params(a), vllm_pair.prefill_params(b)
-    assert len(pa["remote_block_ids"]) == len(pb["remote_block_ids"])
-    swapped = dict(pa, remote_block_ids=pb["remote_block_ids"])
-    got = vllm_pair.complete(vllm_pair.decode.url, a, kv_transfer_params=swapped)["choices"][0]["text"]
-    assert got != ref_a
+    ref_a = vllm_pair.reference(a)
+    assert ref_a != vllm_pair.reference(b), "the two prompts' outputs must differ for this check"
+    assert vllm_pair.disaggregated(a, prefill_prompt=b) != ref_a
     # (The decode engine now caches B's bytes under A's prefix hashes: no later
-    # test uses these prompts.) B's own hand-off reads B's blocks, so the
-    # prefill engine frees them.
-    assert vllm_pair.complete(vllm_pair.decode.url, b, kv_transfer_params=pb)["choices"][0]["text"] == ref_b
+    # test uses prompt A.)
 
 
-def test_a_prompt_sharing_a_prefix_pulls_only_what_the_decode_lacks(vllm_pair: Disaggregated) -> None:
+def test_a_prompt_sharing_a_prefix_moves_only_what_the_decode_lacks(vllm_pair: Disaggregated) -> None:
     first = long_prompt("shared", 30)
     before = vllm_pair.decode_received_bytes()
-    params = vllm_pair.prefill_params(first)
-    out = vllm_pair.complete(vllm_pair.decode.url, first, kv_transfer_params=params)["choices"][0]["text"]
-    assert out == vllm_pair.reference(first)
-    per_block = (vllm_pair.decode_received_bytes() - before) / len(params["remote_block_ids"])
+    assert vllm_pair.disaggregated(first) == vllm_pair.reference(first)
+    first_bytes = vllm_pair.decode_received_bytes() - before
     longer = first + " And then a tail that only the second prompt has, 1 2 3."
     before = vllm_pair.decode_received_bytes()
-    params = vllm_pair.prefill_params(longer)
-    out = vllm_pair.complete(vllm_pair.decode.url, longer, kv_transfer_params=params)["choices"][0]["text"]
-    assert out == vllm_pair.reference(longer)
+    assert vllm_pair.disaggregated(longer) == vllm_pair.reference(longer)
     moved = vllm_pair.decode_received_bytes() - before
     # The decode engine's prefix cache holds the shared full blocks: only the
     # blocks it lacks cross again.
-    assert 0 < moved < per_block * len(params["remote_block_ids"]), (moved, per_block, params["remote_block_ids"])
-    # The prefill engine frees the blocks once the decode's pulls were served,
-    # long before its 60 s send timeout, although fewer blocks were read.
-    deadline = time.monotonic() + 20
+    assert 0 < moved < first_bytes, (moved, first_bytes)
+    # The prefill engine frees its blocks once they were read (pull) or written
+    # (push), long before the connector's timeout, though fewer were moved.
+    deadline = time.monotonic() + TIMEOUT_S / 2
     while _metric(vllm_pair.prefill.url, "vllm:kv_cache_usage_perc"):
-        assert time.monotonic() < deadline, "the prefill engine kept the served blocks"
+        assert time.monotonic() < deadline, "the prefill engine kept the blocks"
         time.sleep(0.2)
 
 
@@ -226,31 +240,41 @@ def test_a_concurrent_batch_matches(vllm_pair: Disaggregated) -> None:
 
 
 def test_an_aborted_transfer_is_cancelled_and_frees_its_blocks(vllm_pair: Disaggregated) -> None:
+    from kvrail.vllm_router import push_requests
+
     prompt = long_prompt("abort", 20)
-    params = vllm_pair.prefill_params(prompt)
+    body = {"model": vllm_pair.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if vllm_pair.mode == "pull":
+        decode_body = dict(body, kv_transfer_params=vllm_pair.prefill_params(prompt))
+        mark = "cancelled by the worker"
+    else:
+        # The prefill half never comes: the decode waits for pushed layers.
+        _, decode_body = push_requests(body, vllm_pair.pair.prefill.node, vllm_pair.prefill.worker_id)
+        mark = None
     sidecar = vllm_pair.pair.prefill.proc
     assert sidecar is not None
-    # The prefill sidecar stops answering: the decode's pull hangs mid-transfer
-    # until the client gives up, which aborts the request inside vLLM.
+    # The prefill sidecar stops answering: the decode's pull (or grant) hangs
+    # mid-transfer until the client gives up, which aborts the request inside vLLM.
     sidecar.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
     try:
         with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
-            body = {"model": vllm_pair.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-            _post(f"{vllm_pair.decode.url}/v1/completions", dict(body, kv_transfer_params=params), timeout=3)
-        # The connector cancels the pull (its notification says so) and vLLM
-        # frees the request's blocks: nothing stays running or allocated.
-        deadline = time.monotonic() + 60
-        while "cancelled by the worker" not in vllm_pair.decode.log_path.read_text(errors="replace"):
-            assert time.monotonic() < deadline, "the decode connector never reported the cancelled pull"
+            _post(f"{vllm_pair.decode.url}/v1/completions", decode_body, timeout=3)
+        if mark is not None:
+            # The connector cancels the pull (its notification says so).
+            deadline = time.monotonic() + 60
+            while mark not in vllm_pair.decode.log_path.read_text(errors="replace"):
+                assert time.monotonic() < deadline, "the decode connector never reported the cancelled pull"
+                time.sleep(0.2)
+        # vLLM frees the request's blocks: nothing stays running or allocated,
+        # and not by waiting out the connector's timeout.
+        while _metric(vllm_pair.decode.url, "vllm:num_requests_running") or _metric(
+            vllm_pair.decode.url, "vllm:kv_cache_usage_perc"
+        ):
+            assert time.monotonic() < started + TIMEOUT_S, "the aborted request's blocks were not freed"
             time.sleep(0.2)
     finally:
         sidecar.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + 60
-    while _metric(vllm_pair.decode.url, "vllm:num_requests_running") or _metric(
-        vllm_pair.decode.url, "vllm:kv_cache_usage_perc"
-    ):
-        assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
-        time.sleep(0.2)
     # The decode engine goes on serving, and the next hand-off works.
     again = long_prompt("after the abort", 10)
     assert vllm_pair.disaggregated(again) == vllm_pair.reference(again)
@@ -259,7 +283,8 @@ def test_an_aborted_transfer_is_cancelled_and_frees_its_blocks(vllm_pair: Disagg
 def test_the_router_hands_a_request_from_prefill_to_decode(vllm_pair: Disaggregated) -> None:
     from kvrail.vllm_router import Router
 
-    router = Router(("127.0.0.1", 0), vllm_pair.prefill.url, vllm_pair.decode.url, 120.0)
+    push_to = (vllm_pair.pair.prefill.node, vllm_pair.prefill.worker_id) if vllm_pair.mode == "push" else None
+    router = Router(("127.0.0.1", 0), vllm_pair.prefill.url, vllm_pair.decode.url, 120.0, push_to)
     thread = threading.Thread(target=router.serve_forever, daemon=True)
     thread.start()
     try:

@@ -7,10 +7,16 @@ Two modes (``kv_connector_extra_config["mode"]``):
   request, keeps its blocks and returns ``kv_transfer_params`` naming them; the
   decode engine reads them in ``start_load_kv`` and the prefill side frees them
   when the sidecar reports them served (or after ``send_timeout_s``).
-* ``push``: the decode engine allocates blocks first and hands their location
-  (:meth:`KvrailConnector.push_target`) to the prefill engine through the
-  router; the prefill engine writes each layer from ``save_kv_layer`` as soon
-  as it is computed, so the transfer overlaps the rest of the forward pass.
+* ``push``: the decode engine allocates blocks first and grants them to the
+  prefill engine; the prefill engine writes each layer from ``save_kv_layer``
+  as soon as it is computed, so the transfer overlaps the rest of the forward
+  pass. With real vLLM servers the router sends the request to both engines
+  at once with one ``push_ticket`` (``python -m kvrail.vllm_router --mode
+  push``): the decode's scheduler sends its grant (regions, block ids) to the
+  prefill's scheduler as a kvrail worker message (``SendMessage``), and the
+  prefill's scheduler holds the request (``get_num_new_matched_tokens``
+  returns ``None``) until the grant is there. In-process drivers can instead
+  hand :meth:`KvrailConnector.push_target` over themselves.
 
 vLLM is imported only when installed; otherwise the same call sequence is driven
 by :mod:`kvrail.engine_sim` (tests and examples).
@@ -28,6 +34,7 @@ from typing import Any
 
 from .client import (
     FAILED,
+    MESSAGE,
     PULL_DONE,
     PULL_SERVED,
     PUSH_DONE,
@@ -103,6 +110,8 @@ class RemoteBlocks:
     remote_node: str
     remote_regions: RegionTable
     remote_request_id: str
+    #: Push mode: the remote blocks' generations per region id (as text).
+    remote_generations: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_params(
@@ -116,6 +125,7 @@ class RemoteBlocks:
             params["remote_node"],
             [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
             params["remote_request_id"],
+            dict(params.get("remote_generations") or {}),
         )
 
 
@@ -139,6 +149,40 @@ def _extra(vllm_config: Any) -> dict[str, Any]:
 def _status_name(request: Any) -> str:
     s = getattr(request, "status", None)
     return getattr(s, "name", str(s))
+
+
+#: Topic prefix of a decode engine's grant; the push ticket follows.
+GRANT_TOPIC = "kvrail-grant/"
+
+
+def scheduler_id(worker_id: str) -> str:
+    """The id a push-mode scheduler receives grants under."""
+    return f"{worker_id}.scheduler"
+
+
+def _parse_grant(payload: bytes) -> dict[str, Any] | None:
+    """A grant's target, checked for shape (it comes from another node)."""
+    try:
+        g = json.loads(payload)
+        ok = (
+            isinstance(g, dict)
+            and isinstance(g.get("remote_node"), str)
+            and isinstance(g.get("remote_request_id"), str)
+            and isinstance(g.get("skip_blocks", 0), int)
+            and all(isinstance(b, int) and b >= 0 for b in g.get("remote_block_ids", None))
+            and all(
+                isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) for x in r)
+                for r in g.get("remote_regions", None)
+            )
+            and isinstance(g.get("remote_generations", {}), dict)
+            and all(
+                isinstance(v, list) and all(isinstance(x, int) for x in v)
+                for v in g.get("remote_generations", {}).values()
+            )
+        )
+    except (ValueError, TypeError):
+        return None
+    return g if ok else None
 
 
 def _blocks_to_load(blocks: Any) -> tuple[list[int], int]:
@@ -226,6 +270,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         self.node: str = self.client.peers().node_name
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerState()
+            if self.mode == "push":
+                # Grants from decode engines arrive as messages to this id.
+                self._sched.messages = self.client.notifications(worker_id=scheduler_id(self.worker_id))
         else:
             self._work = _WorkerState(self.client.notifications())
 
@@ -243,8 +290,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             ) from None
         return [tuple(r) for r in data["regions"]]  # type: ignore[misc]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = getattr(request, "kv_transfer_params", None) or {}
+        if self.mode == "push" and params.get("do_remote_decode") and params.get("push_ticket"):
+            if not self._await_grant(request.request_id, params):
+                return None, False  # asked again next step
+            return 0, False
         if params.get("do_remote_prefill"):
             count = len(request.prompt_token_ids) - num_computed_tokens
             if count > 0:
@@ -257,16 +308,27 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if params.get("do_remote_prefill") and num_external_tokens > 0:
             local = list(blocks.get_block_ids()[0])
             if self.mode == "push":
-                # Decode first: the prefill engine will write into these blocks.
-                self._sched.push_targets[rid] = {
-                    "do_remote_decode": True,
-                    "push_to": {
-                        "remote_node": self.node,
-                        "remote_regions": self._regions(),
-                        "remote_block_ids": local,
-                        "remote_request_id": rid,
+                # Decode first: the prefill engine will write into these blocks
+                # (the ones the local prefix cache does not already hold).
+                local, cached = _blocks_to_load(blocks)
+                regions = self._regions()
+                target = {
+                    "remote_node": self.node,
+                    "remote_regions": regions,
+                    "remote_block_ids": local,
+                    "remote_request_id": rid,
+                    "skip_blocks": cached,
+                    # A push naming these generations fails once this side
+                    # releases the blocks (abort, timeout): none lands late.
+                    "remote_generations": {
+                        str(r): self.client.block_generations(r, local) for r, _, _ in regions
                     },
                 }
+                ticket = params.get("push_ticket")
+                if ticket:
+                    self._send_grant(rid, str(ticket), params.get("push_grant_to") or {}, target)
+                else:
+                    self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
                 self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid)
             else:
                 # Blocks the local prefix cache already holds are not read again.
@@ -281,6 +343,51 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched.pushing[rid] = params["push_to"]
             self._sched.prefill_blocks[rid] = list(blocks.get_block_ids()[0])
             self._sched.prompt_tokens[rid] = len(request.prompt_token_ids)
+
+    def _send_grant(self, rid: str, ticket: str, to: dict[str, Any], target: dict[str, Any]) -> None:
+        """Decode side: grants this request's blocks to the prefill engine named
+        in ``push_grant_to`` ({"node", "worker"}). A grant that cannot be sent
+        leaves the request to the pushed-layer timeout (its blocks then count
+        as load errors)."""
+        node, worker = to.get("node"), to.get("worker")
+        if not isinstance(node, str) or not isinstance(worker, str):
+            log.error("kvrail: push_ticket %s without push_grant_to {node, worker}: nothing will arrive", ticket)
+            return
+        payload = json.dumps(dict(target, ticket=ticket), separators=(",", ":")).encode()
+        try:
+            self.client.send_message(node, scheduler_id(worker), GRANT_TOPIC + ticket, payload)
+        except KvrailError as e:
+            log.error("kvrail: grant of %s to %s/%s failed: %s", rid, node, worker, e)
+
+    def _await_grant(self, rid: str, params: dict[str, Any]) -> bool:
+        """Prefill side: whether the decode's grant for this request's ticket is
+        here (then ``params["push_to"]`` holds it). Gives up after
+        ``timeout_s``: the request is then prefilled without a push."""
+        s = self._sched
+        ticket = str(params["push_ticket"])
+        now = time.monotonic()
+        for n in s.messages.poll() if s.messages is not None else ():
+            if n.kind == MESSAGE and n.request_id.startswith(GRANT_TOPIC):
+                grant = _parse_grant(n.payload)
+                if grant is None:
+                    log.warning("kvrail: malformed grant from %s/%s dropped", n.peer, n.from_worker)
+                    continue
+                s.grants[n.request_id[len(GRANT_TOPIC) :]] = (now, grant)
+        # Grants nobody claimed (their request never came) do not pile up.
+        for t, (at, _) in list(s.grants.items()):
+            if now - at > self.timeout_s:
+                del s.grants[t]
+        got = s.grants.pop(ticket, None)
+        if got is not None:
+            params["push_to"] = got[1]
+            s.waiting_since.pop(rid, None)
+            return True
+        since = s.waiting_since.setdefault(rid, now)
+        if now - since > self.timeout_s:
+            log.error("kvrail: no grant for %s (ticket %s) within %.0f s: prefilling without a push", rid, ticket, self.timeout_s)
+            s.waiting_since.pop(rid, None)
+            return True
+        return False
 
     def push_target(self, request_id: str) -> dict[str, Any] | None:
         """Push mode, decode side: the ``kv_transfer_params`` the router gives the
@@ -307,7 +414,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     continue
                 # Push once, in the step that computes the prompt's last token.
                 if computed.get(rid, 0) + scheduled >= s.prompt_tokens.get(rid, 0):
-                    local = s.prefill_blocks[rid]
+                    # Blocks the decode's prefix cache already holds are skipped.
+                    local = s.prefill_blocks[rid][int(target.get("skip_blocks", 0)) :]
                     remote = list(target["remote_block_ids"])
                     n = min(len(local), len(remote))
                     meta.save[rid] = RemoteBlocks.from_params(local[:n], remote[:n], target)
@@ -330,6 +438,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 return True, None
             return False, None
         if self.mode == "push":
+            s.waiting_since.pop(rid, None)
             s.pushing.pop(rid, None)
             s.prefill_blocks.pop(rid, None)
             s.prompt_tokens.pop(rid, None)
@@ -426,12 +535,13 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         for rid, spec in meta.save.items():
             dst_region, dst_layer = _layer_region(spec.remote_regions, layer)
             name = f"{spec.remote_request_id}/L{layer}"
+            gens = spec.remote_generations.get(str(dst_region), ())
             try:
                 t = self.client.push(
                     name,
                     spec.remote_node,
                     Blocks(src_region, spec.local_block_ids, src_layer, 1),
-                    Blocks(dst_region, spec.remote_block_ids, dst_layer, 1),
+                    Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
                 )
             except KvrailError as e:
                 log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
@@ -454,7 +564,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         w.finished_seen.update(finished_req_ids)
         for n in w.notes.poll():
             w.on_notification(n)
-        return w.collect()
+        return w.collect(self.client)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         w = self._work
@@ -462,6 +572,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         return out
 
     def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER and self._sched.messages is not None:
+            self._sched.messages.close()
         if self.role == KVConnectorRole.WORKER:
             w = self._work
             for rid in list(w.receiving):
@@ -486,6 +598,11 @@ class _SchedulerState:
     new_sends: dict[str, int] = field(default_factory=dict)
     new_cancels: set[str] = field(default_factory=set)
     push_targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # push mode, prefill side: grants by ticket (arrival time, target), and
+    # when each request started waiting for its grant
+    messages: Notifications | None = None
+    grants: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    waiting_since: dict[str, float] = field(default_factory=dict)
     pushing: dict[str, dict[str, Any]] = field(default_factory=dict)
     pushed: set[str] = field(default_factory=set)
     prefill_blocks: dict[str, list[int]] = field(default_factory=dict)
@@ -523,8 +640,24 @@ class _WorkerState:
         self.load_errors: set[int] = set()
         self.cancelled: set[str] = set()
 
+    def release_pushed(self, client: Client, rid: str) -> None:
+        """Push mode, decode side: gives up on a request's pushed layers. The
+        blocks' generations move on, so a push still on its way (or one sent
+        later from the grant) fails instead of writing into blocks vLLM reuses;
+        the blocks can then be freed at once."""
+        blocks = self.local_blocks.get(rid, [])
+        for region, _, _ in self.regions:
+            try:
+                client.release_blocks(region, blocks)
+            except KvrailError as e:
+                log.warning("kvrail: releasing blocks of %s: %s", rid, e)
+        self.push_expected[rid] = 0
+
     def cancel(self, client: Client, rid: str) -> None:
         self.cancelled.add(rid)
+        if rid in self.push_expected:
+            self.release_pushed(client, rid)
+            return
         for tid in list(self.receiving.get(rid, ())):
             try:
                 client.cancel(tid)
@@ -563,18 +696,17 @@ class _WorkerState:
         if n.kind in (PUSH_DONE, FAILED) and owner in self.sending:
             self.sending[owner].discard(n.transfer_id)
 
-    def collect(self) -> tuple[set[str] | None, set[str] | None]:
+    def collect(self, client: Client) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
         for rid, pending in list(self.receiving.items()):
             expected = self.push_expected.get(rid)
             if expected is not None:
-                # A peer's pushes cannot be cancelled from here: even an aborted
-                # request keeps its blocks until every layer landed or failed.
                 if self.push_arrived.get(rid, 0) < expected:
                     if now <= self.push_deadline[rid]:
                         continue
                     log.warning("kvrail: pushed KV of %s incomplete after the timeout", rid)
                     self.load_errors.update(self.local_blocks.get(rid, ()))
+                    self.release_pushed(client, rid)
             elif pending:
                 continue
             del self.receiving[rid]

@@ -19,7 +19,9 @@ from .layout import KvLayout, Layout, PagedLayout, TensorView, paged_layout
 # Address ranges of the shared-memory files this process mapped, so that a tensor
 # handed over later (as vLLM hands its KV caches to a connector) can be traced
 # back to the file the sidecar has to map.
-_mapped: dict[int, tuple[int, Path]] = {}
+# Entries are (end, path, inode); an entry whose range no longer maps that
+# inode (the owner freed the memory, the address was reused) is stale.
+_mapped: dict[int, tuple[int, Path, int]] = {}
 _mapped_lock = threading.Lock()
 
 
@@ -46,7 +48,7 @@ class SharedMemory:
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = int(self.array.__array_interface__["data"][0])
         with _mapped_lock:
-            _mapped[self.address] = (self.address + nbytes, self.path)
+            _mapped[self.address] = (self.address + nbytes, self.path, os.stat(self.path).st_ino)
 
     def unlink(self) -> None:
         """Removes the file (the mapping stays valid until the last view goes)."""
@@ -64,11 +66,29 @@ class SharedMemory:
         self.unlink()
 
 
+def _inode_mapped_at(address: int) -> int | None:
+    """The inode of the file mapped at ``address`` in this process (None for
+    anonymous memory or an unmapped address), from ``/proc/self/maps``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                inode = int(fields[4])
+                return inode or None
+    return None
+
+
 def find_shared_memory(address: int) -> tuple[Path, int]:
-    """The file and the offset in it of an address inside a :class:`SharedMemory`."""
+    """The file and the offset in it of an address inside a :class:`SharedMemory`
+    (or memory adopted with :func:`adopt_host_memory`) that is still mapped."""
     with _mapped_lock:
-        for start, (end, path) in _mapped.items():
+        for start, (end, path, inode) in list(_mapped.items()):
             if start <= address < end:
+                if _inode_mapped_at(address) != inode:
+                    # Freed by its owner; the address now holds something else.
+                    del _mapped[start]
+                    continue
                 return path, address - start
     raise LayoutError(
         f"address {address:#x} is not in shared memory created by kvrail "
@@ -92,8 +112,8 @@ def _libc() -> ctypes.CDLL:
 
 def _private_anonymous(start: int, end: int) -> bool:
     """Whether ``[start, end)`` lies wholly in private, anonymous, readable and
-    writable mappings of this process (heap or mmap'd allocations: what torch
-    and numpy allocate), read from ``/proc/self/maps``."""
+    writable mappings of this process other than the brk heap (large torch and
+    numpy allocations are mmap'd on their own), from ``/proc/self/maps``."""
     covered = start
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -105,7 +125,9 @@ def _private_anonymous(start: int, end: int) -> bool:
             path = fields[5] if len(fields) > 5 else ""
             if not perms.startswith("rw") or perms[3] != "p" or fields[4] != "0":
                 return False
-            if path not in ("", "[heap]"):
+            # Not the brk heap: its pages hold other allocations, which other
+            # threads may write while the pages are copied and remapped.
+            if path != "":
                 return False
             covered = hi
             if covered >= end:
@@ -142,8 +164,9 @@ def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
     Call it before the memory is in use by other threads (e.g. from
     ``register_kv_caches``): bytes written to the pages during the call are lost.
     The whole pages are adopted, so they must belong to one private anonymous
-    allocation (large torch and numpy buffers are mmap'd on their own); anything
-    else (file-backed, read-only, shared) is refused. When the owner frees the
+    allocation mmap'd on its own (glibc does so for allocations above its mmap
+    threshold, at most 32 MiB; a KV cache is far larger); anything else (the brk
+    heap, file-backed, read-only or shared memory) is refused. When the owner frees the
     allocation, its munmap unmaps the file's pages as it would anonymous ones.
     Idempotent: memory already in kvrail shared memory is returned as it is.
     """
@@ -190,9 +213,10 @@ def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
         except FileNotFoundError:
             pass
         raise
+    inode = os.fstat(fd).st_ino
     os.close(fd)
     with _mapped_lock:
-        _mapped[start] = (end, path)
+        _mapped[start] = (end, path, inode)
     return AdoptedMemory(path, start, length)
 
 

@@ -9,6 +9,15 @@ Standard library only (no vLLM or web framework needed)::
     python -m kvrail.vllm_router --listen 127.0.0.1:8000 \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
+``--mode push`` (engines started with the connector's ``"mode": "push"``)
+sends the request to both servers at once with one ``push_ticket``: the decode
+engine grants its blocks to the prefill engine (named by ``--prefill-kvrail
+NODE/WORKER``: its kvrail node and the connector's ``worker_id``), which
+writes each layer into them as it computes it::
+
+    python -m kvrail.vllm_router --mode push --prefill-kvrail prefill/vllm-prefill \
+        --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+
 Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed or
 not) and ``GET /health``; anything else is 404. A prefill that fails or returns
 no ``kv_transfer_params`` is answered with 502 and its reason, never silently
@@ -21,6 +30,8 @@ import argparse
 import json
 import logging
 import sys
+import threading
+import uuid
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +69,36 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     out.pop("stream_options", None)
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
+
+
+def push_requests(body: dict[str, Any], prefill_node: str, prefill_worker: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Push mode: (the prefill server's copy, the decode server's copy), tied
+    by a fresh ticket; the decode engine grants its blocks to the prefill's."""
+    ticket = uuid.uuid4().hex
+    pre = prefill_request(body)
+    pre["kv_transfer_params"] = {"do_remote_decode": True, "push_ticket": ticket}
+    dec = dict(body)
+    dec["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "push_ticket": ticket,
+        "push_grant_to": {"node": prefill_node, "worker": prefill_worker},
+    }
+    return pre, dec
+
+
+def _prefill_in_background(url: str, body: dict[str, Any], timeout: float) -> threading.Thread:
+    def run() -> None:
+        try:
+            with _post(url, body, timeout) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            log.error("push-mode prefill failed (%s): %s", e.code, e.read().decode(errors="replace")[:500])
+        except OSError as e:
+            log.error("push-mode prefill failed: %s", e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
 
 
 def hand_off(prefill: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -123,11 +164,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             self._reply(400, {"error": "body must be a JSON object"})
             return
-        try:
-            decode_body = hand_off(self.server.prefill, self.path, body, self.server.timeout_s)
-        except RouterError as e:
-            self._reply(e.status, {"error": str(e)})
-            return
+        if self.server.push_to is not None:
+            # Both at once: the prefill waits for the decode's grant, then
+            # pushes each layer while the decode waits for them.
+            prefill_body, decode_body = push_requests(body, *self.server.push_to)
+            _prefill_in_background(self.server.prefill + self.path, prefill_body, self.server.timeout_s)
+        else:
+            try:
+                decode_body = hand_off(self.server.prefill, self.path, body, self.server.timeout_s)
+            except RouterError as e:
+                self._reply(e.status, {"error": str(e)})
+                return
         try:
             upstream = _post(self.server.decode + self.path, decode_body, self.server.timeout_s)
         except urllib.error.HTTPError as e:
@@ -155,11 +202,21 @@ class _Handler(BaseHTTPRequestHandler):
 class Router(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, listen: tuple[str, int], prefill: str, decode: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        listen: tuple[str, int],
+        prefill: str,
+        decode: str,
+        timeout_s: float,
+        push_to: tuple[str, str] | None = None,
+    ) -> None:
+        """``push_to``: push mode, with the prefill engine's (kvrail node,
+        connector worker id); None: pull mode."""
         super().__init__(listen, _Handler)
         self.prefill = prefill.rstrip("/")
         self.decode = decode.rstrip("/")
         self.timeout_s = timeout_s
+        self.push_to = push_to
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -175,9 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", required=True, help="prefill server URL, e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", required=True, help="decode server URL, e.g. http://127.0.0.1:8200")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call (default 600)")
+    p.add_argument("--mode", choices=("pull", "push"), default="pull", help="as the engines' connectors (default pull)")
+    p.add_argument(
+        "--prefill-kvrail",
+        metavar="NODE/WORKER",
+        help="push mode: the prefill engine's kvrail node name and connector worker_id",
+    )
     args = p.parse_args(argv)
+    push_to = None
+    if args.mode == "push":
+        node, sep, worker = (args.prefill_kvrail or "").partition("/")
+        if not (node and sep and worker):
+            p.error("--mode push needs --prefill-kvrail NODE/WORKER")
+        push_to = (node, worker)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    with Router(args.listen, args.prefill, args.decode, args.timeout) as router:
+    with Router(args.listen, args.prefill, args.decode, args.timeout, push_to) as router:
         host, port = router.server_address[:2]
         print(f"kvrail vLLM router on http://{host}:{port}", file=sys.stderr, flush=True)
         try:
