@@ -25,8 +25,10 @@ by :mod:`kvrail.engine_sim` (tests and examples).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +153,67 @@ def _status_name(request: Any) -> str:
     return getattr(s, "name", str(s))
 
 
+class _CallStats:
+    """Time spent inside the connector's per-step worker calls (the engine's
+    loop waits for them), written as JSON to ``stats_path`` at most once a
+    second: calls, total, p50/p99/max in microseconds per method."""
+
+    MAX_SAMPLES = 200_000
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.samples: dict[str, list[int]] = {}
+        self.totals: dict[str, tuple[int, int]] = {}
+        self.last_dump = 0.0
+
+    def record(self, name: str, ns: int) -> None:
+        calls, total = self.totals.get(name, (0, 0))
+        self.totals[name] = (calls + 1, total + ns)
+        samples = self.samples.setdefault(name, [])
+        if len(samples) < self.MAX_SAMPLES:
+            samples.append(ns)
+
+    def maybe_dump(self) -> None:
+        now = time.monotonic()
+        if now - self.last_dump < 1.0:
+            return
+        self.last_dump = now
+        out = {}
+        for name, (calls, total) in self.totals.items():
+            xs = sorted(self.samples[name])
+            pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] / 1e3  # noqa: E731
+            out[name] = {
+                "calls": calls,
+                "total_us": total / 1e3,
+                "mean_us": total / calls / 1e3,
+                "p50_us": pick(0.5),
+                "p99_us": pick(0.99),
+                "max_us": xs[-1] / 1e3,
+            }
+        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "calls": out}, indent=1))
+        tmp.replace(self.path)
+
+
+def _timed(fn: Any) -> Any:
+    """Records a worker call's duration when ``stats_path`` is configured."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "KvrailConnector", *args: Any, **kwargs: Any) -> Any:
+        stats = self._stats
+        if stats is None:
+            return fn(self, *args, **kwargs)
+        start = time.perf_counter_ns()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            stats.record(fn.__name__, time.perf_counter_ns() - start)
+            if fn.__name__ == "get_finished":
+                stats.maybe_dump()
+
+    return wrapper
+
+
 #: Topic prefix of a decode engine's grant; the push ticket follows.
 GRANT_TOPIC = "kvrail-grant/"
 
@@ -246,7 +309,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     under ``/dev/shm``), ``timeout_s`` (default 120: a prefill frees blocks
     nobody read after this; a decode gives up on pushed layers that did not
     arrive and reports their blocks as load errors), ``kv_layout`` (``flash_attn``, ``flash_infer``, ``mla``;
-    default: from the tensors' shapes).
+    default: from the tensors' shapes), ``stats_path`` (optional: the worker
+    writes the time spent in its per-step calls to ``<stats_path>.worker``).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -266,6 +330,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         )
         self.timeout_s = float(extra.get("timeout_s", 120.0))
         self.kv_layout = extra.get("kv_layout")
+        stats_path = extra.get("stats_path")
+        self._stats = (
+            _CallStats(Path(f"{stats_path}.{role.name.lower()}"))
+            if stats_path and role == KVConnectorRole.WORKER
+            else None
+        )
         self.client = Client(self.socket, self.worker_id)
         self.node: str = self.client.peers().node_name
         if role == KVConnectorRole.SCHEDULER:
@@ -489,6 +559,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         )
         tmp.replace(self.region_table_path)  # readers never see half a file
 
+    @_timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         w = self._work
         meta: KvrailConnectorMetadata = self._get_connector_metadata()
@@ -525,6 +596,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         # with vLLM's NixlConnector; nothing to wait for per layer.
         return
 
+    @_timed
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         if self.mode != "push" or not self.has_connector_metadata():
             return
@@ -549,11 +621,13 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             w.sending.setdefault(rid, set()).add(t.transfer_id)
             w.transfer_owner[name] = rid
 
+    @_timed
     def wait_for_save(self) -> None:
         # Pushes read blocks vLLM keeps until get_finished reports the request
         # (request_finished returned True), so the forward pass need not wait.
         return
 
+    @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         w = self._work
         if self.has_connector_metadata():
