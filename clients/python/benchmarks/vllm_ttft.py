@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,8 +51,11 @@ def free_port() -> int:
 
 def post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: {e.code} {e.read().decode(errors='replace')[:500]}") from None
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
@@ -173,7 +177,7 @@ def main() -> int:
     p.add_argument("--kvrail", type=Path, required=True)
     p.add_argument("--model", type=Path, required=True, help="built here if missing")
     p.add_argument("--modes", default="pull,push")
-    p.add_argument("--sentences", default="8,36,110", help="prompt lengths in sentences (~14 tokens each)")
+    p.add_argument("--sentences", default="6,24,72", help="prompt lengths in sentences (~20 tokens each)")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     model = tiny_model.build(args.model)
@@ -185,16 +189,20 @@ def main() -> int:
                 points = []
                 for n in (int(x) for x in args.sentences.split(",")):
                     # Warm-up of this length on both paths, then fresh prompts.
-                    stack.single(" ".join(f"{SENTENCE} warm {n} {i}" for i in range(n)))
-                    stack.disaggregated(" ".join(f"{SENTENCE} warm2 {n} {i}" for i in range(n)))
+                    # Each prompt starts with its own tag: no prefix-cache hits
+                    # between runs, or between the two paths.
+                    def prompt(tag: str) -> str:
+                        return f"{tag}: " + " ".join(f"{SENTENCE} {i}" for i in range(n))
+
+                    stack.single(prompt(f"warm single {n}"))
+                    stack.disaggregated(prompt(f"warm disaggregated {n}"))
                     single, disagg = [], []
                     for r in range(args.repeats):
-                        prompt = " ".join(f"{SENTENCE} {mode} {n} {r} {i}" for i in range(n))
-                        single.append(stack.single(prompt + " s"))
-                        disagg.append(stack.disaggregated(prompt + " d"))
-                    tokens = post(stack.urls["prefill"] + "/tokenize", {"model": stack.model, "prompt": prompt})[
-                        "count"
-                    ]
+                        single.append(stack.single(prompt(f"single {mode} {n} {r}")))
+                        disagg.append(stack.disaggregated(prompt(f"disaggregated {mode} {n} {r}")))
+                    tokens = post(
+                        stack.urls["prefill"] + "/tokenize", {"model": stack.model, "prompt": prompt(f"single {mode} {n} 0")}
+                    )["count"]
                     points.append(
                         {
                             "prompt_tokens": tokens,
