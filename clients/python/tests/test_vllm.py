@@ -90,6 +90,10 @@ class Engine:
             "--max-num-seqs", "8",
             "--kv-transfer-config", json.dumps(kv_config),
         ]  # fmt: skip
+        if role == "prefill":
+            # Long prompts are prefilled in chunks of 256 tokens, over several
+            # steps, as a busy engine does.
+            args += ["--max-num-batched-tokens", "256"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
