@@ -5,6 +5,7 @@ and in push mode, aborts, and bad input."""
 from __future__ import annotations
 
 import signal
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -125,3 +126,31 @@ def _no_socket():
     cfg = vllm_config("", "pull", "e", "kv_both")
     del cfg.kv_transfer_config.kv_connector_extra_config["socket"]
     return cfg
+
+
+def test_push_mode_prefill_resumed_after_preemption_pushes_its_new_blocks(pair):
+    from kvrail.engine_sim import CachedRequestData, KVCacheBlocks, SchedulerOutput
+
+    s = KvrailConnector(vllm_config(str(pair.prefill.socket), "push", "e", "kv_both"), KVConnectorRole.SCHEDULER)
+    try:
+        target = {
+            "remote_node": "decode",
+            "remote_regions": [[1, 0, 2]],
+            "remote_block_ids": [40, 41, 42],
+            "remote_request_id": "d-1",
+        }
+        req = SimpleNamespace(
+            request_id="p-1", prompt_token_ids=list(range(300)), kv_transfer_params={"do_remote_decode": True, "push_to": target}
+        )
+        s.update_state_after_alloc(req, KVCacheBlocks([1, 2]), 0)
+        step = lambda cached, computed, scheduled: s.build_connector_meta(  # noqa: E731
+            SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"p-1": scheduled})
+        )
+        # A chunk's step adds a block; then the request is preempted and comes
+        # back with all its blocks anew; its last chunk's step pushes those.
+        assert not step(CachedRequestData(["p-1"], set(), [([3],)], [128]), 128, 128).save
+        meta = step(CachedRequestData(["p-1"], {"p-1"}, [([7, 8, 9],)], [0]), 0, 300)
+        assert meta.save["p-1"].local_block_ids == [7, 8, 9]
+        assert meta.save["p-1"].remote_block_ids == [40, 41, 42]
+    finally:
+        s.shutdown()

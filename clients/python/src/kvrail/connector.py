@@ -471,9 +471,15 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if self.mode == "push":
             # Blocks added in later steps of a chunked prefill.
             cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+            # A request resumed after preemption gets all its blocks anew.
+            resumed = set(getattr(cached, "resumed_req_ids", None) or ())
             for i, rid in enumerate(getattr(cached, "req_ids", []) or []):
                 new = cached.new_block_ids[i]
-                if rid in s.prefill_blocks and new:
+                if rid not in s.prefill_blocks or new is None:
+                    continue
+                if rid in resumed:
+                    s.prefill_blocks[rid] = list(new[0])
+                else:
                     s.prefill_blocks[rid].extend(new[0])
             computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
             if cached is not None:

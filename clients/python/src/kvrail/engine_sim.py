@@ -57,6 +57,8 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
+    # Requests resumed after preemption: their new_block_ids replace the old.
+    resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
