@@ -262,10 +262,14 @@ def test_memory_the_worker_allocated_itself_is_adopted_in_place(pair, tmp_path):
 
 def test_memory_that_is_not_private_is_not_adopted(tmp_path):
     path = tmp_path / "file-backed"
-    path.write_bytes(b"\0" * (1 << 20))
+    with open(path, "wb") as f:
+        f.truncate(40 << 20)
     mapped = np.memmap(path, dtype=np.uint8, mode="r+")
     with pytest.raises(kvrail.LayoutError, match="not wholly private anonymous"):
         kvrail.adopt_tensor(mapped)
+    # A small allocation may share its pages with other objects: refused.
+    with pytest.raises(kvrail.LayoutError, match="too small to adopt"):
+        kvrail.adopt_tensor(np.zeros(1 << 20, np.uint8))
     with pytest.raises(kvrail.LayoutError):
         kvrail.adopt_host_memory(mapped.__array_interface__["data"][0], 0)
 
@@ -315,3 +319,11 @@ def test_memory_freed_after_adoption_is_not_mistaken_for_shared_memory():
             kvrail.memory.find_shared_memory(address + 10)
     finally:
         libc.munmap(address, size)
+
+
+def test_adopting_kvrail_shared_memory_keeps_its_file(pair):
+    kv = make_cache(pair, "own-file")
+    a = kvrail.adopt_tensor(kv.layers[1])
+    assert a.path == kv.path and not a.owned
+    a.unlink()
+    assert kv.path.exists()

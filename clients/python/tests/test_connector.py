@@ -4,6 +4,7 @@ and in push mode, aborts, and bad input."""
 
 from __future__ import annotations
 
+import json
 import signal
 from types import SimpleNamespace
 
@@ -154,3 +155,33 @@ def test_push_mode_prefill_resumed_after_preemption_pushes_its_new_blocks(pair):
         assert meta.save["p-1"].remote_block_ids == [40, 41, 42]
     finally:
         s.shutdown()
+
+
+def test_a_peer_grant_is_checked_before_use():
+    from kvrail.connector import _parse_grant
+
+    good = {
+        "remote_node": "decode",
+        "remote_request_id": "d-1",
+        "remote_regions": [[5, 0, 2]],
+        "remote_block_ids": [1, 2],
+        "remote_generations": {"5": [1, 1]},
+        "skip_blocks": 0,
+    }
+    enc = lambda g: json.dumps(g).encode()  # noqa: E731
+    assert _parse_grant(enc(good), "decode", 2) == good
+    assert _parse_grant(enc(good), "someone-else", 2) is None  # not the sender's own blocks
+    assert _parse_grant(enc(good), "decode", 3) is None  # layer 2 in no region
+    for bad in (
+        b"[" * 20000,  # nesting deeper than the parser goes
+        b"\xff",
+        enc([]),
+        enc(dict(good, remote_block_ids=[1 << 40])),
+        enc(dict(good, remote_block_ids=[-1])),
+        enc(dict(good, remote_block_ids=[True])),
+        enc(dict(good, remote_regions=[[5, 0]])),
+        enc(dict(good, remote_regions=None)),
+        enc(dict(good, remote_generations={"5": ["x"]})),
+        enc(dict(good, skip_blocks=-3)),
+    ):
+        assert _parse_grant(bad, "decode", 2) is None, bad[:40]

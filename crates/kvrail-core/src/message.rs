@@ -23,7 +23,14 @@ pub enum MessageError {
     },
     #[error("message {0} is empty")]
     Empty(&'static str),
+    /// The link to the peer already holds this many frames waiting to go out:
+    /// the sender is told to back off instead of queueing without bound.
+    #[error("{0} control frames already wait to be sent to this peer; try again later")]
+    Busy(usize),
 }
+
+/// Control frames queued to one peer beyond which a message is refused.
+pub const MAX_QUEUED_CONTROL: usize = 4096;
 
 /// Checks a message's fields (sender side and on receipt alike).
 pub fn check(m: &pb::WorkerMessage) -> Result<(), MessageError> {

@@ -724,3 +724,24 @@ fn a_worker_message_crosses_and_an_oversized_one_is_dropped_on_receipt() {
         ))
     ));
 }
+
+#[test]
+fn messages_beyond_the_queue_limit_are_refused_not_queued() {
+    let mut p = Pair::new(1, small_slices(), 42);
+    let msg = crate::wire::pb::WorkerMessage {
+        from_worker: "a".into(),
+        to_worker: "b".into(),
+        topic: "t".into(),
+        payload: vec![],
+    };
+    // Nothing is flushed: every message stays queued.
+    for _ in 0..crate::message::MAX_QUEUED_CONTROL {
+        p.sides[0].session.send_message(msg.clone()).unwrap();
+    }
+    assert!(matches!(
+        p.sides[0].session.send_message(msg.clone()),
+        Err(crate::message::MessageError::Busy(_))
+    ));
+    p.drive();
+    assert!(p.sides[0].session.send_message(msg).is_ok());
+}

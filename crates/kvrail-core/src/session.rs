@@ -1669,6 +1669,9 @@ impl Session {
         m: pb::WorkerMessage,
     ) -> Result<(), crate::message::MessageError> {
         crate::message::check(&m)?;
+        if self.control.len() >= crate::message::MAX_QUEUED_CONTROL {
+            return Err(crate::message::MessageError::Busy(self.control.len()));
+        }
         self.control
             .push_back((None, crate::wire::message(Body::WorkerMessage(m))));
         Ok(())

@@ -563,7 +563,12 @@ impl Sidecar for Api {
             Err(e) => return Err(Status::unavailable(e.to_string())),
         };
         link.with_session(|s, _| s.send_message(message))
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(|e| match e {
+                kvrail_core::message::MessageError::Busy(_) => {
+                    Status::resource_exhausted(e.to_string())
+                }
+                e => Status::invalid_argument(e.to_string()),
+            })?;
         metrics::counter!(m::MESSAGES_SENT).increment(1);
         Ok(Response::new(SendMessageResponse {}))
     }

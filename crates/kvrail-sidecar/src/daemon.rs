@@ -16,7 +16,7 @@ use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
 use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport};
 use tokio::sync::Mutex as AsyncMutex;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::{Config, PeerConfig};
 use crate::gpu::GpuDevices;
@@ -773,12 +773,13 @@ impl Shared {
                 };
                 metrics::counter!(m::MESSAGES_RECEIVED, "outcome" => outcome).increment(1);
                 if !delivered {
-                    warn!(peer, to_worker = %to, "message for a worker that never subscribed here: dropped");
+                    // Counted above; not logged at warn: a peer could flood the log.
+                    debug!(peer, to_worker = %to, "message for a worker that never subscribed here: dropped");
                 }
             }
             Event::MessageDropped(e) => {
                 metrics::counter!(m::MESSAGES_RECEIVED, "outcome" => "refused").increment(1);
-                warn!(peer, "message from the peer refused: {e}");
+                debug!(peer, "message from the peer refused: {e}");
             }
             Event::Done {
                 transfer_id,

@@ -158,7 +158,7 @@ class _CallStats:
     loop waits for them), written as JSON to ``stats_path`` at most once a
     second: calls, total, p50/p99/max in microseconds per method."""
 
-    MAX_SAMPLES = 200_000
+    MAX_SAMPLES = 20_000
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -191,8 +191,11 @@ class _CallStats:
                 "max_us": xs[-1] / 1e3,
             }
         tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "calls": out}, indent=1))
-        tmp.replace(self.path)
+        try:
+            tmp.write_text(json.dumps({"pid": os.getpid(), "calls": out}, indent=1))
+            tmp.replace(self.path)
+        except OSError as e:  # statistics never stop the engine
+            log.warning("kvrail: writing %s: %s", self.path, e)
 
 
 def _timed(fn: Any) -> Any:
@@ -216,6 +219,8 @@ def _timed(fn: Any) -> Any:
 
 #: Topic prefix of a decode engine's grant; the push ticket follows.
 GRANT_TOPIC = "kvrail-grant/"
+#: Grants kept for requests that have not arrived yet (oldest dropped first).
+MAX_PENDING_GRANTS = 4096
 
 
 def scheduler_id(worker_id: str) -> str:
@@ -223,27 +228,34 @@ def scheduler_id(worker_id: str) -> str:
     return f"{worker_id}.scheduler"
 
 
-def _parse_grant(payload: bytes) -> dict[str, Any] | None:
-    """A grant's target, checked for shape (it comes from another node)."""
+def _uint(x: Any, bits: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << bits)
+
+
+def _parse_grant(payload: bytes, peer: str, num_layers: int) -> dict[str, Any] | None:
+    """A grant's target, checked for shape and ranges (it comes from another
+    node): from ``peer`` itself, block ids that fit the wire, a region table
+    covering every layer. None for anything else."""
     try:
         g = json.loads(payload)
+        if not isinstance(g, dict) or g.get("remote_node") != peer:
+            return None
+        regions = g.get("remote_regions")
+        gens = g.get("remote_generations", {})
         ok = (
-            isinstance(g, dict)
-            and isinstance(g.get("remote_node"), str)
-            and isinstance(g.get("remote_request_id"), str)
-            and isinstance(g.get("skip_blocks", 0), int)
-            and all(isinstance(b, int) and b >= 0 for b in g.get("remote_block_ids", None))
-            and all(
-                isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) for x in r)
-                for r in g.get("remote_regions", None)
-            )
-            and isinstance(g.get("remote_generations", {}), dict)
-            and all(
-                isinstance(v, list) and all(isinstance(x, int) for x in v)
-                for v in g.get("remote_generations", {}).values()
-            )
+            isinstance(g.get("remote_request_id"), str)
+            and _uint(g.get("skip_blocks", 0), 32)
+            and isinstance(g.get("remote_block_ids"), list)
+            and all(_uint(b, 32) for b in g["remote_block_ids"])
+            and isinstance(regions, list)
+            and all(isinstance(r, list) and len(r) == 3 and all(_uint(x, 64) for x in r) for r in regions)
+            and isinstance(gens, dict)
+            and all(isinstance(v, list) and all(_uint(x, 64) for x in v) for v in gens.values())
         )
-    except (ValueError, TypeError):
+        if ok:
+            for layer in range(num_layers):
+                _layer_region([tuple(r) for r in regions], layer)  # type: ignore[misc]
+    except Exception:  # noqa: BLE001 - whatever a peer sends, the engine goes on
         return None
     return g if ok else None
 
@@ -340,11 +352,11 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         self.node: str = self.client.peers().node_name
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerState()
-            if self.mode == "push":
+            if self.mode == "push" and getattr(cfg, "kv_role", None) != "kv_consumer":
                 # Grants from decode engines arrive as messages to this id.
                 self._sched.messages = self.client.notifications(worker_id=scheduler_id(self.worker_id))
         else:
-            self._work = _WorkerState(self.client.notifications())
+            self._work = _WorkerState(self.client.notifications(), self.timeout_s)
 
     # ------------------------------------------------------------------
     # Scheduler side
@@ -381,22 +393,30 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 # Decode first: the prefill engine will write into these blocks
                 # (the ones the local prefix cache does not already hold).
                 local, cached = _blocks_to_load(blocks)
-                regions = self._regions()
-                target = {
-                    "remote_node": self.node,
-                    "remote_regions": regions,
-                    "remote_block_ids": local,
-                    "remote_request_id": rid,
-                    "skip_blocks": cached,
-                    # A push naming these generations fails once this side
-                    # releases the blocks (abort, timeout): none lands late.
-                    "remote_generations": {
-                        str(r): self.client.block_generations(r, local) for r, _, _ in regions
-                    },
-                }
+                try:
+                    regions = self._regions()
+                    target = {
+                        "remote_node": self.node,
+                        "remote_regions": regions,
+                        "remote_block_ids": local,
+                        "remote_request_id": rid,
+                        "skip_blocks": cached,
+                        # A push naming these generations fails once this side
+                        # releases the blocks (abort, timeout): none lands late.
+                        "remote_generations": {
+                            str(r): self.client.block_generations(r, local) for r, _, _ in regions
+                        },
+                    }
+                except KvrailError as e:
+                    # Nothing will arrive: the pushed-layer timeout turns the
+                    # blocks into load errors.
+                    log.error("kvrail: cannot grant the blocks of %s: %s", rid, e)
+                    target = None
                 ticket = params.get("push_ticket")
-                if ticket:
-                    self._send_grant(rid, str(ticket), params.get("push_grant_to") or {}, target)
+                if target is None:
+                    pass
+                elif ticket:
+                    self._send_grant(rid, str(ticket), params.get("push_grant_to"), target)
                 else:
                     self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
                 self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid)
@@ -414,12 +434,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched.prefill_blocks[rid] = list(blocks.get_block_ids()[0])
             self._sched.prompt_tokens[rid] = len(request.prompt_token_ids)
 
-    def _send_grant(self, rid: str, ticket: str, to: dict[str, Any], target: dict[str, Any]) -> None:
+    def _send_grant(self, rid: str, ticket: str, to: Any, target: dict[str, Any]) -> None:
         """Decode side: grants this request's blocks to the prefill engine named
         in ``push_grant_to`` ({"node", "worker"}). A grant that cannot be sent
         leaves the request to the pushed-layer timeout (its blocks then count
         as load errors)."""
-        node, worker = to.get("node"), to.get("worker")
+        node, worker = (to.get("node"), to.get("worker")) if isinstance(to, dict) else (None, None)
         if not isinstance(node, str) or not isinstance(worker, str):
             log.error("kvrail: push_ticket %s without push_grant_to {node, worker}: nothing will arrive", ticket)
             return
@@ -436,17 +456,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         s = self._sched
         ticket = str(params["push_ticket"])
         now = time.monotonic()
-        for n in s.messages.poll() if s.messages is not None else ():
-            if n.kind == MESSAGE and n.request_id.startswith(GRANT_TOPIC):
-                grant = _parse_grant(n.payload)
-                if grant is None:
-                    log.warning("kvrail: malformed grant from %s/%s dropped", n.peer, n.from_worker)
-                    continue
-                s.grants[n.request_id[len(GRANT_TOPIC) :]] = (now, grant)
-        # Grants nobody claimed (their request never came) do not pile up.
-        for t, (at, _) in list(s.grants.items()):
-            if now - at > self.timeout_s:
-                del s.grants[t]
+        self._collect_grants(now)
         got = s.grants.pop(ticket, None)
         if got is not None:
             params["push_to"] = got[1]
@@ -459,6 +469,42 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             return True
         return False
 
+    def _collect_grants(self, now: float) -> None:
+        """Prefill side: takes the grants that arrived (every step, so that
+        messages never pile up unread) and forgets unclaimed old ones."""
+        s = self._sched
+        if s.messages is None:
+            return
+        try:
+            arrived = s.messages.poll()
+        except KvrailError as e:  # the sidecar restarted: grants sent meanwhile are lost
+            log.warning("kvrail: reading grants: %s", e)
+            arrived = []
+        for n in arrived:
+            if n.kind != MESSAGE or not n.request_id.startswith(GRANT_TOPIC):
+                continue
+            grant = _parse_grant(n.payload, n.peer, self._layer_count())
+            if grant is None:
+                log.warning("kvrail: malformed grant from %s/%s dropped", n.peer, n.from_worker)
+                continue
+            if len(s.grants) >= MAX_PENDING_GRANTS:
+                s.grants.pop(next(iter(s.grants)))  # the oldest
+            s.grants[n.request_id[len(GRANT_TOPIC) :]] = (now, grant)
+        # Grants nobody claimed (their request never came) do not pile up.
+        for t, (at, _) in list(s.grants.items()):
+            if now - at > self.timeout_s:
+                del s.grants[t]
+
+    def _layer_count(self) -> int:
+        """Layers the worker registered (from its region table), cached."""
+        if not self._sched.num_layers:
+            try:
+                data = json.loads(self.region_table_path.read_text())
+                self._sched.num_layers = len(data["layers"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return 0
+        return self._sched.num_layers
+
     def push_target(self, request_id: str) -> dict[str, Any] | None:
         """Push mode, decode side: the ``kv_transfer_params`` the router gives the
         prefill engine for this request (after its blocks were allocated here)."""
@@ -466,6 +512,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrailConnectorMetadata:
         s = self._sched
+        self._collect_grants(time.monotonic())
         meta = KvrailConnectorMetadata(load=s.new_loads, send=s.new_sends, cancel=s.new_cancels)
         s.new_loads, s.new_sends, s.new_cancels = {}, {}, set()
         if self.mode == "push":
@@ -547,9 +594,11 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         tensors = list(kv_caches.values())
         # Host KV caches the engine allocated itself (vLLM's CPU backend): their
         # pages move under shared-memory files the sidecar maps, in place.
-        adopted = [adopt_tensor(t) for t in _distinct_host_storages(tensors)]
+        adopted = []
         kv_layout = self.kv_layout or _vllm_kv_layout(tensors[0])
         try:
+            for t in _distinct_host_storages(tensors):
+                adopted.append(adopt_tensor(t))
             regions = self.client.register_layers(tensors, kv_layout, expose=self.mode == "pull")
         finally:
             # Mapped by both sides now (or refused): nothing is left in /dev/shm
@@ -611,20 +660,23 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         layer = w.layer_names.index(layer_name)
         src_region, src_layer = _layer_region(w.regions, layer)
         for rid, spec in meta.save.items():
-            dst_region, dst_layer = _layer_region(spec.remote_regions, layer)
+            # Tracked before any push: a request none of whose pushes was
+            # accepted is still reported finished, and its blocks freed.
+            pending = w.sending.setdefault(rid, set())
             name = f"{spec.remote_request_id}/L{layer}"
-            gens = spec.remote_generations.get(str(dst_region), ())
             try:
+                dst_region, dst_layer = _layer_region(spec.remote_regions, layer)
+                gens = spec.remote_generations.get(str(dst_region), ())
                 t = self.client.push(
                     name,
                     spec.remote_node,
                     Blocks(src_region, spec.local_block_ids, src_layer, 1),
                     Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
                 )
-            except KvrailError as e:
+            except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
                 log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
                 continue
-            w.sending.setdefault(rid, set()).add(t.transfer_id)
+            pending.add(t.transfer_id)
             w.transfer_owner[name] = rid
 
     @_timed
@@ -641,7 +693,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             for rid, nblocks in meta.send.items():
                 w.serve_expected[rid] = nblocks * len(w.layer_names) * w.planes * w.block_bytes
                 w.serve_deadline[rid] = time.monotonic() + self.timeout_s
-        w.finished_seen.update(finished_req_ids)
+        now = time.monotonic()
+        for rid in finished_req_ids:
+            w.finished_seen.setdefault(rid, now)
         for n in w.notes.poll():
             w.on_notification(n)
         return w.collect(self.client)
@@ -682,6 +736,7 @@ class _SchedulerState:
     # when each request started waiting for its grant
     messages: Notifications | None = None
     grants: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    num_layers: int = 0
     waiting_since: dict[str, float] = field(default_factory=dict)
     pushing: dict[str, dict[str, Any]] = field(default_factory=dict)
     pushed: set[str] = field(default_factory=set)
@@ -692,7 +747,7 @@ class _SchedulerState:
 class _WorkerState:
     """What the worker-side connector tracks between steps."""
 
-    def __init__(self, notes: Notifications) -> None:
+    def __init__(self, notes: Notifications, timeout_s: float) -> None:
         self.notes = notes
         self.layer_names: list[str] = []
         self.regions: RegionTable = []
@@ -714,7 +769,10 @@ class _WorkerState:
         # pulls served per request, and how many the decode side said it makes
         self.served_parts: dict[str, set[int]] = {}
         self.serve_parts_total: dict[str, int] = {}
-        self.finished_seen: set[str] = set()
+        # finished requests (as vLLM reported them) -> when
+        self.finished_seen: dict[str, float] = {}
+        self.served_first: dict[str, float] = {}
+        self.timeout_s = timeout_s
         self.done_sending: set[str] = set()
         self.done_receiving: set[str] = set()
         self.load_errors: set[int] = set()
@@ -745,6 +803,9 @@ class _WorkerState:
                 log.info("kvrail: cancel %d of %s: %s", tid, rid, e)
 
     def on_notification(self, n: Notification) -> None:
+        if n.kind == MESSAGE:
+            # A peer's message is not a transfer's outcome, whatever its topic.
+            return
         if n.kind == PUSH_RECEIVED:
             rid = n.request_id.rsplit("/L", 1)[0]
             self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
@@ -800,6 +861,18 @@ class _WorkerState:
             if not pending:
                 del self.sending[rid]
                 self.done_sending.add(rid)
+        # Reads of requests whose send never registered here, and finished
+        # requests that never sent: forgotten after the timeout.
+        for rid in list(self.served):
+            if rid not in self.serve_expected:
+                if now - self.served_first.setdefault(rid, now) > self.timeout_s:
+                    self.served.pop(rid, None)
+                    self.served_parts.pop(rid, None)
+                    self.serve_parts_total.pop(rid, None)
+                    self.served_first.pop(rid, None)
+        for rid, at in list(self.finished_seen.items()):
+            if now - at > self.timeout_s and rid not in self.serve_expected and rid not in self.sending:
+                del self.finished_seen[rid]
         for rid, expected in list(self.serve_expected.items()):
             late = now > self.serve_deadline[rid]
             all_parts = len(self.served_parts.get(rid, ())) >= self.serve_parts_total.get(rid, 1 << 30)
@@ -810,10 +883,12 @@ class _WorkerState:
                 self.served.pop(rid, None)
                 self.served_parts.pop(rid, None)
                 self.serve_parts_total.pop(rid, None)
+                self.served_first.pop(rid, None)
                 self.done_sending.add(rid)
         # vLLM only takes finished sends of requests it has reported finished.
-        sending = self.done_sending & self.finished_seen
+        sending = self.done_sending & self.finished_seen.keys()
         self.done_sending -= sending
-        self.finished_seen -= sending
+        for rid in sending:
+            del self.finished_seen[rid]
         receiving, self.done_receiving = self.done_receiving, set()
         return (sending or None), (receiving or None)

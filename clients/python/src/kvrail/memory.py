@@ -99,6 +99,11 @@ def find_shared_memory(address: int) -> tuple[Path, int]:
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_SHARED, _MAP_FIXED = 0x01, 0x10
 _MAP_FAILED = ctypes.c_void_p(-1).value
+#: Bytes copied and remapped at a time when adopting memory (page multiple).
+_ADOPT_CHUNK = 64 << 20
+#: glibc's largest mmap threshold on 64-bit: allocations at least this large
+#: are always mmap'd on their own, never carved from a shared heap or arena.
+MIN_ADOPTED_ALLOCATION = 32 << 20
 
 
 def _libc() -> ctypes.CDLL:
@@ -140,14 +145,20 @@ class AdoptedMemory:
     moved under a shared-memory file without moving its address, so the sidecar
     can map the same pages. See :func:`adopt_host_memory`."""
 
-    def __init__(self, path: Path, address: int, nbytes: int) -> None:
+    def __init__(self, path: Path, address: int, nbytes: int, owned: bool = True) -> None:
         self.path = path
         self.address = address
         self.nbytes = nbytes
+        #: False when the memory already was kvrail shared memory (a
+        #: ``SharedMemory`` or ``HostKvCache`` keeps its own file).
+        self.owned = owned
 
     def unlink(self) -> None:
-        """Removes the file; the pages stay valid for every mapping of them
-        (this process's and the sidecar's) until each is unmapped."""
+        """Removes the file (if adoption made it); the pages stay valid for
+        every mapping of them (this process's and the sidecar's) until each is
+        unmapped."""
+        if not self.owned:
+            return
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -178,7 +189,7 @@ def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
             start = address - offset
             end = _mapped[start][0]
         if address + nbytes <= end:
-            return AdoptedMemory(path, start, end - start)
+            return AdoptedMemory(path, start, end - start, owned=False)
         raise LayoutError(f"{address:#x}+{nbytes} runs past kvrail shared memory {path}")
     except LayoutError:
         pass
@@ -195,17 +206,23 @@ def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     libc = _libc()
     try:
-        os.ftruncate(fd, length)
-        staging = libc.mmap(None, length, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
-        if staging in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), "mmap of the adopted file failed")
-        try:
-            ctypes.memmove(staging, start, length)
-            placed = libc.mmap(start, length, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, fd, 0)
-            if placed != start:
-                raise OSError(ctypes.get_errno(), "mapping the adopted file in place failed")
-        finally:
-            libc.munmap(staging, length)
+        # Reserved up front: a full tmpfs is an error here, not a SIGBUS while
+        # copying.
+        os.posix_fallocate(fd, 0, length)
+        # A chunk at a time, each replaced as soon as it is copied: the process
+        # never holds much more than the allocation itself.
+        for offset in range(0, length, _ADOPT_CHUNK):
+            n = min(_ADOPT_CHUNK, length - offset)
+            staging = libc.mmap(None, n, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, offset)
+            if staging in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "mmap of the adopted file failed")
+            try:
+                ctypes.memmove(staging, start + offset, n)
+                placed = libc.mmap(start + offset, n, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, fd, offset)
+                if placed != start + offset:
+                    raise OSError(ctypes.get_errno(), "mapping the adopted file in place failed")
+            finally:
+                libc.munmap(staging, n)
     except BaseException:
         os.close(fd)
         try:
@@ -222,15 +239,29 @@ def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
 
 def adopt_tensor(t: Any) -> AdoptedMemory:
     """:func:`adopt_host_memory` for the whole allocation holding a torch CPU
-    tensor (its untyped storage) or a numpy array (its base buffer)."""
+    tensor (its untyped storage) or a numpy array (its base buffer). Memory
+    already in kvrail shared memory is returned as it is; otherwise the
+    allocation must be at least :data:`MIN_ADOPTED_ALLOCATION` bytes, so that
+    glibc mmap'd it on its own (smaller ones may share pages with other
+    objects, which other threads write)."""
     if hasattr(t, "untyped_storage"):
         storage = t.untyped_storage()
-        return adopt_host_memory(int(storage.data_ptr()), int(storage.nbytes()))
-    base = t
-    while isinstance(getattr(base, "base", None), np.ndarray):
-        base = base.base
-    view = TensorView.of(base)
-    return adopt_host_memory(view.address, int(base.nbytes))
+        address, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+    else:
+        base = t
+        while isinstance(getattr(base, "base", None), np.ndarray):
+            base = base.base
+        address, nbytes = TensorView.of(base).address, int(base.nbytes)
+    try:
+        find_shared_memory(address)
+    except LayoutError:
+        if nbytes < MIN_ADOPTED_ALLOCATION:
+            raise LayoutError(
+                f"a {nbytes}-byte allocation at {address:#x} is not in kvrail shared memory and too "
+                f"small to adopt (under {MIN_ADOPTED_ALLOCATION} bytes it may share pages with other "
+                "objects): allocate it with kvrail.HostKvCache or kvrail.SharedMemory"
+            ) from None
+    return adopt_host_memory(address, nbytes)
 
 
 class HostKvCache:

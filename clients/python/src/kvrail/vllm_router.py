@@ -19,9 +19,12 @@ writes each layer into them as it computes it::
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
 Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed or
-not) and ``GET /health``; anything else is 404. A prefill that fails or returns
-no ``kv_transfer_params`` is answered with 502 and its reason, never silently
-recomputed on the decode side.
+not; request bodies with a Content-Length) and ``GET /health``; anything else is
+404. In pull mode a prefill that fails or returns no ``kv_transfer_params`` is
+answered with 502 and its reason, never silently recomputed on the decode side;
+in push mode the two calls run at once, so a failed prefill is logged and the
+decode request fails when its pushed layers do not arrive within the
+connector's ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -133,6 +136,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
+        if status >= 400:
+            # The request's body may be unread: never parse it as the next request.
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
