@@ -327,3 +327,9 @@ def test_adopting_kvrail_shared_memory_keeps_its_file(pair):
     assert a.path == kv.path and not a.owned
     a.unlink()
     assert kv.path.exists()
+
+
+def test_a_range_running_past_kvrail_shared_memory_is_refused(pair):
+    kv = make_cache(pair, "edge")
+    with pytest.raises(kvrail.LayoutError, match="runs past kvrail shared memory"):
+        kvrail.adopt_host_memory(kv.memory.address, kv.memory.nbytes + 1)

@@ -362,15 +362,18 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     # Scheduler side
     # ------------------------------------------------------------------
 
-    def _regions(self) -> RegionTable:
-        """The regions the worker registered, as it published them."""
+    def _region_table(self) -> dict[str, Any]:
+        """What the worker published when it registered its KV caches."""
         try:
-            data = json.loads(self.region_table_path.read_text())
+            return json.loads(self.region_table_path.read_text())
         except (OSError, ValueError) as e:
             raise KvrailError(
                 f"no region table at {self.region_table_path} (has the worker registered its KV caches?): {e}"
             ) from None
-        return [tuple(r) for r in data["regions"]]  # type: ignore[misc]
+
+    def _regions(self) -> RegionTable:
+        """The regions the worker registered, as it published them."""
+        return [tuple(r) for r in self._region_table()["regions"]]  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -388,11 +391,11 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         params = getattr(request, "kv_transfer_params", None) or {}
         rid = request.request_id
         if params.get("do_remote_prefill") and num_external_tokens > 0:
-            local = list(blocks.get_block_ids()[0])
+            # Blocks the local prefix cache already holds are neither read nor
+            # written again.
+            local, cached = _blocks_to_load(blocks)
             if self.mode == "push":
-                # Decode first: the prefill engine will write into these blocks
-                # (the ones the local prefix cache does not already hold).
-                local, cached = _blocks_to_load(blocks)
+                # Decode first: the prefill engine will write into these blocks.
                 try:
                     regions = self._regions()
                     target = {
@@ -413,16 +416,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     log.error("kvrail: cannot grant the blocks of %s: %s", rid, e)
                     target = None
                 ticket = params.get("push_ticket")
-                if target is None:
-                    pass
-                elif ticket:
+                if target is not None and ticket:
                     self._send_grant(rid, str(ticket), params.get("push_grant_to"), target)
-                else:
+                elif target is not None:
                     self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
                 self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid)
             else:
-                # Blocks the local prefix cache already holds are not read again.
-                local, cached = _blocks_to_load(blocks)
                 remote = list(params["remote_block_ids"])
                 remote = remote[cached:] if cached else remote[max(0, len(remote) - len(local)) :]
                 n = min(len(local), len(remote))
@@ -499,9 +498,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         """Layers the worker registered (from its region table), cached."""
         if not self._sched.num_layers:
             try:
-                data = json.loads(self.region_table_path.read_text())
-                self._sched.num_layers = len(data["layers"])
-            except (OSError, ValueError, KeyError, TypeError):
+                self._sched.num_layers = len(self._region_table()["layers"])
+            except (KvrailError, KeyError, TypeError):
                 return 0
         return self._sched.num_layers
 
@@ -744,6 +742,22 @@ class _SchedulerState:
     prompt_tokens: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class _Reads:
+    """Pull mode, prefill side: what the decode side has read of one request.
+    Pulls are named ``#i/n``, so all n served frees the blocks even when the
+    decode's prefix cache spared some of them (fewer bytes than offered)."""
+
+    bytes: int = 0
+    parts: set[int] = field(default_factory=set)
+    total_parts: int | None = None
+    first_seen: float = 0.0
+
+    def complete(self, expected_bytes: int) -> bool:
+        all_parts = self.total_parts is not None and len(self.parts) >= self.total_parts
+        return self.bytes >= expected_bytes or all_parts
+
+
 class _WorkerState:
     """What the worker-side connector tracks between steps."""
 
@@ -762,16 +776,13 @@ class _WorkerState:
         self.push_expected: dict[str, int] = {}
         self.push_arrived: dict[str, int] = {}
         self.push_deadline: dict[str, float] = {}
-        # pull mode, prefill side: bytes to be read, bytes read, give-up time
+        # pull mode, prefill side: bytes to be read, give-up time
         self.serve_expected: dict[str, int] = {}
-        self.served: dict[str, int] = {}
         self.serve_deadline: dict[str, float] = {}
-        # pulls served per request, and how many the decode side said it makes
-        self.served_parts: dict[str, set[int]] = {}
-        self.serve_parts_total: dict[str, int] = {}
+        # what the decode side has read of each request so far
+        self.reads: dict[str, _Reads] = {}
         # finished requests (as vLLM reported them) -> when
         self.finished_seen: dict[str, float] = {}
-        self.served_first: dict[str, float] = {}
         self.timeout_s = timeout_s
         self.done_sending: set[str] = set()
         self.done_receiving: set[str] = set()
@@ -812,11 +823,12 @@ class _WorkerState:
             return
         if n.kind == PULL_SERVED:
             rid, _, part = n.request_id.partition("@")
-            self.served[rid] = self.served.get(rid, 0) + n.bytes
+            reads = self.reads.setdefault(rid, _Reads(first_seen=time.monotonic()))
+            reads.bytes += n.bytes
             index, _, total = part.rpartition("#")[2].partition("/")
             if index.isdigit() and total.isdigit() and 0 < int(total) <= 4096:
-                self.served_parts.setdefault(rid, set()).add(int(index))
-                self.serve_parts_total[rid] = int(total)
+                reads.parts.add(int(index))
+                reads.total_parts = int(total)
             return
         owner = self.transfer_owner.pop(n.request_id, None)
         if owner is None:
@@ -863,27 +875,20 @@ class _WorkerState:
                 self.done_sending.add(rid)
         # Reads of requests whose send never registered here, and finished
         # requests that never sent: forgotten after the timeout.
-        for rid in list(self.served):
-            if rid not in self.serve_expected:
-                if now - self.served_first.setdefault(rid, now) > self.timeout_s:
-                    self.served.pop(rid, None)
-                    self.served_parts.pop(rid, None)
-                    self.serve_parts_total.pop(rid, None)
-                    self.served_first.pop(rid, None)
+        for rid, reads in list(self.reads.items()):
+            if rid not in self.serve_expected and now - reads.first_seen > self.timeout_s:
+                del self.reads[rid]
         for rid, at in list(self.finished_seen.items()):
             if now - at > self.timeout_s and rid not in self.serve_expected and rid not in self.sending:
                 del self.finished_seen[rid]
         for rid, expected in list(self.serve_expected.items()):
             late = now > self.serve_deadline[rid]
-            all_parts = len(self.served_parts.get(rid, ())) >= self.serve_parts_total.get(rid, 1 << 30)
-            if self.served.get(rid, 0) >= expected or all_parts or late:
+            reads = self.reads.get(rid, _Reads())
+            if reads.complete(expected) or late:
                 if late:
                     log.warning("kvrail: %s not read within the send timeout; freeing its blocks", rid)
                 del self.serve_expected[rid], self.serve_deadline[rid]
-                self.served.pop(rid, None)
-                self.served_parts.pop(rid, None)
-                self.serve_parts_total.pop(rid, None)
-                self.served_first.pop(rid, None)
+                self.reads.pop(rid, None)
                 self.done_sending.add(rid)
         # vLLM only takes finished sends of requests it has reported finished.
         sending = self.done_sending & self.finished_seen.keys()

@@ -9,7 +9,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -66,34 +66,52 @@ class SharedMemory:
         self.unlink()
 
 
-def _inode_mapped_at(address: int) -> int | None:
-    """The inode of the file mapped at ``address`` in this process (None for
-    anonymous memory or an unmapped address), from ``/proc/self/maps``."""
+@dataclass(frozen=True)
+class _Mapping:
+    """One line of ``/proc/self/maps``."""
+
+    lo: int
+    hi: int
+    perms: str
+    inode: int
+    path: str
+
+
+def _mappings() -> Iterator[_Mapping]:
+    """This process's mappings, in address order."""
     with open("/proc/self/maps") as maps:
         for line in maps:
-            fields = line.split()
+            fields = line.split(maxsplit=5)
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                inode = int(fields[4])
-                return inode or None
+            path = fields[5].strip() if len(fields) > 5 else ""
+            yield _Mapping(lo, hi, fields[1], int(fields[4]), path)
+
+
+def _kvrail_range(address: int) -> tuple[int, int, Path] | None:
+    """(start, end, file) of the kvrail shared memory holding ``address``, if it
+    is still mapped here. An entry whose range no longer maps its file (the
+    owner freed the memory, the address now holds something else) is dropped."""
+    with _mapped_lock:
+        for start, (end, path, inode) in list(_mapped.items()):
+            if start <= address < end:
+                if next((m.inode for m in _mappings() if m.lo <= address < m.hi), None) != inode:
+                    del _mapped[start]
+                    continue
+                return start, end, path
     return None
 
 
 def find_shared_memory(address: int) -> tuple[Path, int]:
     """The file and the offset in it of an address inside a :class:`SharedMemory`
     (or memory adopted with :func:`adopt_host_memory`) that is still mapped."""
-    with _mapped_lock:
-        for start, (end, path, inode) in list(_mapped.items()):
-            if start <= address < end:
-                if _inode_mapped_at(address) != inode:
-                    # Freed by its owner; the address now holds something else.
-                    del _mapped[start]
-                    continue
-                return path, address - start
-    raise LayoutError(
-        f"address {address:#x} is not in shared memory created by kvrail "
-        "(allocate host KV caches with kvrail.HostKvCache or kvrail.SharedMemory)"
-    )
+    found = _kvrail_range(address)
+    if found is None:
+        raise LayoutError(
+            f"address {address:#x} is not in shared memory created by kvrail "
+            "(allocate host KV caches with kvrail.HostKvCache or kvrail.SharedMemory)"
+        )
+    start, _, path = found
+    return path, address - start
 
 
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
@@ -120,23 +138,18 @@ def _private_anonymous(start: int, end: int) -> bool:
     writable mappings of this process other than the brk heap (large torch and
     numpy allocations are mmap'd on their own), from ``/proc/self/maps``."""
     covered = start
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if hi <= covered or lo > covered:
-                continue
-            perms = fields[1]
-            path = fields[5] if len(fields) > 5 else ""
-            if not perms.startswith("rw") or perms[3] != "p" or fields[4] != "0":
-                return False
-            # Not the brk heap: its pages hold other allocations, which other
-            # threads may write while the pages are copied and remapped.
-            if path != "":
-                return False
-            covered = hi
-            if covered >= end:
-                return True
+    for m in _mappings():
+        if m.hi <= covered or m.lo > covered:
+            continue
+        if not m.perms.startswith("rw") or m.perms[3] != "p" or m.inode != 0:
+            return False
+        # Not the brk heap: its pages hold other allocations, which other
+        # threads may write while the pages are copied and remapped.
+        if m.path != "":
+            return False
+        covered = m.hi
+        if covered >= end:
+            return True
     return False
 
 
@@ -165,7 +178,7 @@ class AdoptedMemory:
             pass
 
 
-def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
+def adopt_host_memory(address: int, nbytes: int, min_allocation: int = 0) -> AdoptedMemory:
     """Puts the pages holding ``[address, address + nbytes)`` into a new file in
     :func:`shm_dir` and maps that file over them at the same address, contents
     kept: the allocation (e.g. vLLM's CPU KV cache, which the engine allocates
@@ -179,20 +192,23 @@ def adopt_host_memory(address: int, nbytes: int) -> AdoptedMemory:
     threshold, at most 32 MiB; a KV cache is far larger); anything else (the brk
     heap, file-backed, read-only or shared memory) is refused. When the owner frees the
     allocation, its munmap unmaps the file's pages as it would anonymous ones.
-    Idempotent: memory already in kvrail shared memory is returned as it is.
+    Idempotent: memory already in kvrail shared memory is returned as it is;
+    other memory under ``min_allocation`` bytes is refused.
     """
     if nbytes <= 0:
         raise LayoutError(f"cannot adopt {nbytes} bytes")
-    try:
-        path, offset = find_shared_memory(address)
-        with _mapped_lock:
-            start = address - offset
-            end = _mapped[start][0]
+    found = _kvrail_range(address)
+    if found is not None:
+        start, end, path = found
         if address + nbytes <= end:
             return AdoptedMemory(path, start, end - start, owned=False)
         raise LayoutError(f"{address:#x}+{nbytes} runs past kvrail shared memory {path}")
-    except LayoutError:
-        pass
+    if nbytes < min_allocation:
+        raise LayoutError(
+            f"a {nbytes}-byte allocation at {address:#x} is not in kvrail shared memory and too "
+            f"small to adopt (under {min_allocation} bytes it may share pages with other "
+            "objects): allocate it with kvrail.HostKvCache or kvrail.SharedMemory"
+        )
     page = mmap.PAGESIZE
     start = address - address % page
     end = -(-(address + nbytes) // page) * page
@@ -252,16 +268,7 @@ def adopt_tensor(t: Any) -> AdoptedMemory:
         while isinstance(getattr(base, "base", None), np.ndarray):
             base = base.base
         address, nbytes = TensorView.of(base).address, int(base.nbytes)
-    try:
-        find_shared_memory(address)
-    except LayoutError:
-        if nbytes < MIN_ADOPTED_ALLOCATION:
-            raise LayoutError(
-                f"a {nbytes}-byte allocation at {address:#x} is not in kvrail shared memory and too "
-                f"small to adopt (under {MIN_ADOPTED_ALLOCATION} bytes it may share pages with other "
-                "objects): allocate it with kvrail.HostKvCache or kvrail.SharedMemory"
-            ) from None
-    return adopt_host_memory(address, nbytes)
+    return adopt_host_memory(address, nbytes, MIN_ADOPTED_ALLOCATION)
 
 
 class HostKvCache:
