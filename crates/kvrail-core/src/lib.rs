@@ -14,6 +14,7 @@ pub mod plan;
 pub mod qp_setup;
 pub mod rail;
 pub mod rangeset;
+pub mod ring;
 pub mod session;
 pub mod transfer;
 pub mod wire;

@@ -24,17 +24,22 @@ use std::fs::{File, OpenOptions};
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 
 use bytes::Bytes;
 
 use memmap2::MmapRaw;
 
+pub mod futex;
 pub mod guard;
+pub mod ring;
 
 /// Why a region cannot be mapped or accessed.
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
+    #[error("offset {offset} is not {align}-byte aligned")]
+    Misaligned { offset: u64, align: u64 },
     #[error("cannot open {path}: {source}")]
     Open {
         path: PathBuf,
@@ -303,6 +308,30 @@ impl SharedRegion {
             });
         }
         Ok(())
+    }
+
+    /// The aligned 32-bit word at `offset`, for lock-free exchange with the
+    /// other process mapping the file (ring indices, futex words).
+    pub fn atomic_u32(&self, offset: u64) -> Result<&AtomicU32, ShmError> {
+        self.check(offset, 4)?;
+        if offset % 4 != 0 {
+            return Err(ShmError::Misaligned { offset, align: 4 });
+        }
+        // SAFETY: in bounds and 4-aligned (the mapping is page-aligned); the
+        // mapping lives as long as the returned reference's borrow of `self`.
+        // Another process may change the word at any time, which is exactly
+        // what an atomic allows; any bit pattern is a valid u32.
+        Ok(unsafe { AtomicU32::from_ptr(self.map.as_mut_ptr().add(offset as usize).cast()) })
+    }
+
+    /// As [`atomic_u32`](Self::atomic_u32), for an aligned 64-bit word.
+    pub fn atomic_u64(&self, offset: u64) -> Result<&AtomicU64, ShmError> {
+        self.check(offset, 8)?;
+        if offset % 8 != 0 {
+            return Err(ShmError::Misaligned { offset, align: 8 });
+        }
+        // SAFETY: as in `atomic_u32`, with 8-byte alignment.
+        Ok(unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(offset as usize).cast()) })
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), ShmError> {
