@@ -6,6 +6,7 @@
 
 use std::net::IpAddr;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -86,6 +87,10 @@ pub struct BenchArgs {
     /// `--sidecar-arg=--quic-initial-mtu=6550`.
     #[arg(long, allow_hyphen_values = true)]
     pub sidecar_arg: Vec<String>,
+    /// Spin of the bench workers' ring waits, in microseconds (default: the
+    /// client's; the sidecars' own spin is `--sidecar-arg=--ring-spin-us=N`).
+    #[arg(long)]
+    pub ring_spin_us: Option<u64>,
     /// iperf3 duration in seconds.
     #[arg(long, default_value_t = 3)]
     pub iperf3_seconds: u32,
@@ -545,55 +550,225 @@ fn baseline_failed(bench: &mut Bench, what: &str, e: &anyhow::Error) {
     bench.results.push(v);
 }
 
+/// One latency sample over gRPC: the push call to the peer worker's
+/// PUSH_RECEIVED notification on its stream; also the sending sidecar's own
+/// view (accepted to the peer's Complete).
+async fn grpc_push_sample(
+    bench: &mut Bench,
+    notes: &mut tonic::Streaming<kvrail_client::proto::Notification>,
+    regions: (u64, u64),
+    ids: Vec<u32>,
+) -> anyhow::Result<(Duration, Duration)> {
+    bench.next_request += 1;
+    let req = format!("lat-{}", bench.next_request);
+    let start = Instant::now();
+    let t = bench
+        .p
+        .push(
+            "bench-p",
+            &req,
+            "decode",
+            blocks(regions.0, 0..1, ids.clone()),
+            blocks(regions.1, 0..1, ids),
+        )
+        .await?;
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), notes.next())
+            .await
+            .context("no notification within 10 s")?
+            .context("notification stream ended")??;
+        if n.request_id == req {
+            if n.kind != NotificationKind::PushReceived as i32 {
+                bail!("latency push failed: {n:?}");
+            }
+            break;
+        }
+    }
+    let elapsed = start.elapsed();
+    let s = bench
+        .p
+        .wait(t.transfer_id, Some(Duration::from_secs(10)))
+        .await?;
+    Ok((elapsed, Duration::from_micros(s.elapsed_us)))
+}
+
+/// `count` latency samples over the rings: submission on the prefill
+/// worker's ring to PUSH_RECEIVED in the decode worker's completion queue.
+/// Runs on a thread of its own (the waits block).
+fn ring_push_samples(
+    p: &kvrail_client::ring::Ring,
+    d: &kvrail_client::ring::Ring,
+    regions: (u64, u64),
+    ids: &[u32],
+    first_request: u64,
+    count: usize,
+) -> anyhow::Result<(Latencies, Latencies, Latencies)> {
+    use kvrail_client::ring::CompletionKind as K;
+    let mut lat = Latencies::default();
+    let mut accepted = Latencies::default();
+    let mut submit_cpu = Latencies::default();
+    for i in 0..count {
+        let req = format!("ring-lat-{}", first_request + i as u64);
+        let start = Instant::now();
+        p.submit_push(
+            &req,
+            "decode",
+            &blocks(regions.0, 0..1, ids.to_vec()),
+            &blocks(regions.1, 0..1, ids.to_vec()),
+        )?;
+        let submitted = start.elapsed();
+        // The sidecar's answer comes first (it is written before the push
+        // reaches the wire); reading it does not delay the decode side's
+        // completion, which waits in its own queue.
+        let mut answers = 0;
+        loop {
+            let c = p
+                .wait(Duration::from_secs(10))?
+                .context("no answer on the sender's ring within 10 s")?;
+            match c.kind {
+                K::Accepted => {
+                    accepted.record(start.elapsed());
+                    answers += 1;
+                    break;
+                }
+                K::PushDone => answers += 1,
+                K::Rejected | K::Failed => bail!("ring push failed: {c:?}"),
+                _ => {}
+            }
+        }
+        loop {
+            let c = d
+                .wait(Duration::from_secs(10))?
+                .context("no ring completion within 10 s")?;
+            if c.request_id == req {
+                if c.kind != K::PushReceived {
+                    bail!("ring latency push failed: {c:?}");
+                }
+                break;
+            }
+        }
+        lat.record(start.elapsed());
+        submit_cpu.record(submitted);
+        // The sender's PUSH_DONE: read, not timed.
+        while answers < 2 {
+            let c = p
+                .wait(Duration::from_secs(10))?
+                .context("no answer on the sender's ring within 10 s")?;
+            match c.kind {
+                K::Accepted | K::PushDone => answers += 1,
+                K::Rejected | K::Failed => bail!("ring push failed: {c:?}"),
+                _ => {}
+            }
+        }
+    }
+    Ok((lat, submit_cpu, accepted))
+}
+
 async fn latency(
     bench: &mut Bench,
     ib_write_lat: Option<crate::perftest::WriteLatency>,
 ) -> anyhow::Result<()> {
     let layout = dense_layout(1, 1, 1024, 4096);
     let regions = bench.register(layout).await?;
+    // The same memory registered again for the ring workers, whose
+    // notifications go to their rings (the gRPC workers' go to the stream).
+    let ring_regions = (
+        bench
+            .p
+            .register_path("bench-p-ring", bench.p_mem.path(), layout, true)
+            .await?,
+        bench
+            .d
+            .register_path("bench-d-ring", bench.d_mem.path(), layout, true)
+            .await?,
+    );
+    let mut opts = kvrail_client::ring::RingOptions::default();
+    if let Some(us) = bench.args.ring_spin_us {
+        opts.spin = Duration::from_micros(us);
+    }
+    let p_ring = Arc::new(bench.p.open_ring("bench-p-ring", opts).await?);
+    let d_ring = Arc::new(bench.d.open_ring("bench-d-ring", opts).await?);
     let mut notes = bench.d.subscribe("bench-d").await?;
+    let samples = bench.args.latency_samples;
+    // Rounds alternate the two paths so both see the same machine.
+    let rounds = 10usize;
+    let per_round = samples.div_ceil(rounds);
     let mut lat = Latencies::default();
     let mut in_sidecar = Latencies::default();
-    let samples = bench.args.latency_samples;
-    for i in 0..samples + 50 {
-        let b = (i % 1024) as u32;
-        bench.next_request += 1;
-        let req = format!("lat-{}", bench.next_request);
-        let start = Instant::now();
-        let t = bench
-            .p
-            .push(
-                "bench-p",
-                &req,
-                "decode",
-                blocks(regions.0, 0..1, vec![b]),
-                blocks(regions.1, 0..1, vec![b]),
-            )
-            .await?;
-        loop {
-            let n = tokio::time::timeout(Duration::from_secs(10), notes.next())
-                .await
-                .context("no notification within 10 s")?
-                .context("notification stream ended")??;
-            if n.request_id == req {
-                if n.kind != NotificationKind::PushReceived as i32 {
-                    bail!("latency push failed: {n:?}");
+    for (size, label) in [(4096u64, "4 KiB"), (64 << 10, "64 KiB"), (1 << 20, "1 MiB")] {
+        let nblocks = (size / 4096) as u32;
+        let mut grpc = Latencies::default();
+        let mut ring = Latencies::default();
+        let mut submit_cpu = Latencies::default();
+        let mut ring_accepted = Latencies::default();
+        let mut grpc_sidecar = Latencies::default();
+        for round in 0..=rounds {
+            // Round 0 warms both paths up.
+            let n = if round == 0 { 50 } else { per_round };
+            for i in 0..n {
+                let first = ((round * per_round + i) as u32 * nblocks) % 1024;
+                let ids: Vec<u32> = (0..nblocks).map(|b| (first + b) % 1024).collect();
+                let (e, s) = grpc_push_sample(bench, &mut notes, regions, ids).await?;
+                if round > 0 {
+                    grpc.record(e);
+                    grpc_sidecar.record(s);
                 }
-                break;
+            }
+            let (p, d) = (p_ring.clone(), d_ring.clone());
+            let first_request = bench.next_request;
+            bench.next_request += n as u64;
+            let ids: Vec<u32> = (0..nblocks).collect();
+            let (r, c, a) = tokio::task::spawn_blocking(move || {
+                ring_push_samples(&p, &d, ring_regions, &ids, first_request, n)
+            })
+            .await??;
+            if round > 0 {
+                ring.merge(&r);
+                submit_cpu.merge(&c);
+                ring_accepted.merge(&a);
             }
         }
-        let elapsed = start.elapsed();
-        // The sending sidecar's own time: request accepted to the peer's Complete.
-        let s = bench
-            .p
-            .wait(t.transfer_id, Some(Duration::from_secs(10)))
-            .await?;
-        // The first 50 warm the path up.
-        if i >= 50 {
-            lat.record(elapsed);
-            in_sidecar.record(Duration::from_micros(s.elapsed_us));
+        if size == 4096 {
+            lat = grpc.clone();
+            in_sidecar = grpc_sidecar.clone();
         }
+        for (path, l) in [("grpc", &grpc), ("ring", &ring)] {
+            let mut v = json!({
+                "bench": "latency_path",
+                "transport": bench.transport,
+                "path": path,
+                "op": "push",
+                "bytes": size,
+                "samples": rounds * per_round,
+                "measured": "push submitted to the peer worker's PUSH_RECEIVED",
+                "p50_us": l.percentile_us(50.0),
+                "p99_us": l.percentile_us(99.0),
+                "p999_us": l.percentile_us(99.9),
+                "gbps_at_p50": size as f64 / (l.percentile_us(50.0).max(1) as f64 * 1e3),
+            });
+            if path == "ring" {
+                v["submit_p50_us"] = json!(submit_cpu.percentile_us(50.0));
+                v["accepted_p50_us"] = json!(ring_accepted.percentile_us(50.0));
+                v["ratio_p50_vs_grpc"] =
+                    json!(l.percentile_us(50.0) as f64 / grpc.percentile_us(50.0).max(1) as f64);
+            }
+            println!("{v}");
+            bench.results.push(v);
+        }
+        eprintln!(
+            "latency    push {label:>6}: gRPC p50 {} us p99 {} us p999 {} us | ring p50 {} us p99 {} us p999 {} us",
+            grpc.percentile_us(50.0),
+            grpc.percentile_us(99.0),
+            grpc.percentile_us(99.9),
+            ring.percentile_us(50.0),
+            ring.percentile_us(99.0),
+            ring.percentile_us(99.9),
+        );
     }
+    drop(p_ring);
+    drop(d_ring);
+    bench.p.unregister_region(ring_regions.0).await?;
+    bench.d.unregister_region(ring_regions.1).await?;
     bench.unregister(regions).await?;
     // Where the time goes: a bare API round trip, and the sender's own view of the push.
     let mut rpc = Latencies::default();

@@ -5,6 +5,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 
 /// Durations in microseconds, 1 us to 1 h, 3 significant digits.
+#[derive(Clone)]
 pub struct Latencies(Histogram<u64>);
 
 impl Default for Latencies {
@@ -17,6 +18,11 @@ impl Latencies {
     pub fn record(&mut self, d: Duration) {
         let us = (d.as_micros() as u64).clamp(1, 3_600_000_000);
         let _ = self.0.record(us);
+    }
+
+    /// Adds every sample of `other`.
+    pub fn merge(&mut self, other: &Latencies) {
+        let _ = self.0.add(&other.0);
     }
 
     pub fn percentile_us(&self, p: f64) -> u64 {

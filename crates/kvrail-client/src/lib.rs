@@ -11,6 +11,7 @@
 //! ```
 
 pub mod gpu;
+pub mod ring;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -39,6 +40,8 @@ pub enum ClientError {
     /// The local shared-memory file could not be prepared.
     #[error(transparent)]
     Shm(#[from] ShmError),
+    #[error("ring: {0}")]
+    Ring(String),
 }
 
 impl ClientError {

@@ -81,7 +81,7 @@ pub enum RingState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[repr(u32)]
 pub enum CloseReason {
-    #[error("the worker closed the ring")]
+    #[error("the OpenRing call ended (the worker closed the ring or went away)")]
     WorkerClosed = 1,
     #[error("submission queue overrun: the worker published more entries than the ring holds")]
     SubmissionOverrun = 2,
@@ -95,6 +95,10 @@ pub enum CloseReason {
     SidecarStopping = 6,
     #[error("the worker's header changed while the ring was open")]
     HeaderChanged = 7,
+    /// Written by the worker's client when the sidecar's `OpenRing` call ended
+    /// without the sidecar closing the ring (it was killed or restarted).
+    #[error("the sidecar went away (its OpenRing call ended)")]
+    SidecarGone = 8,
 }
 
 impl CloseReason {
@@ -107,6 +111,7 @@ impl CloseReason {
             5 => CloseReason::Truncated,
             6 => CloseReason::SidecarStopping,
             7 => CloseReason::HeaderChanged,
+            8 => CloseReason::SidecarGone,
             _ => return None,
         })
     }

@@ -255,6 +255,21 @@ impl WorkerRing {
         }
     }
 
+    /// Marks the ring closed from the worker's side, for when the sidecar
+    /// went away without closing it: whoever waits or submits is told why.
+    /// A reason the sidecar already wrote is kept.
+    pub fn mark_closed(&self, reason: CloseReason) {
+        if let Ok(w) = words(&self.mem) {
+            // The sidecar is gone, so nobody else writes these words now.
+            if w.state.load(Ordering::SeqCst) != RingState::Closed as u32 {
+                w.close_reason.store(reason as u32, Ordering::SeqCst);
+                w.state.store(RingState::Closed as u32, Ordering::SeqCst);
+            }
+            w.worker_bell.fetch_add(1, Ordering::SeqCst);
+            futex::wake(w.worker_bell);
+        }
+    }
+
     /// Unlinks the ring file (the mappings stay valid).
     pub fn unlink(&self) {
         let _ = std::fs::remove_file(self.mem.path());

@@ -5,9 +5,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvrail_core::{Access, BlockSelection, LocalTransfer, Plan, RegionLayout};
+use kvrail_core::{BlockSelection, RegionLayout};
 use kvrail_proto::sidecar_server::{Sidecar, SidecarServer};
 use kvrail_proto::*;
 use kvrail_shm::ShmError;
@@ -101,38 +101,7 @@ fn require<'a, T>(field: &'a Option<T>, name: &str) -> Result<&'a T, Status> {
         .ok_or_else(|| Status::invalid_argument(format!("{name} is required")))
 }
 
-fn require_text(value: &str, name: &str) -> Result<(), Status> {
-    if value.is_empty() || value.len() > 256 {
-        return Err(Status::invalid_argument(format!(
-            "{name} must be 1..=256 bytes"
-        )));
-    }
-    Ok(())
-}
-
-/// Checks the peer-side selection as far as this side can: shape and duplicates.
-fn check_remote(
-    sel: &BlockSelection,
-    write: bool,
-    local_blocks: usize,
-    local_layers: u32,
-) -> Result<(), Status> {
-    let access = if write { Access::Write } else { Access::Read };
-    sel.check_shape(access)
-        .map_err(|e| Status::invalid_argument(format!("peer-side selection: {e}")))?;
-    if sel.block_ids.len() as u64 * u64::from(sel.layer_count)
-        != local_blocks as u64 * u64::from(local_layers)
-    {
-        return Err(Status::invalid_argument(format!(
-            "size mismatch: source and destination must name the same number of layer-blocks ({} x {} vs {} x {})",
-            local_layers,
-            local_blocks,
-            sel.layer_count,
-            sel.block_ids.len()
-        )));
-    }
-    Ok(())
-}
+use crate::submit::require_text;
 
 fn check_block_count(blocks: &[u32]) -> Result<(), Status> {
     if blocks.is_empty() || blocks.len() > kvrail_core::MAX_BLOCKS_PER_TRANSFER {
@@ -185,118 +154,23 @@ impl Api {
         source: &BlockRange,
         destination: &BlockRange,
     ) -> Result<TransferAccepted, Status> {
-        require_text(request_id, "request_id")?;
-        require_text(worker_id, "worker_id")?;
-        if !self.shared.peers.contains_key(peer) {
-            return Err(Status::not_found(format!("unknown peer {peer:?}")));
-        }
-        let (local_range, remote_range) = if push {
+        let (local, remote) = if push {
             (source, destination)
         } else {
             (destination, source)
         };
-        let local_sel = selection_of(local_range);
-        let remote_sel = selection_of(remote_range);
-        let region = self
-            .shared
-            .registry
-            .get(local_sel.region_id)
-            .ok_or_else(|| {
-                Status::not_found(format!("unknown local region {}", local_sel.region_id))
-            })?;
-        let access = if push { Access::Read } else { Access::Write };
-        let plan = Plan::build(&region.layout, &local_sel, access)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        check_remote(
-            &remote_sel,
-            push,
-            local_sel.block_ids.len(),
-            local_sel.layer_count,
-        )?;
-
-        let id = self.shared.next_transfer_id();
-        self.shared
-            .transfers
-            .reserve(worker_id, request_id, id)
-            .map_err(|_| {
-                Status::already_exists(format!(
-                    "request {request_id:?} is already in flight for worker {worker_id:?}"
-                ))
-            })?;
-        let link = match self.shared.outbound_link(peer).await {
-            Ok(Some(link)) => link,
-            Ok(None) => {
-                self.shared.transfers.release(worker_id, request_id);
-                return Err(Status::not_found(format!("unknown peer {peer:?}")));
-            }
-            Err(e) => {
-                self.shared.transfers.release(worker_id, request_id);
-                return Err(Status::unavailable(e.to_string()));
-            }
-        };
-        let total = plan.total_bytes();
-        let status = TransferStatus {
-            transfer_id: id,
-            request_id: request_id.to_string(),
-            state: TransferState::Queued as i32,
-            total_bytes: total,
-            ..Default::default()
-        };
-        self.shared.transfers.insert(Arc::new(TransferRecord {
-            id,
-            request_id: request_id.to_string(),
-            worker_id: worker_id.to_string(),
-            started: Instant::now(),
-            status: tokio::sync::watch::channel(status).0,
-            link: Arc::downgrade(&link),
-        }));
-        let req = LocalTransfer {
-            transfer_id: id,
-            request_id: request_id.to_string(),
-            local: local_sel,
-            local_layout: region.layout,
-            remote: remote_sel,
-        };
-        let kind = if push { "push" } else { "pull" };
-        metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);
-        let started = link.with_session(|s, now| {
-            // Checked under the session lock, so a concurrent ReleaseBlocks
-            // either is seen here or finds the transfer (Shared::release_blocks).
-            region.check_generations(&req.local).map_err(|why| {
-                (
-                    "blocks_released",
-                    Status::failed_precondition(format!("blocks_released: {why}")),
-                )
-            })?;
-            if push {
-                s.start_push(req, now)
-            } else {
-                s.start_pull(req, now)
-            }
-            .map_err(|e| {
-                (
-                    "internal",
-                    Status::internal(format!("plan rejected after validation: {e}")),
-                )
-            })
-        });
-        link.rearm_timer();
-        if let Err((code, status)) = started {
-            self.shared.transfers.finish(id, |s| {
-                s.state = TransferState::Failed as i32;
-                s.failure = Some(Failure {
-                    side: FailureSide::Local as i32,
-                    code: code.into(),
-                    message: status.message().to_string(),
-                });
-            });
-            return Err(status);
-        }
-        Ok(TransferAccepted {
-            transfer_id: id,
-            total_bytes: total,
-            segments: plan.segments().len() as u64,
-        })
+        crate::submit::start_transfer(
+            &self.shared,
+            crate::submit::Start {
+                push,
+                request_id,
+                worker_id,
+                peer,
+                local: selection_of(local),
+                remote: selection_of(remote),
+            },
+        )
+        .await
     }
 
     fn record(&self, id: u64) -> Result<Arc<TransferRecord>, Status> {
@@ -540,6 +414,30 @@ impl Sidecar for Api {
             )
             .map_err(|e| Status::already_exists(e.to_string()))?;
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+
+    type OpenRingStream = crate::worker_ring::RingStream;
+
+    async fn open_ring(
+        &self,
+        req: Request<OpenRingRequest>,
+    ) -> Result<Response<Self::OpenRingStream>, Status> {
+        let cred = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred);
+        let caller = kvrail_shm::Caller {
+            uid: cred.map(|c| c.uid()),
+        };
+        let r = req.into_inner();
+        crate::worker_ring::open(
+            &self.shared,
+            &r.worker_id,
+            &r.shm_path,
+            r.notifications,
+            caller,
+        )
+        .map(Response::new)
     }
 
     async fn send_message(

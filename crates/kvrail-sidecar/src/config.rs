@@ -50,6 +50,11 @@ pub struct Config {
     pub rdma_qps_per_rail: usize,
     /// Poll completion queues this long before sleeping on the completion channel.
     pub rdma_busy_poll_us: u64,
+    /// How long a worker ring's thread spins for the next submission before
+    /// it sleeps on the ring's futex. Unset: 50 us on machines with at least 4
+    /// CPUs, 0 on smaller ones (there a spinning thread takes the core the
+    /// worker and the sidecar's own tasks need: measured in docs/ring.md).
+    pub ring_spin_us: Option<u64>,
     /// Queue pair ACK timeout exponent (4.096 us x 2^n per try).
     pub rdma_timeout: u8,
     /// Queue pair retries before it fails (7 retries for ever on Soft-RoCE).
@@ -117,6 +122,7 @@ impl Default for Config {
             rdma_gid_index: None,
             rdma_qps_per_rail: 2,
             rdma_busy_poll_us: 0,
+            ring_spin_us: None,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,
             rdma_min_rnr_timer: 12,
@@ -159,6 +165,18 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The spin of worker ring threads (see [`Config::ring_spin_us`]).
+    pub fn ring_spin(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.ring_spin_us.unwrap_or_else(|| {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if cpus >= 4 {
+                50
+            } else {
+                0
+            }
+        }))
+    }
+
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),

@@ -22,7 +22,9 @@ pub mod ratelog;
 pub mod rdma;
 pub mod regions;
 pub mod startup;
+pub mod submit;
 pub mod transfers;
+pub mod worker_ring;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -88,6 +90,10 @@ pub struct ServeArgs {
     /// QUIC: UDP payload connections start with (default 1200; see docs/quic.md).
     #[arg(long)]
     pub quic_initial_mtu: Option<u16>,
+    /// Spin of worker ring threads before they sleep, in microseconds
+    /// (default: 50 with at least 4 CPUs, else 0).
+    #[arg(long)]
+    pub ring_spin_us: Option<u64>,
     /// QUIC: kvrail connections per QUIC connection, as streams (default 1).
     #[arg(long)]
     pub quic_streams_per_connection: Option<usize>,
@@ -158,6 +164,9 @@ impl ServeArgs {
         }
         if let Some(v) = &self.tls_dir {
             c.tls_dir = Some(v.clone());
+        }
+        if let Some(v) = self.ring_spin_us {
+            c.ring_spin_us = Some(v);
         }
         if let Some(v) = self.quic_initial_mtu {
             c.quic_initial_mtu = v;

@@ -3,7 +3,8 @@
 //! Labels: `peer` (node name), `rail` (rail index), `transport` (`tcp`, ...),
 //! `direction` (`out`: the session this node dialed, `in`: one the peer dialed),
 //! `kind` (`push`, `push_receive`, `pull`, `pull_serve`), `reason` (failure code),
-//! `outcome` (of a received worker message).
+//! `outcome` (of a received worker message or a ring submission: `accepted`,
+//! `rejected`, `corrupt`).
 
 use std::net::SocketAddr;
 
@@ -38,6 +39,9 @@ pub const RDMA_WORK_REQUESTS: &str = "kvrail_rdma_work_requests_total";
 pub const RDMA_DESCRIPTORS: &str = "kvrail_rdma_descriptors_total";
 pub const GPU_STAGED_BYTES: &str = "kvrail_gpu_staged_bytes_total";
 pub const GPU_COPY_FAILURES: &str = "kvrail_gpu_copy_failures_total";
+pub const RINGS_OPEN: &str = "kvrail_rings_open";
+pub const RING_SUBMISSIONS: &str = "kvrail_ring_submissions_total";
+pub const RINGS_CLOSED: &str = "kvrail_rings_closed_total";
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -73,6 +77,12 @@ fn describe() {
         "GPU region payload copied through pinned staging buffers (direction to_host or to_device)"
     );
     describe_counter!(GPU_COPY_FAILURES, "GPU staging copies that failed");
+    describe_gauge!(RINGS_OPEN, "Worker submission rings being served");
+    describe_counter!(
+        RING_SUBMISSIONS,
+        "Submissions read from worker rings, by outcome"
+    );
+    describe_counter!(RINGS_CLOSED, "Worker rings closed, by reason");
     describe_counter!(
         BYTES_RECEIVED,
         Unit::Bytes,

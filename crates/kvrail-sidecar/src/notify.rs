@@ -12,10 +12,10 @@
 //! saying so.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
-use kvrail_proto::Notification;
+use kvrail_proto::{Notification, NotificationKind};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -25,9 +25,20 @@ pub const RETAINED: usize = 4096;
 /// What a subscription stream carries.
 pub type Item = Result<Notification, Status>;
 
+/// Where a worker's transfer notifications go instead of its stream: the
+/// completion queue of its ring.
+pub trait NotificationSink: Send + Sync {
+    /// Delivers `n` (or queues it for delivery); false when it cannot take
+    /// it, and then the stream gets it.
+    fn deliver(&self, n: &Notification) -> bool;
+}
+
 #[derive(Default)]
 struct Mailbox {
     subscriber: Option<mpsc::UnboundedSender<Item>>,
+    /// The worker's ring, when it asked for notifications there. Messages
+    /// (with payloads up to 16 KiB) always go to the stream.
+    sink: Option<Arc<dyn NotificationSink>>,
     /// The last notifications, oldest first, with their sequence numbers.
     retained: VecDeque<Notification>,
     /// Sequence of the newest notification.
@@ -41,6 +52,8 @@ struct Mailbox {
 pub enum SubscribeError {
     #[error("worker {0:?} already has a live notification stream (set take_over to replace it)")]
     AlreadySubscribed(String),
+    #[error("worker {0:?} already has a ring taking its notifications")]
+    SinkAttached(String),
 }
 
 /// Routes notifications to workers.
@@ -71,6 +84,14 @@ impl NotificationHub {
             mb.retained.pop_front();
         }
         mb.retained.push_back(n.clone());
+        if n.kind != NotificationKind::Message as i32 {
+            if let Some(sink) = &mb.sink {
+                if sink.deliver(&n) {
+                    mb.handed = mb.last;
+                    return;
+                }
+            }
+        }
         let delivered = mb
             .subscriber
             .as_ref()
@@ -91,6 +112,32 @@ impl NotificationHub {
         }
         self.send(worker_id, n);
         true
+    }
+
+    /// Sends the worker's transfer notifications to `sink` from now on.
+    pub fn attach_sink(
+        &self,
+        worker_id: &str,
+        sink: Arc<dyn NotificationSink>,
+    ) -> Result<(), SubscribeError> {
+        let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
+        let mut mb = entry.lock().unwrap_or_else(|e| e.into_inner());
+        if mb.sink.is_some() {
+            return Err(SubscribeError::SinkAttached(worker_id.to_string()));
+        }
+        mb.sink = Some(sink);
+        Ok(())
+    }
+
+    /// Undoes [`attach_sink`](Self::attach_sink) if `sink` is still the one
+    /// attached.
+    pub fn detach_sink(&self, worker_id: &str, sink: &Arc<dyn NotificationSink>) {
+        if let Some(entry) = self.mailboxes.get(worker_id) {
+            let mut mb = entry.lock().unwrap_or_else(|e| e.into_inner());
+            if mb.sink.as_ref().is_some_and(|s| Arc::ptr_eq(s, sink)) {
+                mb.sink = None;
+            }
+        }
     }
 
     /// Opens the worker's stream: what it missed first (after `after_sequence`,

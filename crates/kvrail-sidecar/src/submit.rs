@@ -1,0 +1,176 @@
+//! Starting a push or pull: the one path the gRPC API and the worker rings
+//! share, so a transfer is validated and recorded the same way whichever way
+//! the worker asked for it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvrail_core::{Access, BlockSelection, LocalTransfer, Plan};
+use kvrail_proto::{Failure, FailureSide, TransferAccepted, TransferState, TransferStatus};
+use tonic::Status;
+
+use crate::daemon::Shared;
+use crate::metrics as m;
+use crate::transfers::TransferRecord;
+
+/// A push or pull as the worker asked for it.
+pub struct Start<'a> {
+    pub push: bool,
+    pub request_id: &'a str,
+    pub worker_id: &'a str,
+    pub peer: &'a str,
+    /// The blocks on this node (the source of a push, the destination of a pull).
+    pub local: BlockSelection,
+    /// The blocks on the peer.
+    pub remote: BlockSelection,
+}
+
+/// Text fields of the API: 1 to 256 bytes.
+pub fn require_text(value: &str, name: &str) -> Result<(), Status> {
+    if value.is_empty() || value.len() > 256 {
+        return Err(Status::invalid_argument(format!(
+            "{name} must be 1..=256 bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the peer-side selection as far as this side can: shape and duplicates.
+fn check_remote(
+    sel: &BlockSelection,
+    write: bool,
+    local_blocks: usize,
+    local_layers: u32,
+) -> Result<(), Status> {
+    let access = if write { Access::Write } else { Access::Read };
+    sel.check_shape(access)
+        .map_err(|e| Status::invalid_argument(format!("peer-side selection: {e}")))?;
+    if sel.block_ids.len() as u64 * u64::from(sel.layer_count)
+        != local_blocks as u64 * u64::from(local_layers)
+    {
+        return Err(Status::invalid_argument(format!(
+            "size mismatch: source and destination must name the same number of layer-blocks ({} x {} vs {} x {})",
+            local_layers,
+            local_blocks,
+            sel.layer_count,
+            sel.block_ids.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Validates, records and starts a transfer on the peer's outbound link.
+pub async fn start_transfer(
+    shared: &Arc<Shared>,
+    start: Start<'_>,
+) -> Result<TransferAccepted, Status> {
+    require_text(start.request_id, "request_id")?;
+    require_text(start.worker_id, "worker_id")?;
+    if !shared.peers.contains_key(start.peer) {
+        return Err(Status::not_found(format!("unknown peer {:?}", start.peer)));
+    }
+    let Start {
+        push,
+        request_id,
+        worker_id,
+        peer,
+        local: local_sel,
+        remote: remote_sel,
+    } = start;
+    let region = shared.registry.get(local_sel.region_id).ok_or_else(|| {
+        Status::not_found(format!("unknown local region {}", local_sel.region_id))
+    })?;
+    let access = if push { Access::Read } else { Access::Write };
+    let plan = Plan::build(&region.layout, &local_sel, access)
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    check_remote(
+        &remote_sel,
+        push,
+        local_sel.block_ids.len(),
+        local_sel.layer_count,
+    )?;
+
+    let id = shared.next_transfer_id();
+    shared
+        .transfers
+        .reserve(worker_id, request_id, id)
+        .map_err(|_| {
+            Status::already_exists(format!(
+                "request {request_id:?} is already in flight for worker {worker_id:?}"
+            ))
+        })?;
+    let link = match shared.outbound_link(peer).await {
+        Ok(Some(link)) => link,
+        Ok(None) => {
+            shared.transfers.release(worker_id, request_id);
+            return Err(Status::not_found(format!("unknown peer {peer:?}")));
+        }
+        Err(e) => {
+            shared.transfers.release(worker_id, request_id);
+            return Err(Status::unavailable(e.to_string()));
+        }
+    };
+    let total = plan.total_bytes();
+    let status = TransferStatus {
+        transfer_id: id,
+        request_id: request_id.to_string(),
+        state: TransferState::Queued as i32,
+        total_bytes: total,
+        ..Default::default()
+    };
+    shared.transfers.insert(Arc::new(TransferRecord {
+        id,
+        request_id: request_id.to_string(),
+        worker_id: worker_id.to_string(),
+        started: Instant::now(),
+        status: tokio::sync::watch::channel(status).0,
+        link: Arc::downgrade(&link),
+    }));
+    let req = LocalTransfer {
+        transfer_id: id,
+        request_id: request_id.to_string(),
+        local: local_sel,
+        local_layout: region.layout,
+        remote: remote_sel,
+    };
+    let kind = if push { "push" } else { "pull" };
+    metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);
+    let started = link.with_session(|s, now| {
+        // Checked under the session lock, so a concurrent ReleaseBlocks
+        // either is seen here or finds the transfer (Shared::release_blocks).
+        region.check_generations(&req.local).map_err(|why| {
+            (
+                "blocks_released",
+                Status::failed_precondition(format!("blocks_released: {why}")),
+            )
+        })?;
+        if push {
+            s.start_push(req, now)
+        } else {
+            s.start_pull(req, now)
+        }
+        .map_err(|e| {
+            (
+                "internal",
+                Status::internal(format!("plan rejected after validation: {e}")),
+            )
+        })
+    });
+    link.rearm_timer();
+    if let Err((code, status)) = started {
+        shared.transfers.finish(id, |s| {
+            s.state = TransferState::Failed as i32;
+            s.failure = Some(Failure {
+                side: FailureSide::Local as i32,
+                code: code.into(),
+                message: status.message().to_string(),
+            });
+        });
+        return Err(status);
+    }
+    Ok(TransferAccepted {
+        transfer_id: id,
+        total_bytes: total,
+        segments: plan.segments().len() as u64,
+    })
+}

@@ -1,0 +1,432 @@
+//! Worker rings: the sidecar's end of the shared-memory submission and
+//! completion queues (layout in `kvrail_core::ring`, docs/ring-format.md).
+//!
+//! One thread per ring reads submissions (spinning briefly, then sleeping on
+//! the ring's futex) and starts each through [`crate::submit`], the same path
+//! gRPC pushes and pulls take; the answer (ACCEPTED or REJECTED) and, when
+//! asked for, the worker's transfer notifications go to the completion queue.
+//! A ring lives as long as the `OpenRing` call that opened it: when the worker
+//! goes away its call ends and the ring is closed; when the sidecar closes a
+//! ring (overrun, truncated file) it says why in the ring's header and ends
+//! the call with that reason.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use kvrail_core::ring::{
+    CloseReason, Completion, CompletionKind, RingBlocks, RingOp, Submission, VERSION,
+};
+use kvrail_core::BlockSelection;
+use kvrail_proto::{Notification, RingEvent};
+use kvrail_shm::ring::{Next, SidecarRing};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::Stream;
+use tonic::Status;
+use tracing::{info, warn};
+
+use crate::daemon::Shared;
+use crate::metrics as m;
+use crate::notify::NotificationSink;
+use crate::submit::{self, Start};
+
+/// Completions held back for a worker that does not read its CQ; past this
+/// the ring is closed (the hub still retains the notifications).
+pub const BACKLOG_MAX: usize = 65536;
+/// Rings one sidecar serves at once (each has a thread).
+pub const RINGS_MAX: u32 = 256;
+/// Longest sleep between checks of the ring file and of a close request.
+const SLEEP: Duration = Duration::from_millis(20);
+
+static RINGS: AtomicU32 = AtomicU32::new(0);
+
+/// One served ring.
+pub struct RingService {
+    ring: SidecarRing,
+    worker_id: String,
+    shared: Weak<Shared>,
+    notifications: bool,
+    /// Completions waiting for CQ room, oldest first. Its lock also orders
+    /// every publication into the CQ.
+    backlog: Mutex<VecDeque<Completion>>,
+    closing: AtomicBool,
+    reason: AtomicU32,
+    /// Ends the worker's `OpenRing` call with the close reason.
+    events: mpsc::UnboundedSender<Result<RingEvent, Status>>,
+}
+
+/// Keeps a ring served while the `OpenRing` response stream lives.
+pub struct RingStream {
+    events: UnboundedReceiverStream<Result<RingEvent, Status>>,
+    service: Arc<RingService>,
+}
+
+impl Stream for RingStream {
+    type Item = Result<RingEvent, Status>;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.events).poll_next(cx)
+    }
+}
+
+impl Drop for RingStream {
+    fn drop(&mut self) {
+        self.service.request_close(CloseReason::WorkerClosed);
+    }
+}
+
+/// Opens and starts serving a worker's ring.
+pub fn open(
+    shared: &Arc<Shared>,
+    worker_id: &str,
+    path: &str,
+    notifications: bool,
+    caller: kvrail_shm::Caller,
+) -> Result<RingStream, Status> {
+    submit::require_text(worker_id, "worker_id")?;
+    if RINGS.fetch_add(1, Ordering::SeqCst) >= RINGS_MAX {
+        RINGS.fetch_sub(1, Ordering::SeqCst);
+        return Err(Status::resource_exhausted(format!(
+            "this sidecar serves {RINGS_MAX} rings already"
+        )));
+    }
+    let ring = match SidecarRing::open(path, caller) {
+        Ok(r) => r,
+        Err(e) => {
+            RINGS.fetch_sub(1, Ordering::SeqCst);
+            return Err(ring_open_status(e));
+        }
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let service = Arc::new(RingService {
+        ring,
+        worker_id: worker_id.to_string(),
+        shared: Arc::downgrade(shared),
+        notifications,
+        backlog: Mutex::new(VecDeque::new()),
+        closing: AtomicBool::new(false),
+        reason: AtomicU32::new(0),
+        events: tx,
+    });
+    if notifications {
+        let sink: Arc<dyn NotificationSink> = service.clone();
+        if let Err(e) = shared.hub.attach_sink(worker_id, sink) {
+            service.ring.close(CloseReason::WorkerClosed);
+            RINGS.fetch_sub(1, Ordering::SeqCst);
+            return Err(Status::already_exists(e.to_string()));
+        }
+    }
+    let _ = service.events.send(Ok(RingEvent {
+        version: VERSION,
+        incarnation: shared.incarnation,
+    }));
+    let handle = tokio::runtime::Handle::current();
+    let thread_service = service.clone();
+    let spawned = std::thread::Builder::new()
+        .name(
+            format!("kvrail-ring-{worker_id}")
+                .chars()
+                .take(15)
+                .collect(),
+        )
+        .spawn(move || thread_service.serve(&handle));
+    if let Err(e) = spawned {
+        service.finish(CloseReason::SidecarStopping);
+        return Err(Status::resource_exhausted(format!(
+            "cannot start the ring's thread: {e}"
+        )));
+    }
+    metrics::gauge!(m::RINGS_OPEN).increment(1.0);
+    let g = service.ring.geometry();
+    info!(worker = %worker_id, path, sq = g.sq_entries, cq = g.cq_entries, slot = g.sq_slot_bytes, notifications, "ring opened");
+    Ok(RingStream {
+        events: UnboundedReceiverStream::new(rx),
+        service,
+    })
+}
+
+fn ring_open_status(e: kvrail_shm::ring::RingIoError) -> Status {
+    use kvrail_shm::ring::RingIoError as E;
+    use kvrail_shm::ShmError;
+    match e {
+        E::Shm(ShmError::Open { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Status::not_found(format!("ring file: {source}"))
+        }
+        E::Shm(ShmError::NotOwner { .. }) => Status::permission_denied(e.to_string()),
+        E::AlreadyOpen => Status::already_exists(e.to_string()),
+        e => Status::invalid_argument(format!("ring: {e}")),
+    }
+}
+
+/// The stable code of a refused submission: the failure code of
+/// [`submit::start_transfer`] where it names one, else the gRPC code's name.
+fn rejection_code(status: &Status) -> String {
+    if status.message().starts_with("blocks_released") {
+        return "blocks_released".into();
+    }
+    use tonic::Code as C;
+    match status.code() {
+        C::InvalidArgument => "invalid_argument",
+        C::NotFound => "not_found",
+        C::AlreadyExists => "already_exists",
+        C::Unavailable => "unavailable",
+        C::FailedPrecondition => "failed_precondition",
+        C::ResourceExhausted => "resource_exhausted",
+        C::PermissionDenied => "permission_denied",
+        _ => "internal",
+    }
+    .into()
+}
+
+fn selection(b: RingBlocks) -> BlockSelection {
+    BlockSelection {
+        region_id: b.region_id,
+        layer_start: b.layer_start,
+        layer_count: b.layer_count,
+        block_ids: b.block_ids(),
+        generations: b.generations,
+    }
+}
+
+impl RingService {
+    fn serve(self: Arc<Self>, handle: &tokio::runtime::Handle) {
+        // Spinning after the last submission before sleeping: a worker that
+        // streams layer pushes finds the thread awake (no wake-up system call).
+        let spin = self
+            .shared
+            .upgrade()
+            .map_or(Duration::ZERO, |s| s.config.ring_spin());
+        let mut since_check = 0u32;
+        loop {
+            if self.closing.load(Ordering::Acquire) {
+                break;
+            }
+            let backlogged = self.drain_backlog();
+            let sleep = if backlogged {
+                Duration::from_millis(1)
+            } else {
+                SLEEP
+            };
+            let woke = self.ring.wait(spin, sleep);
+            since_check += 1;
+            if !woke || since_check >= 256 {
+                since_check = 0;
+                if self.ring.is_damaged() {
+                    self.request_close(CloseReason::Truncated);
+                } else if !self.ring.header_intact() {
+                    self.request_close(CloseReason::HeaderChanged);
+                }
+            }
+            loop {
+                if self.closing.load(Ordering::Acquire) {
+                    break;
+                }
+                match self.ring.next() {
+                    Next::Empty => break,
+                    Next::Submission(s) => self.start(s, handle),
+                    Next::Corrupt(user_data, e) => {
+                        metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "corrupt").increment(1);
+                        self.reject(user_data, String::new(), "bad_descriptor", &e.to_string());
+                    }
+                    Next::Overrun(reason) => {
+                        self.request_close(reason);
+                        break;
+                    }
+                }
+            }
+        }
+        let reason = CloseReason::from_u32(self.reason.load(Ordering::Acquire))
+            .unwrap_or(CloseReason::WorkerClosed);
+        self.finish(reason);
+    }
+
+    /// Starts one submission and answers it.
+    fn start(&self, s: Submission, handle: &tokio::runtime::Handle) {
+        let Some(shared) = self.shared.upgrade() else {
+            self.request_close(CloseReason::SidecarStopping);
+            return;
+        };
+        let push = s.op == RingOp::Push;
+        let (local, remote) = if push {
+            (s.source, s.destination)
+        } else {
+            (s.destination, s.source)
+        };
+        // The transfer's own path is synchronous once the peer's link is up;
+        // only the first transfer to a peer waits here for the dial.
+        let started = handle.block_on(submit::start_transfer(
+            &shared,
+            Start {
+                push,
+                request_id: &s.request_id,
+                worker_id: &self.worker_id,
+                peer: &s.peer,
+                local: selection(local),
+                remote: selection(remote),
+            },
+        ));
+        match started {
+            Ok(accepted) => {
+                metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "accepted").increment(1);
+                self.publish(Completion {
+                    kind: CompletionKind::Accepted,
+                    failure_side: 0,
+                    user_data: s.user_data,
+                    transfer_id: accepted.transfer_id,
+                    region_id: 0,
+                    bytes: accepted.total_bytes,
+                    elapsed_us: 0,
+                    sequence: 0,
+                    incarnation: 0,
+                    request_id: s.request_id,
+                    peer: s.peer,
+                    code: String::new(),
+                    message: String::new(),
+                });
+            }
+            Err(status) => {
+                metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "rejected").increment(1);
+                self.reject(
+                    s.user_data,
+                    s.request_id,
+                    &rejection_code(&status),
+                    status.message(),
+                );
+            }
+        }
+    }
+
+    fn reject(&self, user_data: u64, request_id: String, code: &str, message: &str) {
+        self.publish(Completion {
+            kind: CompletionKind::Rejected,
+            failure_side: kvrail_proto::FailureSide::Local as u8,
+            user_data,
+            transfer_id: 0,
+            region_id: 0,
+            bytes: 0,
+            elapsed_us: 0,
+            sequence: 0,
+            incarnation: 0,
+            request_id,
+            peer: String::new(),
+            code: code.into(),
+            message: message.into(),
+        });
+    }
+
+    /// Publishes a completion in order: behind any backlog, else straight
+    /// into the CQ.
+    fn publish(&self, c: Completion) {
+        let mut backlog = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+        if backlog.is_empty() {
+            match self.ring.complete(&c) {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(_) => {
+                    drop(backlog);
+                    self.request_close(CloseReason::CompletionOverrun);
+                    return;
+                }
+            }
+        }
+        if backlog.len() >= BACKLOG_MAX {
+            drop(backlog);
+            self.request_close(CloseReason::CompletionBacklog);
+            return;
+        }
+        backlog.push_back(c);
+        self.ring.set_backlogged(backlog.len() as u64);
+        if backlog.len() == 1 {
+            // The thread sleeps shorter while something waits for room.
+            self.ring.wake_service();
+        }
+    }
+
+    /// Moves held-back completions into the CQ as room allows; whether any
+    /// are still waiting.
+    fn drain_backlog(&self) -> bool {
+        let mut backlog = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+        if backlog.is_empty() {
+            return false;
+        }
+        while let Some(c) = backlog.front() {
+            match self.ring.complete(c) {
+                Ok(true) => {
+                    backlog.pop_front();
+                }
+                Ok(false) => break,
+                Err(_) => {
+                    drop(backlog);
+                    self.request_close(CloseReason::CompletionOverrun);
+                    return false;
+                }
+            }
+        }
+        self.ring.set_backlogged(backlog.len() as u64);
+        !backlog.is_empty()
+    }
+
+    fn request_close(&self, reason: CloseReason) {
+        if !self.closing.swap(true, Ordering::AcqRel) {
+            self.reason.store(reason as u32, Ordering::Release);
+        }
+        self.ring.wake_service();
+    }
+
+    /// Stops serving: tells the worker in the ring's header and on its call.
+    fn finish(self: &Arc<Self>, reason: CloseReason) {
+        self.ring.close(reason);
+        if self.notifications {
+            if let Some(shared) = self.shared.upgrade() {
+                let sink: Arc<dyn NotificationSink> = self.clone();
+                shared.hub.detach_sink(&self.worker_id, &sink);
+            }
+        }
+        let _ = self
+            .events
+            .send(Err(Status::aborted(format!("ring closed: {reason}"))));
+        RINGS.fetch_sub(1, Ordering::SeqCst);
+        metrics::gauge!(m::RINGS_OPEN).decrement(1.0);
+        metrics::counter!(m::RINGS_CLOSED, "reason" => format!("{reason:?}")).increment(1);
+        if reason == CloseReason::WorkerClosed {
+            info!(worker = %self.worker_id, "ring closed: {reason}");
+        } else {
+            warn!(worker = %self.worker_id, "ring closed: {reason}");
+        }
+    }
+}
+
+impl NotificationSink for RingService {
+    fn deliver(&self, n: &Notification) -> bool {
+        if self.closing.load(Ordering::Acquire) || !Completion::fits(&n.request_id, &n.peer) {
+            return false;
+        }
+        let Some(kind) = u8::try_from(n.kind)
+            .ok()
+            .and_then(CompletionKind::from_u8)
+            .filter(|k| (*k as u8) <= CompletionKind::Failed as u8)
+        else {
+            return false;
+        };
+        let failure = n.failure.clone().unwrap_or_default();
+        self.publish(Completion {
+            kind,
+            failure_side: u8::try_from(failure.side).unwrap_or(0),
+            user_data: 0,
+            transfer_id: n.transfer_id,
+            region_id: n.region_id,
+            bytes: n.bytes,
+            elapsed_us: n.elapsed_us,
+            sequence: n.sequence,
+            incarnation: n.incarnation,
+            request_id: n.request_id.clone(),
+            peer: n.peer.clone(),
+            code: failure.code,
+            message: failure.message,
+        });
+        true
+    }
+}
