@@ -170,6 +170,28 @@ impl Client {
     }
 }
 
+impl Client {
+    /// Low level: has the sidecar serve a ring file the caller created and
+    /// laid out itself (as another language's client would). The ring is
+    /// served while the returned stream is kept; its first message says so.
+    pub async fn open_ring_file(
+        &mut self,
+        worker_id: &str,
+        path: &std::path::Path,
+        notifications: bool,
+    ) -> Result<tonic::Streaming<kvrail_proto::RingEvent>, ClientError> {
+        Ok(self
+            .inner
+            .open_ring(OpenRingRequest {
+                worker_id: worker_id.into(),
+                shm_path: path.to_string_lossy().into_owned(),
+                notifications,
+            })
+            .await?
+            .into_inner())
+    }
+}
+
 fn ring_blocks(b: &BlockRange) -> RingBlocks {
     RingBlocks::from_ids(
         b.region_id,

@@ -1,0 +1,452 @@
+//! Worker rings (#23) against real sidecars: pushes and pulls through the
+//! shared-memory ring land and are answered in the completion queues; a
+//! corrupt slot, an overrun, a truncated ring file, a worker killed while it
+//! submits and a sidecar restarted under a live ring each get a clear answer,
+//! the daemon keeps serving, and nothing is written outside the named blocks.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvrail_client::ring::{CompletionKind as K, RingOptions};
+use kvrail_client::{blocks, dense_layout, KvRegion, SharedRegion};
+use kvrail_core::ring::{offset, CloseReason, RingGeometry};
+use kvrail_e2e::Pair;
+use kvrail_examples::{fill, verify};
+use kvrail_shm::ring::WorkerRing;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn opts() -> RingOptions {
+    RingOptions {
+        sq_entries: 8,
+        cq_entries: 16,
+        slot_bytes: 1024,
+        ..Default::default()
+    }
+}
+
+/// Completions of `ring` until one of `request_id` has a kind in `want`.
+fn wait_for(
+    ring: &kvrail_client::ring::Ring,
+    request_id: &str,
+    want: &[K],
+) -> kvrail_client::ring::Completion {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "no {want:?} for {request_id} within {WAIT:?}"
+        );
+        if let Some(c) = ring.wait(left).unwrap() {
+            if c.request_id == request_id && want.contains(&c.kind) {
+                return c;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pushes_and_pulls_through_rings_land_and_are_answered() {
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(4, 2, 32, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let pr = p.register_region("p0", &p_kv, true).await.unwrap();
+    let dr = d.register_region("d0", &d_kv, true).await.unwrap();
+    let p_ring = p.open_ring("p0", opts()).await.unwrap();
+    let d_ring = d.open_ring("d0", opts()).await.unwrap();
+    // A second ring taking the same worker's notifications is refused.
+    let again = d.open_ring("d0", opts()).await;
+    assert_eq!(
+        again.err().and_then(|e| e.code()),
+        Some(tonic::Code::AlreadyExists)
+    );
+
+    fill(&p_kv, 1, 0..4, &[3, 4, 5, 9]).unwrap();
+    let ud = p_ring
+        .submit_push(
+            "push-1",
+            "decode",
+            &blocks(pr, 0..4, vec![3, 4, 5, 9]),
+            &blocks(dr, 0..4, vec![10, 11, 12, 13]),
+        )
+        .unwrap();
+    let accepted = wait_for(&p_ring, "push-1", &[K::Accepted, K::Rejected]);
+    assert_eq!(accepted.kind, K::Accepted, "{accepted:?}");
+    assert_eq!(accepted.user_data, ud);
+    assert_eq!(accepted.bytes, 4 * 2 * 4 * 4096);
+    let got = wait_for(&d_ring, "push-1", &[K::PushReceived, K::Failed]);
+    assert_eq!(got.kind, K::PushReceived, "{got:?}");
+    assert_eq!(got.peer, "prefill");
+    assert!(got.sequence > 0);
+    verify(&d_kv, 1, 0..4, &[10, 11, 12, 13]).unwrap();
+    // Nothing outside the named blocks was written.
+    for b in (0..32).filter(|b| !(10..14).contains(b)) {
+        assert!(d_kv.read_block(0, 0, b).unwrap().iter().all(|&x| x == 0));
+    }
+    let done = wait_for(&p_ring, "push-1", &[K::PushDone, K::Failed]);
+    assert_eq!(done.kind, K::PushDone, "{done:?}");
+
+    // A pull the other way, started from the decode worker's ring.
+    fill(&p_kv, 2, 1..3, &[20, 21]).unwrap();
+    d_ring
+        .submit_pull(
+            "pull-1",
+            "prefill",
+            &blocks(pr, 1..3, vec![20, 21]),
+            &blocks(dr, 1..3, vec![0, 1]),
+        )
+        .unwrap();
+    let done = wait_for(&d_ring, "pull-1", &[K::PullDone, K::Failed, K::Rejected]);
+    assert_eq!(done.kind, K::PullDone, "{done:?}");
+    verify(&d_kv, 2, 1..3, &[0, 1]).unwrap();
+    let served = wait_for(&p_ring, "pull-1", &[K::PullServed]);
+    assert_eq!(served.peer, "decode");
+
+    // Refusals name what is wrong, and the ring goes on serving.
+    p_ring
+        .submit_push(
+            "to-nobody",
+            "nobody",
+            &blocks(pr, 0..1, vec![0]),
+            &blocks(dr, 0..1, vec![0]),
+        )
+        .unwrap();
+    let r = wait_for(&p_ring, "to-nobody", &[K::Rejected, K::Accepted]);
+    assert_eq!(
+        (r.kind, r.code.as_str()),
+        (K::Rejected, "not_found"),
+        "{r:?}"
+    );
+    p_ring
+        .submit_push(
+            "out-of-range",
+            "decode",
+            &blocks(pr, 0..1, vec![32]),
+            &blocks(dr, 0..1, vec![0]),
+        )
+        .unwrap();
+    let r = wait_for(&p_ring, "out-of-range", &[K::Rejected, K::Accepted]);
+    assert_eq!(r.code, "invalid_argument", "{r:?}");
+    // More block runs than a slot holds: refused before anything is written.
+    let scattered: Vec<u32> = (0..32).step_by(2).collect();
+    let many = p_ring.submit_push(
+        "too-large",
+        "decode",
+        &blocks(
+            pr,
+            0..4,
+            scattered.iter().cycle().take(200).copied().collect(),
+        ),
+        &blocks(
+            dr,
+            0..4,
+            scattered.iter().cycle().take(200).copied().collect(),
+        ),
+    );
+    assert!(
+        matches!(many, Err(kvrail_client::ring::RingSubmitError::TooLarge(_))),
+        "{many:?}"
+    );
+    // Flooding without reading: the submission queue says it is full.
+    let mut full = false;
+    for i in 0..64 {
+        match p_ring.submit_push(
+            &format!("flood-{i}"),
+            "nobody",
+            &blocks(pr, 0..1, vec![0]),
+            &blocks(dr, 0..1, vec![0]),
+        ) {
+            Ok(_) => {}
+            Err(kvrail_client::ring::RingSubmitError::Full) => {
+                full = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let _ = full; // The sidecar may keep up with the flood; either way it answers each.
+    p_ring
+        .submit_push(
+            "after-flood",
+            "decode",
+            &blocks(pr, 0..1, vec![3]),
+            &blocks(dr, 0..1, vec![20]),
+        )
+        .unwrap_or_else(|_| {
+            // Full: read answers, then submit again.
+            while p_ring.poll().unwrap().is_some() {}
+            std::thread::sleep(Duration::from_millis(50));
+            while p_ring.poll().unwrap().is_some() {}
+            p_ring
+                .submit_push(
+                    "after-flood",
+                    "decode",
+                    &blocks(pr, 0..1, vec![3]),
+                    &blocks(dr, 0..1, vec![20]),
+                )
+                .unwrap()
+        });
+    let r = wait_for(&p_ring, "after-flood", &[K::PushDone, K::Failed]);
+    assert_eq!(r.kind, K::PushDone, "{r:?}");
+    p_kv.unlink();
+    d_kv.unlink();
+}
+
+/// A ring file laid out by hand and served through the low-level call, so the
+/// test can scribble on it as a broken or hostile worker would.
+struct HandRing {
+    ring: WorkerRing,
+    scribble: SharedRegion,
+    events: tonic::Streaming<kvrail_client::proto::RingEvent>,
+}
+
+async fn hand_ring(
+    client: &mut kvrail_client::Client,
+    pair: &Pair,
+    name: &str,
+    worker: &str,
+) -> HandRing {
+    let path = pair.shm_path(name);
+    let ring = WorkerRing::create(&path, RingGeometry::new(4, 8, 1024).unwrap()).unwrap();
+    let scribble = SharedRegion::open(&path).unwrap();
+    let mut events = client.open_ring_file(worker, &path, false).await.unwrap();
+    let first = events.message().await.unwrap().unwrap();
+    assert_eq!(first.version, 1);
+    ring.unlink();
+    HandRing {
+        ring,
+        scribble,
+        events,
+    }
+}
+
+async fn ring_call_ends(events: &mut tonic::Streaming<kvrail_client::proto::RingEvent>) -> String {
+    match tokio::time::timeout(WAIT, events.message()).await {
+        Ok(Err(status)) => status.message().to_string(),
+        other => panic!("the ring's call should end with a status: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn corrupt_overrun_and_truncated_rings_are_closed_with_their_reason() {
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 8, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let pr = p.register_region("p0", &p_kv, false).await.unwrap();
+    let dr = d.register_region("d0", &d_kv, false).await.unwrap();
+    let g = RingGeometry::new(4, 8, 1024).unwrap();
+
+    // A corrupt slot: rejected with its user data, and the ring serves on.
+    let mut h = hand_ring(&mut p, &pair, "ring-corrupt", "p0").await;
+    let sub = |user_data: u64, request: &str| kvrail_core::ring::Submission {
+        op: kvrail_core::ring::RingOp::Push,
+        user_data,
+        peer: "decode".into(),
+        request_id: request.into(),
+        source: kvrail_core::ring::RingBlocks::from_ids(pr, 0..1, &[1], vec![]),
+        destination: kvrail_core::ring::RingBlocks::from_ids(dr, 0..1, &[2], vec![]),
+    };
+    // Published, then torn: the op byte and a run count overwritten.
+    let mut slot = vec![0u8; 1024];
+    sub(77, "torn").encode(&mut slot).unwrap();
+    slot[0] = 0xee;
+    slot[4] = 0xff;
+    h.scribble.write_at(g.sq_slot_offset(0), &slot).unwrap();
+    h.scribble
+        .atomic_u64(offset::SQ_TAIL)
+        .unwrap()
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    // The worker's own view of the tail moves with a real submission next.
+    let c = h.ring.wait(Duration::ZERO, WAIT).unwrap().unwrap();
+    assert_eq!(c.kind, K::Rejected);
+    assert_eq!(
+        (c.user_data, c.code.as_str()),
+        (77, "bad_descriptor"),
+        "{c:?}"
+    );
+    assert!(d_kv.read_block(0, 0, 2).unwrap().iter().all(|&x| x == 0));
+
+    // An overrun: the tail moved far past what the ring holds.
+    h.scribble
+        .atomic_u64(offset::SQ_TAIL)
+        .unwrap()
+        .store(1000, std::sync::atomic::Ordering::SeqCst);
+    // Wake the sidecar as a submission would.
+    let bell = h.scribble.atomic_u32(offset::SIDECAR_BELL).unwrap();
+    bell.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    kvrail_shm::futex::wake(bell);
+    let why = ring_call_ends(&mut h.events).await;
+    assert!(why.contains("overrun"), "{why}");
+    assert_eq!(
+        h.ring.closed().as_deref(),
+        Some(CloseReason::SubmissionOverrun.to_string().as_str())
+    );
+
+    // A ring file truncated under the sidecar's mapping.
+    let mut t = hand_ring(&mut p, &pair, "ring-truncate", "p0").await;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/self/fd/{}", fd_of(&t.scribble)))
+        .ok();
+    // The scribble mapping's file: shrink it through /proc (the name is gone).
+    if let Some(f) = file {
+        f.set_len(4096).unwrap();
+    }
+    let why = ring_call_ends(&mut t.events).await;
+    assert!(why.contains("truncated"), "{why}");
+
+    // Through all of it the daemon serves: a fresh ring pushes.
+    let ring = p.open_ring("p1", opts()).await.unwrap();
+    fill(&p_kv, 5, 0..1, &[1]).unwrap();
+    ring.submit_push(
+        "good",
+        "decode",
+        &blocks(pr, 0..1, vec![1]),
+        &blocks(dr, 0..1, vec![2]),
+    )
+    .unwrap();
+    let done = wait_for(&ring, "good", &[K::PushDone, K::Failed, K::Rejected]);
+    assert_eq!(done.kind, K::PushDone, "{done:?}");
+    verify(&d_kv, 5, 0..1, &[2]).unwrap();
+    p_kv.unlink();
+    d_kv.unlink();
+}
+
+/// The descriptor of a mapping's file, found through /proc/self/maps.
+fn fd_of(region: &SharedRegion) -> i32 {
+    let want = region.as_mut_ptr() as usize;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let line = maps
+        .lines()
+        .find(|l| {
+            l.split('-')
+                .next()
+                .and_then(|a| usize::from_str_radix(a, 16).ok())
+                == Some(want)
+        })
+        .unwrap();
+    let inode: u64 = line.split_whitespace().nth(4).unwrap().parse().unwrap();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
+        let entry = entry.unwrap();
+        if let Ok(meta) = std::fs::metadata(entry.path()) {
+            use std::os::unix::fs::MetadataExt;
+            if meta.ino() == inode {
+                return entry.file_name().to_str().unwrap().parse().unwrap();
+            }
+        }
+    }
+    panic!("no descriptor for the ring file");
+}
+
+/// Run as a child process by the next test: opens a ring and submits until
+/// it is killed. Does nothing when run by the test harness itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn ring_worker_child() {
+    let Ok(socket) = std::env::var("KVRAIL_RING_CHILD_SOCKET") else {
+        return;
+    };
+    let region: u64 = std::env::var("KVRAIL_RING_CHILD_REGION")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut client = kvrail_client::Client::connect(socket).await.unwrap();
+    let ring = client.open_ring("child", opts()).await.unwrap();
+    println!("RING-OPEN");
+    for i in 0u64.. {
+        let _ = ring.submit_push(
+            &format!("child-{i}"),
+            "decode",
+            &blocks(region, 0..1, vec![(i % 8) as u32]),
+            &blocks(region, 0..1, vec![(i % 8) as u32]),
+        );
+        while ring.poll().ok().flatten().is_some() {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_killed_while_submitting_and_a_restarted_sidecar_leave_clear_state() {
+    let mut pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let layout = dense_layout(1, 1, 8, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let pr = p.register_region("child", &p_kv, false).await.unwrap();
+
+    // A worker process killed with SIGKILL in the middle of its submissions.
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "ring_worker_child", "--nocapture"])
+        .env("KVRAIL_RING_CHILD_SOCKET", &pair.prefill.socket)
+        .env("KVRAIL_RING_CHILD_REGION", pr.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::BufRead;
+        let out = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(out).lines();
+        let opened = lines.any(|l| l.map(|l| l.contains("RING-OPEN")).unwrap_or(false));
+        assert!(opened, "the child never opened its ring");
+    }
+    std::thread::sleep(Duration::from_millis(200)); // let it submit for a while
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        pair.prefill.is_running(),
+        "the sidecar died with its worker"
+    );
+    // The dead worker's ring was closed and its notification sink released:
+    // a new ring for the same worker id takes its notifications.
+    let deadline = Instant::now() + WAIT;
+    let ring = loop {
+        match p.open_ring("child", opts()).await {
+            Ok(r) => break r,
+            Err(e) if e.code() == Some(tonic::Code::AlreadyExists) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the dead worker's ring is still served"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+
+    // The sidecar restarted under the live ring: the worker is told at once.
+    pair.prefill.kill();
+    let deadline = Instant::now() + WAIT;
+    while ring.closed().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the worker was not told its sidecar is gone"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        ring.closed().as_deref(),
+        Some(CloseReason::SidecarGone.to_string().as_str())
+    );
+    let r = ring.submit_push(
+        "after-restart",
+        "decode",
+        &blocks(pr, 0..1, vec![0]),
+        &blocks(pr, 0..1, vec![0]),
+    );
+    assert!(
+        matches!(r, Err(kvrail_client::ring::RingSubmitError::Closed(_))),
+        "{r:?}"
+    );
+    assert!(ring.wait(Duration::from_secs(1)).is_err());
+    pair.prefill.restart();
+    let mut p2 = pair.prefill.client().await;
+    let fresh = p2.open_ring("child", opts()).await.unwrap();
+    assert!(fresh.closed().is_none());
+    p_kv.unlink();
+}
