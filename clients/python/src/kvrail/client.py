@@ -296,6 +296,23 @@ class Client:
                 raise PeerUnavailable(err.reason.split(": ", 1)[-1]) from None
             raise err from None
 
+    def open_ring(self, **options: Any) -> "Ring":
+        """A shared-memory submission ring for this worker (see
+        :mod:`kvrail.ring`): pushes and pulls without a gRPC call per
+        transfer; with ``notifications=True`` (the default) this worker's
+        transfer notifications arrive in the ring instead of
+        :meth:`notifications`."""
+        from .ring import Ring
+
+        return Ring(self, **options)
+
+    def _ring_error(self, e: BaseException) -> Exception:
+        from .ring import RingClosed
+
+        if isinstance(e, grpc.RpcError):
+            return _error(e, self.socket)
+        return RingClosed(f"the sidecar did not serve the ring: {e!r}")
+
     def _answers(self) -> bool:
         try:
             self._stub.ListPeers(pb.ListPeersRequest(), timeout=1.0)

@@ -352,3 +352,21 @@ class SendMessageRequest(_message.Message):
 class SendMessageResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class OpenRingRequest(_message.Message):
+    __slots__ = ("worker_id", "shm_path", "notifications")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shm_path: str
+    notifications: bool
+    def __init__(self, worker_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., notifications: bool = ...) -> None: ...
+
+class RingEvent(_message.Message):
+    __slots__ = ("version", "incarnation")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    incarnation: int
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...

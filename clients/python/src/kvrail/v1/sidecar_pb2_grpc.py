@@ -94,6 +94,11 @@ class SidecarStub(object):
                 request_serializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageRequest.SerializeToString,
                 response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageResponse.FromString,
                 _registered_method=True)
+        self.OpenRing = channel.unary_stream(
+                '/kvrail.v1.Sidecar/OpenRing',
+                request_serializer=kvrail_dot_v1_dot_sidecar__pb2.OpenRingRequest.SerializeToString,
+                response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.RingEvent.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer(object):
@@ -181,6 +186,19 @@ class SidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenRing(self, request, context):
+        """Serves a shared-memory submission/completion ring the worker created
+        (docs/ring-format.md): pushes and pulls written to it start as if called
+        here, each answered by an ACCEPTED or REJECTED completion, and (with
+        `notifications`) the worker's transfer notifications go to its completion
+        queue instead of its Subscribe stream (messages still go to the stream).
+        The first reply says the ring is served; it is served until this call's
+        stream ends, which is how each side learns that the other went away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +261,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.SendMessage,
                     request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageRequest.FromString,
                     response_serializer=kvrail_dot_v1_dot_sidecar__pb2.SendMessageResponse.SerializeToString,
+            ),
+            'OpenRing': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenRing,
+                    request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.OpenRingRequest.FromString,
+                    response_serializer=kvrail_dot_v1_dot_sidecar__pb2.RingEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +592,33 @@ class Sidecar(object):
             '/kvrail.v1.Sidecar/SendMessage',
             kvrail_dot_v1_dot_sidecar__pb2.SendMessageRequest.SerializeToString,
             kvrail_dot_v1_dot_sidecar__pb2.SendMessageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvrail.v1.Sidecar/OpenRing',
+            kvrail_dot_v1_dot_sidecar__pb2.OpenRingRequest.SerializeToString,
+            kvrail_dot_v1_dot_sidecar__pb2.RingEvent.FromString,
             options,
             channel_credentials,
             insecure,

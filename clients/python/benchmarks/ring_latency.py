@@ -1,0 +1,107 @@
+"""4 KiB push latency through the Python client: the ring beside gRPC, and
+the Rust client's ring (``loadgen bench --only latency``) in the same run.
+
+    python clients/python/benchmarks/ring_latency.py --kvrail target/release/kvrail \
+        --loadgen target/release/loadgen --samples 2000
+
+Measured: a push submitted (ring) or called (gRPC) on the prefill worker to
+the PUSH_RECEIVED notification in the decode worker's ring (or stream).
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import conftest  # noqa: E402  (the tests' sidecar pair)
+
+from kvrail import Blocks, Client, HostKvCache  # noqa: E402
+
+
+def pct(xs: list[float], p: float) -> float:
+    return round(float(np.percentile(np.array(xs), p)), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvrail", required=True)
+    ap.add_argument("--loadgen")
+    ap.add_argument("--samples", type=int, default=2000)
+    a = ap.parse_args()
+    os.environ["KVRAIL_BIN"] = a.kvrail
+    out: dict[str, object] = {"bench": "python_ring_latency", "bytes": 4096, "samples": a.samples}
+    with tempfile.TemporaryDirectory() as tmp:
+        pair = conftest.Pair(Path(tmp))
+        try:
+            shape = (16, 2, 64)
+            src = HostKvCache(pair.shm("src"), 1, 64, shape, np.float16)
+            dst = HostKvCache(pair.shm("dst"), 1, 64, shape, np.float16)
+            with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d, \
+                    Client(pair.prefill.socket, "p1") as pg, Client(pair.decode.socket, "d1") as dg:
+                sid, did = p.register_kv_cache(src), d.register_kv_cache(dst)
+                gsid, gdid = pg.register_kv_cache(src), dg.register_kv_cache(dst)
+                ring_lat, submit, grpc_lat = [], [], []
+                with p.open_ring() as pr, d.open_ring() as dr, dg.notifications() as notes:
+                    for i in range(a.samples + 100):
+                        rid = f"r{i}"
+                        t0 = time.perf_counter()
+                        pr.submit_push(rid, "decode", Blocks(sid, [i % 64]), Blocks(did, [i % 64]))
+                        t1 = time.perf_counter()
+                        while True:
+                            c = dr.wait(10.0)
+                            assert c is not None, "no completion within 10 s"
+                            if c.request_id == rid:
+                                assert c.kind == "PUSH_RECEIVED", c
+                                break
+                        t2 = time.perf_counter()
+                        done = 0
+                        while done < 2:  # ACCEPTED and PUSH_DONE on the sender's ring
+                            c = pr.wait(10.0)
+                            assert c is not None and c.kind in ("ACCEPTED", "PUSH_DONE"), c
+                            done += 1
+                        gid = f"g{i}"
+                        t3 = time.perf_counter()
+                        pg.push(gid, "decode", Blocks(gsid, [i % 64]), Blocks(gdid, [i % 64]))
+                        while True:
+                            n = notes.get(timeout=10)
+                            if n.request_id == gid:
+                                break
+                        t4 = time.perf_counter()
+                        if i >= 100:
+                            ring_lat.append((t2 - t0) * 1e6)
+                            submit.append((t1 - t0) * 1e6)
+                            grpc_lat.append((t4 - t3) * 1e6)
+                out["python_ring"] = {"p50_us": pct(ring_lat, 50), "p99_us": pct(ring_lat, 99),
+                                      "p999_us": pct(ring_lat, 99.9), "submit_p50_us": pct(submit, 50)}
+                out["python_grpc"] = {"p50_us": pct(grpc_lat, 50), "p99_us": pct(grpc_lat, 99),
+                                      "p999_us": pct(grpc_lat, 99.9)}
+            src.close() if hasattr(src, "close") else None
+        finally:
+            pair.stop()
+            for f in Path("/dev/shm").glob(f"kvrail-pytest-{os.getpid()}-*"):
+                f.unlink()
+    if a.loadgen:
+        r = subprocess.run([a.loadgen, "bench", "--only", "latency", "--latency-samples", str(a.samples),
+                            "--transport", "tcp"], capture_output=True, text=True, check=True)
+        for line in r.stdout.splitlines():
+            v = json.loads(line)
+            if v.get("bench") == "latency_path" and v.get("path") == "ring" and v.get("bytes") == 4096:
+                out["rust_ring"] = {k: v[k] for k in ("p50_us", "p99_us", "p999_us", "submit_p50_us")}
+                out["python_over_rust_p50"] = round(out["python_ring"]["p50_us"] / max(v["p50_us"], 1), 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""The worker's submission ring in pure Python (layout: docs/ring-format.md).
+
+A push or pull is one slot written into shared memory and a tail index
+moved; the sidecar answers in the completion queue. No gRPC call, and a
+futex system call only when the sidecar sleeps. Python's ``mmap`` and
+``ctypes`` are enough: the 8-byte index words are written with single aligned
+stores, and the slot bytes before the index. That order holds for other
+processes on x86-64, whose stores are seen in program order; on other CPUs
+(aarch64) a plain Python store has no release barrier, so :func:`supported`
+is false there and callers use gRPC.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import platform
+import secrets
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .v1 import sidecar_pb2 as pb
+
+if TYPE_CHECKING:
+    from .client import Blocks, Client
+
+MAGIC = b"KVRRING1"
+VERSION = 1
+HEADER_BYTES = 4096
+CQ_SLOT_BYTES = 512
+# Offsets of the control words (kvrail_core::ring::offset).
+STATE, CLOSE_REASON = 28, 32
+SQ_TAIL, SQ_HEAD, CQ_TAIL, CQ_HEAD = 64, 128, 192, 256
+SIDECAR_BELL, SIDECAR_SLEEPING, WORKER_BELL, WORKER_SLEEPING = 320, 324, 384, 388
+STATE_OPEN, STATE_CLOSED = 1, 2
+PUSH, PULL = 1, 2
+KINDS = {1: "PUSH_DONE", 2: "PUSH_RECEIVED", 3: "PULL_DONE", 4: "PULL_SERVED", 5: "FAILED",
+         7: "ACCEPTED", 8: "REJECTED"}
+CLOSE_REASONS = {
+    1: "the OpenRing call ended (the worker closed the ring or went away)",
+    2: "submission queue overrun",
+    3: "completion queue overrun",
+    4: "the worker does not read its completions (backlog limit reached)",
+    5: "the ring file was truncated under the sidecar's mapping",
+    6: "the sidecar is shutting down",
+    7: "the worker's header changed while the ring was open",
+    8: "the sidecar went away (its OpenRing call ended)",
+}
+_SUB_FIXED = 248
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+def supported() -> bool:
+    """Whether this interpreter can drive a ring safely (see the module doc)."""
+    return platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
+
+
+class RingClosed(Exception):
+    """The sidecar no longer serves the ring; the message says why."""
+
+
+class RingFull(Exception):
+    """The submission queue is full: read completions, then submit again."""
+
+
+class RingTooLarge(ValueError):
+    """The submission does not fit one slot: use the gRPC call."""
+
+
+@dataclass(frozen=True)
+class RingCompletion:
+    kind: str  # ACCEPTED, REJECTED, or a notification kind
+    user_data: int
+    transfer_id: int
+    region_id: int
+    bytes: int
+    elapsed_us: int
+    sequence: int
+    incarnation: int
+    request_id: str
+    peer: str
+    failure_side: int
+    code: str
+    message: str
+
+
+class _Futex:
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self._syscall = libc.syscall
+        self._syscall.restype = ctypes.c_long
+
+    def wait(self, addr: int, expected: int, timeout_s: float) -> None:
+        sec = int(timeout_s)
+        ts = (ctypes.c_long * 2)(sec, int((timeout_s - sec) * 1e9))
+        self._syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+                      ctypes.byref(ts), None, 0)
+
+    def wake(self, addr: int) -> None:
+        self._syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    runs: list[list[int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return [(s, c) for s, c in runs]
+
+
+class Ring:
+    """A ring served for one worker. ``Client.open_ring`` makes one."""
+
+    def __init__(self, client: "Client", *, sq_entries: int = 256, cq_entries: int = 1024,
+                 slot_bytes: int = 4096, notifications: bool = True,
+                 spin_s: float | None = None) -> None:
+        if not supported():
+            raise RingClosed(f"rings are not supported by the Python client on {platform.machine()}")
+        self.sq_entries, self.cq_entries, self.slot_bytes = sq_entries, cq_entries, slot_bytes
+        self.spin_s = spin_s if spin_s is not None else (50e-6 if (os.cpu_count() or 1) >= 4 else 0.0)
+        total = HEADER_BYTES + sq_entries * slot_bytes + cq_entries * CQ_SLOT_BYTES
+        self._cq_offset = HEADER_BYTES + sq_entries * slot_bytes
+        path = Path("/dev/shm") / f"kvrail-ring-{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            self._mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._mm[0:28] = MAGIC + struct.pack("<IIIII", VERSION, sq_entries, cq_entries,
+                                             slot_bytes, CQ_SLOT_BYTES)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._u64 = {o: ctypes.c_uint64.from_buffer(self._mm, o)
+                     for o in (SQ_TAIL, SQ_HEAD, CQ_TAIL, CQ_HEAD)}
+        self._u32 = {o: ctypes.c_uint32.from_buffer(self._mm, o)
+                     for o in (STATE, CLOSE_REASON, SIDECAR_BELL, SIDECAR_SLEEPING,
+                               WORKER_BELL, WORKER_SLEEPING)}
+        self._futex = _Futex()
+        self._tail = 0
+        self._head = 0
+        self._next_user_data = 1
+        self._submit_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        try:
+            self._call = client._stub.OpenRing(pb.OpenRingRequest(
+                worker_id=client.worker_id, shm_path=str(path), notifications=notifications))
+            first = next(self._call)
+        except Exception as e:  # grpc.RpcError, StopIteration
+            self._release()
+            raise client._ring_error(e) from None
+        finally:
+            path.unlink(missing_ok=True)
+        self.incarnation = first.incarnation
+        self._watcher = threading.Thread(target=self._watch, name="kvrail-ring-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        try:
+            for _ in self._call:
+                pass
+        except Exception:
+            pass
+        # The call ended: if the sidecar did not close the ring itself, it went away.
+        if self._u32[STATE].value != STATE_CLOSED:
+            self._u32[CLOSE_REASON].value = 8
+            self._u32[STATE].value = STATE_CLOSED
+        self._u32[WORKER_BELL].value += 1
+        self._futex.wake(self._base + WORKER_BELL)
+
+    def closed(self) -> str | None:
+        """Why the ring is no longer served, or None."""
+        if self._u32[STATE].value != STATE_CLOSED:
+            return None
+        return CLOSE_REASONS.get(self._u32[CLOSE_REASON].value, "closed by the sidecar")
+
+    def submit_push(self, request_id: str, peer: str, source: "Blocks", destination: "Blocks") -> int:
+        return self._submit(PUSH, request_id, peer, source, destination)
+
+    def submit_pull(self, request_id: str, peer: str, source: "Blocks", destination: "Blocks") -> int:
+        return self._submit(PULL, request_id, peer, source, destination)
+
+    def _submit(self, op: int, request_id: str, peer: str, src: "Blocks", dst: "Blocks") -> int:
+        why = self.closed()
+        if why is not None:
+            raise RingClosed(why)
+        rid, pname = request_id.encode(), peer.encode()
+        if not 0 < len(rid) <= 128 or not 0 < len(pname) <= 64:
+            raise RingTooLarge("request id must be 1..=128 bytes and peer 1..=64")
+        sr, dr = _runs(list(src.block_ids)), _runs(list(dst.block_ids))
+        sg, dg = list(src.generations), list(dst.generations)
+        need = _SUB_FIXED + 8 * (len(sr) + len(dr) + len(sg) + len(dg))
+        if need > self.slot_bytes:
+            raise RingTooLarge(f"{need} bytes of block runs and generations for a {self.slot_bytes}-byte slot")
+        with self._submit_lock:
+            if self._tail - self._u64[SQ_HEAD].value >= self.sq_entries:
+                raise RingFull(f"{self.sq_entries} submissions in flight")
+            user_data = self._next_user_data
+            self._next_user_data += 1
+            slot = bytearray(need)
+            struct.pack_into("<BBBBHHHHIQQQIIII", slot, 0, op, 0, len(pname), len(rid),
+                             len(sr), len(dr), len(sg), len(dg), 0, user_data,
+                             src.region_id, dst.region_id, src.layer_start, src.layer_count,
+                             dst.layer_start, dst.layer_count)
+            slot[56:56 + len(pname)] = pname
+            slot[120:120 + len(rid)] = rid
+            at = _SUB_FIXED
+            for s, c in sr + dr:
+                struct.pack_into("<II", slot, at, s, c)
+                at += 8
+            for g in sg + dg:
+                struct.pack_into("<Q", slot, at, g)
+                at += 8
+            off = HEADER_BYTES + (self._tail % self.sq_entries) * self.slot_bytes
+            # Only what the counts cover is read: the rest of the slot may keep old bytes.
+            self._mm[off:off + need] = slot
+            self._tail += 1
+            self._u64[SQ_TAIL].value = self._tail  # after the slot: the publication
+            if self._u32[SIDECAR_SLEEPING].value == 1:
+                self._u32[SIDECAR_BELL].value += 1
+                self._futex.wake(self._base + SIDECAR_BELL)
+        return user_data
+
+    def poll(self) -> RingCompletion | None:
+        """The next completion, if one is published."""
+        with self._read_lock:
+            tail = self._u64[CQ_TAIL].value
+            if tail == self._head:
+                return None
+            if tail - self._head > self.cq_entries or tail < self._head:
+                raise RingClosed(f"completion tail {tail} is not within one ring of {self._head}")
+            off = self._cq_offset + (self._head % self.cq_entries) * CQ_SLOT_BYTES
+            b = bytes(self._mm[off:off + CQ_SLOT_BYTES])
+            self._head += 1
+            self._u64[CQ_HEAD].value = self._head
+        kind, side, rl, pl, cl, ml = struct.unpack_from("<BBBBBB", b, 0)
+        ud, tid, region, nbytes, el, seq, inc = struct.unpack_from("<7Q", b, 8)
+        return RingCompletion(
+            kind=KINDS.get(kind, f"UNKNOWN_{kind}"), user_data=ud, transfer_id=tid,
+            region_id=region, bytes=nbytes, elapsed_us=el, sequence=seq, incarnation=inc,
+            request_id=b[64:64 + min(rl, 128)].decode(errors="replace"),
+            peer=b[192:192 + min(pl, 64)].decode(errors="replace"), failure_side=side,
+            code=b[256:256 + min(cl, 32)].decode(errors="replace"),
+            message=b[288:288 + min(ml, 224)].decode(errors="replace"))
+
+    def wait(self, timeout: float) -> RingCompletion | None:
+        """The next completion: spins ``spin_s``, then sleeps on the ring's
+        futex; None after ``timeout`` seconds. Raises RingClosed once the
+        ring is closed and drained."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.poll()
+            if c is not None:
+                return c
+            why = self.closed()
+            if why is not None:
+                raise RingClosed(why)
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            spin_until = now + min(self.spin_s, deadline - now)
+            while time.monotonic() < spin_until:
+                if self._u64[CQ_TAIL].value != self._head:
+                    break
+            else:
+                seen = self._u32[WORKER_BELL].value
+                self._u32[WORKER_SLEEPING].value = 1
+                if self._u64[CQ_TAIL].value == self._head and self.closed() is None:
+                    self._futex.wait(self._base + WORKER_BELL, seen, min(deadline - now, 0.1))
+                self._u32[WORKER_SLEEPING].value = 0
+
+    def close(self) -> None:
+        """Ends the ring's call (the sidecar stops serving it) and unmaps it."""
+        call = getattr(self, "_call", None)
+        if call is not None:
+            call.cancel()
+            self._watcher.join(timeout=5)
+        self._release()
+
+    def _release(self) -> None:
+        self._u64 = {}
+        self._u32 = {}
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a completion view still alive; the mapping goes with the object
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""The pure-Python submission ring against real sidecars: pushes through the
+ring land and are answered in both workers' completion queues; refusals carry
+their codes; a killed sidecar is reported; and its latency beside the Rust
+client's is measured by ``benchmarks/ring_latency.py``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvrail import Blocks, Client
+from kvrail.ring import RingClosed, RingTooLarge, supported
+
+from test_client import fill, make_cache, same_blocks
+
+pytestmark = pytest.mark.skipif(not supported(), reason="the Python ring needs x86-64 (see kvrail.ring)")
+
+
+def wait_for(ring, request_id: str, kinds: set[str], timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = ring.wait(deadline - time.monotonic())
+        if c is not None and c.request_id == request_id and c.kind in kinds:
+            return c
+    raise AssertionError(f"no {kinds} for {request_id}")
+
+
+def test_a_push_through_the_ring_lands_and_both_rings_hear_of_it(pair):
+    src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid, did = p.register_kv_cache(src), d.register_kv_cache(dst)
+        fill(src, [3, 4, 5, 30], seed=7)
+        dst.memory.array[:] = 0
+        with p.open_ring() as pr, d.open_ring() as dr:
+            ud = pr.submit_push("ring-1", "decode", Blocks(sid, [3, 4, 5, 30], 0, 4),
+                                Blocks(did, [10, 11, 12, 13], 0, 4))
+            a = wait_for(pr, "ring-1", {"ACCEPTED", "REJECTED"})
+            assert (a.kind, a.user_data) == ("ACCEPTED", ud)
+            assert a.bytes == 4 * 2 * 4 * src.layout.block_bytes
+            r = wait_for(dr, "ring-1", {"PUSH_RECEIVED", "FAILED"})
+            assert (r.kind, r.peer, r.region_id) == ("PUSH_RECEIVED", "prefill", did)
+            assert wait_for(pr, "ring-1", {"PUSH_DONE", "FAILED"}).kind == "PUSH_DONE"
+            assert same_blocks(src, [3, 4, 5, 30], dst, [10, 11, 12, 13])
+            untouched = [b for b in range(32) if b not in (10, 11, 12, 13)]
+            assert all(not layer[:, untouched].view(np.uint16).any() for layer in dst.layers)
+
+            pr.submit_push("nowhere", "nobody", Blocks(sid, [0]), Blocks(did, [0]))
+            r = wait_for(pr, "nowhere", {"REJECTED", "ACCEPTED"})
+            assert (r.kind, r.code) == ("REJECTED", "not_found")
+            with pytest.raises(RingTooLarge):
+                pr.submit_push("big", "decode", Blocks(sid, list(range(0, 32, 2)) * 40),
+                               Blocks(did, list(range(0, 32, 2)) * 40))
+            with pytest.raises(RingTooLarge):
+                pr.submit_push("r" * 129, "decode", Blocks(sid, [0]), Blocks(did, [0]))
+
+
+def test_a_killed_sidecar_is_reported_to_the_ring(pair):
+    with Client(pair.prefill.socket, "p0") as p:
+        ring = p.open_ring(notifications=False)
+        assert ring.closed() is None
+        pair.prefill.kill()
+        deadline = time.monotonic() + 20
+        while ring.closed() is None:
+            assert time.monotonic() < deadline, "the ring was not told its sidecar is gone"
+            time.sleep(0.01)
+        assert "went away" in ring.closed()
+        with pytest.raises(RingClosed):
+            ring.submit_push("late", "decode", Blocks(1, [0]), Blocks(2, [0]))
+        with pytest.raises(RingClosed):
+            ring.wait(1.0)
+        ring.close()
