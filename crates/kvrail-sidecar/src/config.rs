@@ -53,7 +53,7 @@ pub struct Config {
     /// How long a worker ring's thread spins for the next submission before
     /// it sleeps on the ring's futex. Unset: 50 us on machines with at least 4
     /// CPUs, 0 on smaller ones (there a spinning thread takes the core the
-    /// worker and the sidecar's own tasks need: measured in docs/ring.md).
+    /// worker and the sidecar's own tasks need: measured in docs/ring-format.md).
     pub ring_spin_us: Option<u64>,
     /// Queue pair ACK timeout exponent (4.096 us x 2^n per try).
     pub rdma_timeout: u8,
