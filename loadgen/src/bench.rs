@@ -664,6 +664,100 @@ fn ring_push_samples(
     Ok((lat, submit_cpu, accepted))
 }
 
+/// Layer-wise streaming as a prefill worker does it: one 4 KiB push per
+/// layer, submitted back to back, for `requests` requests. Reports the
+/// worker's time inside each submit call and each completion read (what the
+/// model thread pays), and the time until the last layer landed.
+fn layerwise(
+    p: &kvrail_client::ring::Ring,
+    d: &kvrail_client::ring::Ring,
+    regions: (u64, u64),
+    layers: u32,
+    first_request: u64,
+    requests: u64,
+) -> anyhow::Result<serde_json::Value> {
+    use kvrail_client::ring::CompletionKind as K;
+    let mut submit_ns = Vec::new();
+    let mut completion_ns = Vec::new();
+    let mut landed = Latencies::default();
+    for r in 0..requests {
+        let start = Instant::now();
+        for layer in 0..layers {
+            let req = format!("lw-{}-{layer}", first_request + r);
+            let t = Instant::now();
+            loop {
+                match p.submit_push(
+                    &req,
+                    "decode",
+                    &blocks(regions.0, 0..1, vec![layer]),
+                    &blocks(regions.1, 0..1, vec![layer]),
+                ) {
+                    Ok(_) => break,
+                    Err(kvrail_client::ring::RingSubmitError::Full) => std::thread::yield_now(),
+                    Err(e) => bail!("layer push: {e}"),
+                }
+            }
+            submit_ns.push(t.elapsed().as_nanos() as u64);
+        }
+        let mut received = 0;
+        while received < layers {
+            let c = d
+                .wait(Duration::from_secs(10))?
+                .context("no layer landed within 10 s")?;
+            match c.kind {
+                K::PushReceived => received += 1,
+                K::Failed => bail!("layer push failed: {c:?}"),
+                _ => {}
+            }
+        }
+        landed.record(start.elapsed());
+        // The sender's answers: ACCEPTED and PUSH_DONE per layer, each read timed.
+        let mut answers = 0;
+        while answers < 2 * layers {
+            let t = Instant::now();
+            match p.poll()? {
+                Some(c) => {
+                    completion_ns.push(t.elapsed().as_nanos() as u64);
+                    match c.kind {
+                        K::Accepted | K::PushDone => answers += 1,
+                        K::Rejected | K::Failed => bail!("layer push failed: {c:?}"),
+                        _ => {}
+                    }
+                }
+                None => {
+                    p.wait(Duration::from_secs(10))?
+                        .map(|c| {
+                            if matches!(c.kind, K::Accepted | K::PushDone) {
+                                answers += 1;
+                            }
+                        })
+                        .context("no answer within 10 s")?;
+                }
+            }
+        }
+    }
+    let q = |v: &mut Vec<u64>, p: f64| {
+        v.sort_unstable();
+        v.get(((v.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+            / 1e3
+    };
+    Ok(json!({
+        "bench": "layerwise",
+        "path": "ring",
+        "layers": layers,
+        "bytes_per_layer": 4096,
+        "requests": requests,
+        "submit_p50_us": q(&mut submit_ns, 0.5),
+        "submit_p99_us": q(&mut submit_ns, 0.99),
+        "completion_p50_us": q(&mut completion_ns, 0.5),
+        "completion_p99_us": q(&mut completion_ns, 0.99),
+        "all_landed_p50_us": landed.percentile_us(50.0),
+        "all_landed_p99_us": landed.percentile_us(99.0),
+    }))
+}
+
 async fn latency(
     bench: &mut Bench,
     ib_write_lat: Option<crate::perftest::WriteLatency>,
@@ -764,6 +858,26 @@ async fn latency(
             ring.percentile_us(99.0),
             ring.percentile_us(99.9),
         );
+    }
+    for layers in [32u32, 80] {
+        let (p, d) = (p_ring.clone(), d_ring.clone());
+        let first_request = bench.next_request;
+        bench.next_request += 1000;
+        let v = tokio::task::spawn_blocking(move || {
+            layerwise(&p, &d, ring_regions, layers, first_request, 50)
+        })
+        .await??;
+        eprintln!(
+            "layerwise  {layers} layers x 4 KiB over the ring: worker time per push p50 {:.2} us p99 {:.2} us, per completion read p50 {:.2} us; all layers landed p50 {} us",
+            v["submit_p50_us"].as_f64().unwrap_or(0.0),
+            v["submit_p99_us"].as_f64().unwrap_or(0.0),
+            v["completion_p50_us"].as_f64().unwrap_or(0.0),
+            v["all_landed_p50_us"]
+        );
+        let mut v = v;
+        v["transport"] = json!(bench.transport);
+        println!("{v}");
+        bench.results.push(v);
     }
     drop(p_ring);
     drop(d_ring);
