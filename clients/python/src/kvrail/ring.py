@@ -53,6 +53,8 @@ CLOSE_REASONS = {
     8: "the sidecar went away (its OpenRing call ended)",
 }
 _SUB_FIXED = 248
+_SUB_HEAD = struct.Struct("<BBBBHHHHIQQQIIII")
+_CQ_HEAD = struct.Struct("<BBBBBBxx7Q")
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
@@ -206,19 +208,15 @@ class Ring:
             user_data = self._next_user_data
             self._next_user_data += 1
             slot = bytearray(need)
-            struct.pack_into("<BBBBHHHHIQQQIIII", slot, 0, op, 0, len(pname), len(rid),
-                             len(sr), len(dr), len(sg), len(dg), 0, user_data,
-                             src.region_id, dst.region_id, src.layer_start, src.layer_count,
-                             dst.layer_start, dst.layer_count)
+            _SUB_HEAD.pack_into(slot, 0, op, 0, len(pname), len(rid), len(sr), len(dr), len(sg),
+                                len(dg), 0, user_data, src.region_id, dst.region_id,
+                                src.layer_start, src.layer_count, dst.layer_start, dst.layer_count)
             slot[56:56 + len(pname)] = pname
             slot[120:120 + len(rid)] = rid
-            at = _SUB_FIXED
-            for s, c in sr + dr:
-                struct.pack_into("<II", slot, at, s, c)
-                at += 8
-            for g in sg + dg:
-                struct.pack_into("<Q", slot, at, g)
-                at += 8
+            runs = [v for run in sr + dr for v in run]
+            struct.pack_into(f"<{len(runs)}I", slot, _SUB_FIXED, *runs)
+            if sg or dg:
+                struct.pack_into(f"<{len(sg) + len(dg)}Q", slot, _SUB_FIXED + 4 * len(runs), *sg, *dg)
             off = HEADER_BYTES + (self._tail % self.sq_entries) * self.slot_bytes
             # Only what the counts cover is read: the rest of the slot may keep old bytes.
             self._mm[off:off + need] = slot
@@ -241,8 +239,7 @@ class Ring:
             b = bytes(self._mm[off:off + CQ_SLOT_BYTES])
             self._head += 1
             self._u64[CQ_HEAD].value = self._head
-        kind, side, rl, pl, cl, ml = struct.unpack_from("<BBBBBB", b, 0)
-        ud, tid, region, nbytes, el, seq, inc = struct.unpack_from("<7Q", b, 8)
+        kind, side, rl, pl, cl, ml, ud, tid, region, nbytes, el, seq, inc = _CQ_HEAD.unpack_from(b, 0)
         return RingCompletion(
             kind=KINDS.get(kind, f"UNKNOWN_{kind}"), user_data=ud, transfer_id=tid,
             region_id=region, bytes=nbytes, elapsed_us=el, sequence=seq, incarnation=inc,
