@@ -111,6 +111,36 @@ fn bench_prints_one_json_result_per_measurement() {
     );
     let lines = json_lines(&out.stdout);
     let (compares, points): (Vec<_>, Vec<_>) = lines.iter().partition(|v| v["bench"] == "compare");
+    // The ring beside gRPC, and the layer-wise run over the ring (#23).
+    let (ring_lines, points): (Vec<_>, Vec<_>) = points
+        .into_iter()
+        .partition(|v| v["bench"] == "latency_path" || v["bench"] == "layerwise");
+    for transport in ["tcp", "quic"] {
+        for path in ["grpc", "ring"] {
+            for bytes in [4096u64, 65536, 1 << 20] {
+                let found = ring_lines.iter().find(|v| {
+                    v["bench"] == "latency_path"
+                        && v["transport"] == transport
+                        && v["path"] == path
+                        && v["bytes"].as_u64() == Some(bytes)
+                });
+                let v = found.unwrap_or_else(|| panic!("{transport} {path} {bytes} missing"));
+                assert!(v["p50_us"].as_u64().unwrap() > 0, "{v}");
+            }
+        }
+        for layers in [32u64, 80] {
+            let v = ring_lines
+                .iter()
+                .find(|v| {
+                    v["bench"] == "layerwise"
+                        && v["transport"] == transport
+                        && v["layers"].as_u64() == Some(layers)
+                })
+                .unwrap_or_else(|| panic!("{transport} layerwise {layers} missing"));
+            assert!(v["submit_p50_us"].as_f64().unwrap() > 0.0, "{v}");
+            assert!(v["all_landed_p50_us"].as_u64().unwrap() > 0, "{v}");
+        }
+    }
     let kinds: Vec<(String, String, String, u64)> = points
         .iter()
         .map(|v| {

@@ -303,6 +303,25 @@ async fn corrupt_overrun_and_truncated_rings_are_closed_with_their_reason() {
     let why = ring_call_ends(&mut t.events).await;
     assert!(why.contains("truncated"), "{why}");
 
+    // A worker id with a NUL is served like any other (it once named the
+    // ring's thread, which panicked), and one worker's rings are capped.
+    let odd = p.open_ring("\0odd", opts()).await.unwrap();
+    drop(odd);
+    let quiet = RingOptions {
+        notifications: false,
+        ..opts()
+    };
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(p.open_ring("greedy", quiet).await.unwrap());
+    }
+    let ninth = p.open_ring("greedy", quiet).await;
+    assert_eq!(
+        ninth.err().and_then(|e| e.code()),
+        Some(tonic::Code::ResourceExhausted)
+    );
+    drop(held);
+
     // Through all of it the daemon serves: a fresh ring pushes.
     let ring = p.open_ring("p1", opts()).await.unwrap();
     fill(&p_kv, 5, 0..1, &[1]).unwrap();

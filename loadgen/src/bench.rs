@@ -863,8 +863,9 @@ async fn latency(
         let (p, d) = (p_ring.clone(), d_ring.clone());
         let first_request = bench.next_request;
         bench.next_request += 1000;
+        let requests = (samples as u64 / 40).max(5);
         let v = tokio::task::spawn_blocking(move || {
-            layerwise(&p, &d, ring_regions, layers, first_request, 50)
+            layerwise(&p, &d, ring_regions, layers, first_request, requests)
         })
         .await??;
         eprintln!(

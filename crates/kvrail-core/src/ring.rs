@@ -296,7 +296,8 @@ impl RingBlocks {
     pub fn block_ids(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.block_count() as usize);
         for r in &self.runs {
-            out.extend(r.start..r.start + r.count);
+            // `..=` so a run ending at u32::MAX does not overflow (decode checked it).
+            out.extend(r.start..=r.start + (r.count - 1));
         }
         out
     }

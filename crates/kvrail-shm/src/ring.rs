@@ -9,7 +9,7 @@
 //! word set. Busy rings run without system calls.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -91,19 +91,20 @@ fn wait_on(
     // The bell is read before saying we sleep and re-checking: a producer that
     // publishes after the re-check sees `sleeping` and bumps the bell, so the
     // futex call returns at once instead of missing the wake-up.
+    // `sleeping` counts sleepers, so one waking thread does not hide another.
     let seen = bell.load(Ordering::SeqCst);
-    sleeping.store(1, Ordering::SeqCst);
+    sleeping.fetch_add(1, Ordering::SeqCst);
     if ready() {
-        sleeping.store(0, Ordering::SeqCst);
+        sleeping.fetch_sub(1, Ordering::SeqCst);
         return true;
     }
     futex::wait(bell, seen, sleep);
-    sleeping.store(0, Ordering::SeqCst);
+    sleeping.fetch_sub(1, Ordering::SeqCst);
     ready()
 }
 
 fn ring_bell(bell: &AtomicU32, sleeping: &AtomicU32) {
-    if sleeping.load(Ordering::SeqCst) == 1 {
+    if sleeping.load(Ordering::SeqCst) != 0 {
         bell.fetch_add(1, Ordering::SeqCst);
         futex::wake(bell);
     }
@@ -241,9 +242,10 @@ impl WorkerRing {
                 return Ok(None);
             }
             let head = self.cq_head.lock().unwrap_or_else(|e| e.into_inner()).0;
+            // SeqCst: ordered after the store that says we sleep (aarch64 too).
             let ready = || {
-                w.cq_tail.load(Ordering::Acquire) != head
-                    || w.state.load(Ordering::Acquire) == RingState::Closed as u32
+                w.cq_tail.load(Ordering::SeqCst) != head
+                    || w.state.load(Ordering::SeqCst) == RingState::Closed as u32
             };
             wait_on(
                 &ready,
@@ -320,8 +322,14 @@ impl SidecarRing {
         {
             return Err(RingIoError::AlreadyOpen);
         }
-        let sq_head = w.sq_head.load(Ordering::Acquire);
-        let cq_tail = w.cq_tail.load(Ordering::Acquire);
+        // A fresh ring starts at 0: indices the worker preset could only
+        // make the sidecar's own counters overflow.
+        let indices = [&w.sq_tail, &w.sq_head, &w.cq_tail, &w.cq_head];
+        if indices.iter().any(|i| i.load(Ordering::Acquire) != 0) {
+            w.state.store(RingState::Created as u32, Ordering::Release);
+            return Err(RingError::Geometry("a new ring's indices must be 0".into()).into());
+        }
+        let (sq_head, cq_tail) = (0, 0);
         Ok(Self {
             sq_head: Mutex::new((sq_head, vec![0; geometry.sq_slot_bytes as usize])),
             cq_tail: Mutex::new((cq_tail, vec![0; CQ_SLOT_BYTES as usize])),
@@ -385,7 +393,7 @@ impl SidecarRing {
     pub fn has_submissions(&self) -> bool {
         let head = self.sq_head.lock().unwrap_or_else(|e| e.into_inner()).0;
         words(&self.mem)
-            .map(|w| w.sq_tail.load(Ordering::Acquire) != head)
+            .map(|w| w.sq_tail.load(Ordering::SeqCst) != head)
             .unwrap_or(true)
     }
 
@@ -422,12 +430,12 @@ impl SidecarRing {
 
     /// Waits for a submission: spins for `spin`, then sleeps on the bell for
     /// at most `sleep`. Returns whether one is waiting.
-    pub fn wait(&self, spin: Duration, sleep: Duration) -> bool {
+    pub fn wait(&self, spin: Duration, sleep: Duration, stop: &AtomicBool) -> bool {
         let Ok(w) = words(&self.mem) else {
             return true;
         };
         wait_on(
-            &|| self.has_submissions(),
+            &|| self.has_submissions() || stop.load(Ordering::SeqCst),
             w.sidecar_bell,
             w.sidecar_sleeping,
             spin,
@@ -512,7 +520,8 @@ mod tests {
             s.spawn(|| {
                 let mut seen = 0;
                 while seen < 1000 {
-                    if !sidecar.wait(Duration::from_micros(20), Duration::from_secs(5)) {
+                    let stop = AtomicBool::new(false);
+                    if !sidecar.wait(Duration::from_micros(20), Duration::from_secs(5), &stop) {
                         continue;
                     }
                     match sidecar.next() {

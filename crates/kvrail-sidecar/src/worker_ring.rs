@@ -35,14 +35,60 @@ use crate::notify::NotificationSink;
 use crate::submit::{self, Start};
 
 /// Completions held back for a worker that does not read its CQ; past this
-/// the ring is closed (the hub still retains the notifications).
-pub const BACKLOG_MAX: usize = 65536;
-/// Rings one sidecar serves at once (each has a thread).
+/// the ring is closed. Kept well under what the hub retains per worker
+/// (`notify::RETAINED`): a worker that resubscribes with the last sequence it
+/// read from its ring gets what the closed ring still held, as long as its CQ
+/// plus this backlog fit the retention (the default 1,024-entry CQ does).
+pub const BACKLOG_MAX: usize = 1024;
+/// Rings one sidecar serves at once (each has a thread), and per worker id.
 pub const RINGS_MAX: u32 = 256;
+pub const RINGS_PER_WORKER_MAX: u32 = 8;
 /// Longest sleep between checks of the ring file and of a close request.
 const SLEEP: Duration = Duration::from_millis(20);
 
 static RINGS: AtomicU32 = AtomicU32::new(0);
+static PER_WORKER: std::sync::LazyLock<dashmap::DashMap<String, u32>> =
+    std::sync::LazyLock::new(dashmap::DashMap::new);
+
+/// One ring's share of the limits, given back on drop (every close path).
+struct Slot {
+    worker_id: String,
+}
+
+impl Slot {
+    fn take(worker_id: &str) -> Result<Slot, Status> {
+        if RINGS.fetch_add(1, Ordering::SeqCst) >= RINGS_MAX {
+            RINGS.fetch_sub(1, Ordering::SeqCst);
+            return Err(Status::resource_exhausted(format!(
+                "this sidecar serves {RINGS_MAX} rings already"
+            )));
+        }
+        let mut n = PER_WORKER.entry(worker_id.to_string()).or_insert(0);
+        if *n >= RINGS_PER_WORKER_MAX {
+            drop(n);
+            RINGS.fetch_sub(1, Ordering::SeqCst);
+            return Err(Status::resource_exhausted(format!(
+                "worker {worker_id:?} has {RINGS_PER_WORKER_MAX} rings already"
+            )));
+        }
+        *n += 1;
+        metrics::gauge!(m::RINGS_OPEN).increment(1.0);
+        Ok(Slot {
+            worker_id: worker_id.to_string(),
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        RINGS.fetch_sub(1, Ordering::SeqCst);
+        PER_WORKER.remove_if_mut(&self.worker_id, |_, n| {
+            *n = n.saturating_sub(1);
+            *n == 0
+        });
+        metrics::gauge!(m::RINGS_OPEN).decrement(1.0);
+    }
+}
 
 /// One served ring.
 pub struct RingService {
@@ -57,6 +103,8 @@ pub struct RingService {
     reason: AtomicU32,
     /// Ends the worker's `OpenRing` call with the close reason.
     events: mpsc::UnboundedSender<Result<RingEvent, Status>>,
+    finished: AtomicBool,
+    _slot: Slot,
 }
 
 /// Keeps a ring served while the `OpenRing` response stream lives.
@@ -87,19 +135,8 @@ pub fn open(
     caller: kvrail_shm::Caller,
 ) -> Result<RingStream, Status> {
     submit::require_text(worker_id, "worker_id")?;
-    if RINGS.fetch_add(1, Ordering::SeqCst) >= RINGS_MAX {
-        RINGS.fetch_sub(1, Ordering::SeqCst);
-        return Err(Status::resource_exhausted(format!(
-            "this sidecar serves {RINGS_MAX} rings already"
-        )));
-    }
-    let ring = match SidecarRing::open(path, caller) {
-        Ok(r) => r,
-        Err(e) => {
-            RINGS.fetch_sub(1, Ordering::SeqCst);
-            return Err(ring_open_status(e));
-        }
-    };
+    let slot = Slot::take(worker_id)?;
+    let ring = SidecarRing::open(path, caller).map_err(ring_open_status)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let service = Arc::new(RingService {
         ring,
@@ -110,12 +147,13 @@ pub fn open(
         closing: AtomicBool::new(false),
         reason: AtomicU32::new(0),
         events: tx,
+        finished: AtomicBool::new(false),
+        _slot: slot,
     });
     if notifications {
         let sink: Arc<dyn NotificationSink> = service.clone();
         if let Err(e) = shared.hub.attach_sink(worker_id, sink) {
             service.ring.close(CloseReason::WorkerClosed);
-            RINGS.fetch_sub(1, Ordering::SeqCst);
             return Err(Status::already_exists(e.to_string()));
         }
     }
@@ -126,26 +164,36 @@ pub fn open(
     let handle = tokio::runtime::Handle::current();
     let thread_service = service.clone();
     let spawned = std::thread::Builder::new()
-        .name(
-            format!("kvrail-ring-{worker_id}")
-                .chars()
-                .take(15)
-                .collect(),
-        )
-        .spawn(move || thread_service.serve(&handle));
+        .name("kvrail-ring".into())
+        .spawn(move || {
+            // Whatever happens in `serve` (a panic included), the ring is
+            // closed, the worker told and the limits given back.
+            let finish = FinishOnDrop(thread_service.clone());
+            thread_service.serve(&handle);
+            drop(finish);
+        });
     if let Err(e) = spawned {
         service.finish(CloseReason::SidecarStopping);
         return Err(Status::resource_exhausted(format!(
             "cannot start the ring's thread: {e}"
         )));
     }
-    metrics::gauge!(m::RINGS_OPEN).increment(1.0);
     let g = service.ring.geometry();
     info!(worker = %worker_id, path, sq = g.sq_entries, cq = g.cq_entries, slot = g.sq_slot_bytes, notifications, "ring opened");
     Ok(RingStream {
         events: UnboundedReceiverStream::new(rx),
         service,
     })
+}
+
+struct FinishOnDrop(Arc<RingService>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        let reason = CloseReason::from_u32(self.0.reason.load(Ordering::Acquire))
+            .unwrap_or(CloseReason::SidecarStopping);
+        self.0.finish(reason);
+    }
 }
 
 fn ring_open_status(e: kvrail_shm::ring::RingIoError) -> Status {
@@ -210,7 +258,7 @@ impl RingService {
             } else {
                 SLEEP
             };
-            let woke = self.ring.wait(spin, sleep);
+            let woke = self.ring.wait(spin, sleep, &self.closing);
             since_check += 1;
             if !woke || since_check >= 256 {
                 since_check = 0;
@@ -238,9 +286,10 @@ impl RingService {
                 }
             }
         }
-        let reason = CloseReason::from_u32(self.reason.load(Ordering::Acquire))
-            .unwrap_or(CloseReason::WorkerClosed);
-        self.finish(reason);
+        if self.reason.load(Ordering::Acquire) == 0 {
+            self.reason
+                .store(CloseReason::WorkerClosed as u32, Ordering::Release);
+        }
     }
 
     /// Starts one submission and answers it.
@@ -378,6 +427,10 @@ impl RingService {
 
     /// Stops serving: tells the worker in the ring's header and on its call.
     fn finish(self: &Arc<Self>, reason: CloseReason) {
+        if self.finished.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.closing.store(true, Ordering::Release);
         self.ring.close(reason);
         if self.notifications {
             if let Some(shared) = self.shared.upgrade() {
@@ -388,8 +441,6 @@ impl RingService {
         let _ = self
             .events
             .send(Err(Status::aborted(format!("ring closed: {reason}"))));
-        RINGS.fetch_sub(1, Ordering::SeqCst);
-        metrics::gauge!(m::RINGS_OPEN).decrement(1.0);
         metrics::counter!(m::RINGS_CLOSED, "reason" => format!("{reason:?}")).increment(1);
         if reason == CloseReason::WorkerClosed {
             info!(worker = %self.worker_id, "ring closed: {reason}");

@@ -21,6 +21,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,6 +99,17 @@ class _Futex:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         self._syscall = libc.syscall
         self._syscall.restype = ctypes.c_long
+        # A locked instruction orders a store before a later load (x86 lets a
+        # load pass an earlier store otherwise): taking and releasing a
+        # private spinlock is one, and costs one C call.
+        self._lock = ctypes.c_int(0)
+        self._spin_lock = libc.pthread_spin_lock
+        self._spin_unlock = libc.pthread_spin_unlock
+        libc.pthread_spin_init(ctypes.byref(self._lock), 0)
+
+    def fence(self) -> None:
+        self._spin_lock(ctypes.byref(self._lock))
+        self._spin_unlock(ctypes.byref(self._lock))
 
     def wait(self, addr: int, expected: int, timeout_s: float) -> None:
         sec = int(timeout_s)
@@ -152,6 +164,8 @@ class Ring:
         self._next_user_data = 1
         self._submit_lock = threading.Lock()
         self._read_lock = threading.Lock()
+        self._wait_lock = threading.Lock()
+        self._released = False
         try:
             self._call = client._stub.OpenRing(pb.OpenRingRequest(
                 worker_id=client.worker_id, shm_path=str(path), notifications=notifications))
@@ -162,15 +176,24 @@ class Ring:
         finally:
             path.unlink(missing_ok=True)
         self.incarnation = first.incarnation
-        self._watcher = threading.Thread(target=self._watch, name="kvrail-ring-watch", daemon=True)
+        # The watcher holds the ring weakly: a Ring dropped without close()
+        # still ends its call (the finalizer), so the sidecar stops serving it.
+        weak = weakref.ref(self)
+        self._watcher = threading.Thread(target=Ring._watch, args=(self._call, weak),
+                                         name="kvrail-ring-watch", daemon=True)
         self._watcher.start()
+        weakref.finalize(self, self._call.cancel)
 
-    def _watch(self) -> None:
+    @staticmethod
+    def _watch(call: object, weak: "weakref.ref[Ring]") -> None:
         try:
-            for _ in self._call:
+            for _ in call:  # type: ignore[attr-defined]
                 pass
         except Exception:
             pass
+        self = weak()
+        if self is None or self._released:
+            return
         # The call ended: if the sidecar did not close the ring itself, it went away.
         if self._u32[STATE].value != STATE_CLOSED:
             self._u32[CLOSE_REASON].value = 8
@@ -180,6 +203,8 @@ class Ring:
 
     def closed(self) -> str | None:
         """Why the ring is no longer served, or None."""
+        if self._released:
+            return "the ring was closed by this worker"
         if self._u32[STATE].value != STATE_CLOSED:
             return None
         return CLOSE_REASONS.get(self._u32[CLOSE_REASON].value, "closed by the sidecar")
@@ -222,13 +247,16 @@ class Ring:
             self._mm[off:off + need] = slot
             self._tail += 1
             self._u64[SQ_TAIL].value = self._tail  # after the slot: the publication
-            if self._u32[SIDECAR_SLEEPING].value == 1:
+            self._futex.fence()  # the tail store before the sleeping load
+            if self._u32[SIDECAR_SLEEPING].value != 0:
                 self._u32[SIDECAR_BELL].value += 1
                 self._futex.wake(self._base + SIDECAR_BELL)
         return user_data
 
     def poll(self) -> RingCompletion | None:
         """The next completion, if one is published."""
+        if self._released:
+            raise RingClosed("the ring was closed by this worker")
         with self._read_lock:
             tail = self._u64[CQ_TAIL].value
             if tail == self._head:
@@ -252,6 +280,10 @@ class Ring:
         """The next completion: spins ``spin_s``, then sleeps on the ring's
         futex; None after ``timeout`` seconds. Raises RingClosed once the
         ring is closed and drained."""
+        with self._wait_lock:  # one sleeper at a time: the sleeping word is a flag
+            return self._wait(timeout)
+
+    def _wait(self, timeout: float) -> RingCompletion | None:
         deadline = time.monotonic() + timeout
         while True:
             c = self.poll()
@@ -270,6 +302,7 @@ class Ring:
             else:
                 seen = self._u32[WORKER_BELL].value
                 self._u32[WORKER_SLEEPING].value = 1
+                self._futex.fence()  # the sleeping store before the tail load
                 if self._u64[CQ_TAIL].value == self._head and self.closed() is None:
                     self._futex.wait(self._base + WORKER_BELL, seen, min(deadline - now, 0.1))
                 self._u32[WORKER_SLEEPING].value = 0
@@ -283,6 +316,7 @@ class Ring:
         self._release()
 
     def _release(self) -> None:
+        self._released = True
         self._u64 = {}
         self._u32 = {}
         try:
