@@ -579,7 +579,15 @@ async fn rdma_mixed_cluster_each_pair_on_its_best_transport() {
             .wait(t.transfer_id, Some(Duration::from_secs(120)))
             .await
             .unwrap();
-        assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+        assert_eq!(
+            st.state,
+            TransferState::Done as i32,
+            "{} -> {to_name}: {st:?}\n--- {} log:\n{}\n--- {to_name} log:\n{}",
+            names[from],
+            names[from],
+            nodes[from].sidecar.log(),
+            nodes[to].sidecar.log()
+        );
         assert_eq!(
             verify(&nodes[to].kv, seed, 0..4, &dst).unwrap(),
             4 * 2 * 16 * BLOCK_BYTES,

@@ -216,7 +216,9 @@ impl Sidecar {
 
     /// The daemon's log so far.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.socket.with_extension("log")).unwrap_or_default()
+        std::fs::read(self.socket.with_extension("log"))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_else(|e| format!("(no log: {e})"))
     }
 }
 

@@ -745,3 +745,64 @@ fn messages_beyond_the_queue_limit_are_refused_not_queued() {
     p.drive();
     assert!(p.sides[0].session.send_message(msg).is_ok());
 }
+
+/// Everything the receiver says is lost, then the rail's connections die (a
+/// rail declared down while its acks were still queued behind a slow peer) and
+/// new ones replace them: the slices re-sent there were placed already. The
+/// receiver must acknowledge them again, and repeat the Complete that was lost,
+/// or the sender waits for ever.
+#[test]
+fn placed_slices_resent_after_lost_acks_are_acknowledged_again() {
+    for (seed, cut_after) in (0..12).zip([2, 5, 9, 1000].into_iter().cycle()) {
+        let mut p = Pair::new(2, small_slices(), seed);
+        p.add_region(0, 1, RegionLayout::dense(2, 2, 32, 700), true, false);
+        p.add_region(1, 2, RegionLayout::dense(2, 2, 32, 700), false, false);
+        let blocks: Vec<u32> = (0..32).rev().collect();
+        let dst: Vec<u32> = (0..32).collect();
+        p.push(sel(1, (0, 2), &blocks), sel(2, (0, 2), &dst));
+        let mut steps = 0;
+        loop {
+            p.flush();
+            for w in &mut p.wires {
+                w[1].clear();
+            }
+            steps += 1;
+            if steps > cut_after || !p.step() {
+                break;
+            }
+        }
+        for w in &mut p.wires {
+            w[1].clear();
+        }
+        p.kill(0);
+        p.kill(1);
+        for _ in 0..2 {
+            for side in &mut p.sides {
+                side.session.add_connection(0, p.now).unwrap();
+            }
+            p.wires.push([VecDeque::new(), VecDeque::new()]);
+            p.slices_per_conn.push(0);
+        }
+        // Each side told the other of the first cut over the second connection
+        // before it died too; that news is stale now that the rail is rebuilt.
+        p.flush();
+        for w in &mut p.wires {
+            for dir in w.iter_mut() {
+                dir.retain(|i| !matches!(i, Item::Control(crate::wire::Body::RailDown(_))));
+            }
+        }
+        p.drive();
+        assert_eq!(
+            p.done_kinds(0),
+            vec![TransferKind::Push],
+            "seed {seed}, cut after {cut_after}: {:?}",
+            p.failures(0),
+        );
+        assert_eq!(
+            p.done_kinds(1),
+            vec![TransferKind::PushReceive],
+            "seed {seed}"
+        );
+        assert_moved(&p, (0, 1, &blocks), (1, 2, &dst), (0, 2));
+    }
+}

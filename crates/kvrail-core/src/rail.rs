@@ -149,6 +149,10 @@ impl Default for RailConfig {
     }
 }
 
+/// Most doublings of the stall limit of a rail that keeps stalling (8x: under
+/// the transfers' own progress timeout, so a dead rail is still found first).
+const MAX_STALL_DOUBLINGS: u32 = 3;
+
 /// Delivery rate of a rail, measured over the time it had bytes outstanding.
 #[derive(Debug, Clone, Default)]
 pub struct RateEstimator {
@@ -232,6 +236,12 @@ pub(crate) struct Rail {
     pub estimator: RateEstimator,
     /// Shortest send-to-ack time seen: the rail's round trip without queueing.
     pub min_rtt: Option<Duration>,
+    /// Times in a row the rail went down for want of acks with no rate measured
+    /// in between. The peer answered every probe, so the path is alive but slower
+    /// than the defaults assume (a loaded host, a slow fallback): until a rate is
+    /// measured it gets small slices, a window of two, and a stall limit doubled
+    /// per stall, instead of cutting and resending the same big slices for ever.
+    pub stalls_in_a_row: u32,
     pub backoff: Duration,
     pub next_probe: Option<Instant>,
     pub last_failure: Option<String>,
@@ -252,6 +262,7 @@ impl Rail {
             last_progress: now,
             estimator: RateEstimator::default(),
             min_rtt: None,
+            stalls_in_a_row: 0,
             backoff: config.probe_backoff_initial,
             next_probe: None,
             last_failure: None,
@@ -281,6 +292,9 @@ impl Rail {
     /// How long the rail's unacknowledged bytes may go without an ack before it is
     /// declared down (see [`RailConfig::stall_timeout`]).
     pub fn stall_limit(&self, config: &RailConfig) -> Duration {
+        if self.is_cautious() {
+            return config.stall_timeout * (1 << self.stalls_in_a_row.min(MAX_STALL_DOUBLINGS));
+        }
         match self.estimator.rate() {
             Some(rate) => {
                 let drain = self.outstanding as f64 / rate.max(1.0)
@@ -292,6 +306,21 @@ impl Rail {
             }
             None => config.stall_timeout,
         }
+    }
+
+    /// The rail stalled (see [`Rail::stalls_in_a_row`]); called before its
+    /// measurements are reset.
+    pub fn note_stall(&mut self) {
+        self.stalls_in_a_row = match self.estimator.rate() {
+            // It was moving at a known rate: a new episode.
+            Some(_) => 1,
+            None => self.stalls_in_a_row.saturating_add(1),
+        };
+    }
+
+    /// Stalled before and not measured since: small slices, short queue.
+    fn is_cautious(&self) -> bool {
+        self.stalls_in_a_row > 0 && self.estimator.rate().is_none()
     }
 
     pub fn note_rtt(&mut self, rtt: Duration) {
@@ -314,6 +343,9 @@ impl Rail {
     /// that a slow rail is not handed a long queue before anyone knows it is slow.
     pub fn window(&self, config: &RailConfig, cap: u64, slice: u64) -> u64 {
         let floor = 2 * slice;
+        if self.is_cautious() {
+            return floor;
+        }
         match self.estimator.rate() {
             Some(rate) => {
                 let horizon = config.queue_target + self.min_rtt.unwrap_or_default();
@@ -327,6 +359,9 @@ impl Rail {
     /// Slice size for this rail: an eighth of its window, within
     /// [`min_slice_bytes`, `max_slice`], so a slow rail never holds a long tail.
     pub fn slice_len(&self, config: &RailConfig, max_slice: u64) -> u64 {
+        if self.is_cautious() {
+            return config.min_slice_bytes.min(max_slice);
+        }
         match self.estimator.rate() {
             Some(rate) => {
                 let s = (rate * config.queue_target.as_secs_f64() / 8.0) as u64;

@@ -829,3 +829,29 @@ fn a_suspect_rail_with_nothing_outstanding_still_resolves() {
     let (_, result) = sim.run_transfer(id, Duration::from_secs(60));
     assert_eq!(result, Ok(16 << 16));
 }
+
+/// A rail that is alive but slower than the stall limit assumes (a 1 MiB slice
+/// takes longer than a second to be acknowledged: a loaded host, a slow
+/// fallback path) must still carry the transfer: after a stall it restarts
+/// with small slices and a longer patience instead of cutting and resending the
+/// same big slices for ever.
+#[test]
+fn a_slow_but_alive_rail_still_completes() {
+    let mut sim = Sim::new(&[rail(0.8)], 2, 23);
+    const N: u32 = 64;
+    let layout = RegionLayout::dense(1, 1, N, BLOCK_BYTES);
+    sim.add_region(0, 1, layout, true);
+    sim.add_region(1, 2, layout, false);
+    let blocks: Vec<u32> = (0..N).collect();
+    let id = sim.push(1, 2, &blocks);
+    let (at, result) = sim.run_transfer(id, Duration::from_secs(120));
+    let changes = sim.rail_changes(0, 0);
+    assert_eq!(result, Ok(N as u64 * BLOCK_BYTES), "{changes:?}");
+    sim.assert_copied((0, 1), (1, 2));
+    let ideal = (N as u64 * BLOCK_BYTES) as f64 / (0.8 * MB);
+    assert!(
+        at.as_secs_f64() <= 2.0 * ideal,
+        "{:.1}s against an ideal {ideal:.1}s: {changes:?}",
+        at.as_secs_f64()
+    );
+}

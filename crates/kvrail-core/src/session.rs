@@ -327,12 +327,40 @@ pub struct Session {
     transfers: BTreeMap<u64, Transfer>,
     control: VecDeque<(Option<ConnId>, PeerMessage)>,
     events: VecDeque<Event>,
-    rejected: HashSet<u64>,
-    rejected_order: VecDeque<u64>,
+    /// Transfers this side refused: repeated announcements stay quiet.
+    rejected: RecentIds,
+    /// Transfers this side received in full. A repeated announcement or slice
+    /// of one means the sender never got the Complete (it went down with a
+    /// connection): it is answered with Complete again.
+    received: RecentIds,
 }
 
-/// Rejected transfer ids remembered so that repeated announcements stay quiet.
-const REJECTED_MEMORY: usize = 4096;
+/// How many transfer ids [`RecentIds`] keeps.
+const RECENT_MEMORY: usize = 4096;
+
+/// A bounded memory of transfer ids; the oldest are forgotten first.
+#[derive(Debug, Default)]
+struct RecentIds {
+    set: HashSet<u64>,
+    order: VecDeque<u64>,
+}
+
+impl RecentIds {
+    fn insert(&mut self, id: u64) {
+        if self.set.insert(id) {
+            self.order.push_back(id);
+            if self.order.len() > RECENT_MEMORY {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn contains(&self, id: &u64) -> bool {
+        self.set.contains(id)
+    }
+}
 
 impl Session {
     pub fn new(config: SessionConfig) -> Self {
@@ -345,8 +373,8 @@ impl Session {
             transfers: BTreeMap::new(),
             control: VecDeque::new(),
             events: VecDeque::new(),
-            rejected: HashSet::new(),
-            rejected_order: VecDeque::new(),
+            rejected: RecentIds::default(),
+            received: RecentIds::default(),
         }
     }
 
@@ -708,14 +736,15 @@ impl Session {
     }
 
     fn remember_rejected(&mut self, id: u64) {
-        if self.rejected.insert(id) {
-            self.rejected_order.push_back(id);
-            if self.rejected_order.len() > REJECTED_MEMORY {
-                if let Some(old) = self.rejected_order.pop_front() {
-                    self.rejected.remove(&old);
-                }
-            }
-        }
+        self.rejected.insert(id);
+    }
+
+    /// Tells the sender again that `id` arrived in full (see [`Session::received`]).
+    fn repeat_complete(&mut self, conn: ConnId, id: u64) {
+        self.control.push_back((
+            Some(conn),
+            crate::wire::message(Body::Complete(pb::Complete { transfer_id: id })),
+        ));
     }
 
     fn reject(&mut self, conn: ConnId, transfer_id: u64, code: ErrorCode, message: String) {
@@ -738,6 +767,10 @@ impl Session {
         regions: &dyn RegionDirectory,
     ) {
         let id = open.transfer_id;
+        if self.received.contains(&id) {
+            self.repeat_complete(conn, id);
+            return;
+        }
         // The sender repeats the announcement on each connection it uses.
         if self.transfers.contains_key(&id) || self.rejected.contains(&id) {
             return;
@@ -998,15 +1031,28 @@ impl Session {
         now: Instant,
     ) -> SliceDisposition {
         let Some(t) = self.transfers.get_mut(&header.transfer_id) else {
+            if self.received.contains(&header.transfer_id) {
+                self.repeat_complete(conn, header.transfer_id);
+            }
             return SliceDisposition::Discard;
         };
         if t.kind.sends_data() || t.pending_failure.is_some() {
             return SliceDisposition::Discard;
         }
         // A slice re-sent after a failover may repeat bytes already placed: each
-        // byte range is applied once.
+        // byte range is applied once, and acknowledged again (the first ack
+        // may have gone down with its connection: without this one the sender
+        // would wait for it for ever).
         let end = header.offset.saturating_add(u64::from(len));
         if t.placed.contains(header.offset, end) {
+            self.control.push_back((
+                Some(conn),
+                crate::wire::message(Body::SliceAck(pb::SliceAck {
+                    transfer_id: header.transfer_id,
+                    offset: header.offset,
+                    length: u64::from(len),
+                })),
+            ));
             return SliceDisposition::Discard;
         }
         match t.plan.pieces(header.offset, u64::from(len)) {
@@ -1162,6 +1208,7 @@ impl Session {
             return;
         };
         t.advance(TransferEvent::AllPlaced);
+        self.received.insert(id);
         self.control.push_back((
             reply_on,
             crate::wire::message(Body::Complete(pb::Complete { transfer_id: id })),
@@ -1253,6 +1300,9 @@ impl Session {
             RailHealth::Down if from.is_connected() => {
                 r.last_failure = Some(reason.to_string());
                 r.last_probe_error = None;
+                if signal == RailSignal::Stalled {
+                    r.note_stall();
+                }
                 r.reset_measurements();
                 r.next_probe = probes.then(|| now + r.backoff);
                 self.retire_rail_connections(rail);
