@@ -246,6 +246,7 @@ fn replay_moves_a_short_trace_live_over_tcp_and_quic_and_projects_it() {
     let config = &lines[0];
     assert_eq!(config["replay"], "config");
     assert_eq!(config["requests"], 6);
+    assert_eq!(config["live_submit"], "ring");
     let total = config["kv_bytes_total"].as_u64().unwrap();
     assert!(total > 0);
     for transport in ["tcp", "quic"] {
@@ -316,6 +317,42 @@ fn replay_moves_a_short_trace_live_over_tcp_and_quic_and_projects_it() {
     } else {
         println!("SKIPPED plot files: no DejaVu Sans font");
     }
+}
+
+/// `--submit grpc` replays with one gRPC call per push instead of the ring.
+#[test]
+fn replay_submits_through_grpc_on_request() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = replay(&[
+        "--requests",
+        "3",
+        "--time-scale",
+        "0.05",
+        "--kv-scale",
+        "1/64",
+        "--transport",
+        "tcp",
+        "--overlap",
+        "layer",
+        "--submit",
+        "grpc",
+        "--pool-bytes",
+        "64M",
+        "--max-prompt-tokens",
+        "4096",
+        "--quiet",
+        "--out",
+        out_dir.path().to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines = json_lines(&out.stdout);
+    assert_eq!(lines[0]["live_submit"], "grpc");
+    assert_eq!(series(&lines, "live", "tcp", "layer")["requests"], 3);
+    assert!(
+        stderr.contains("tcp layer (gRPC submissions): 3 requests"),
+        "{stderr}"
+    );
 }
 
 #[test]

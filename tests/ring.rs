@@ -469,3 +469,138 @@ async fn a_worker_killed_while_submitting_and_a_restarted_sidecar_leave_clear_st
     assert!(fresh.closed().is_none());
     p_kv.unlink();
 }
+
+/// `Client::push` and `Client::pull` go through the worker's ring by default
+/// (the sidecar counts ring submissions), answer exactly as gRPC does (the
+/// transfer's id and size; a refusal's gRPC code), fall back to gRPC for what
+/// a slot cannot hold, and `SubmitPath::Grpc` keeps them off the ring.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_transfers_use_the_ring_by_default_with_grpc_answers() {
+    use kvrail_client::SubmitPath;
+    use kvrail_e2e::{metric_sum, scrape};
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(4, 2, 32, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("dp"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("dd"), layout).unwrap();
+    let pr = p.register_region("p0", &p_kv, true).await.unwrap();
+    let dr = d.register_region("d0", &d_kv, true).await.unwrap();
+    let metrics = pair.prefill.metrics.unwrap();
+    let through_ring = |outcome: &str| {
+        metric_sum(
+            &scrape(metrics),
+            "kvrail_ring_submissions_total",
+            &[&format!("outcome=\"{outcome}\"")],
+        )
+    };
+
+    let src: Vec<u32> = vec![3, 4, 5, 9];
+    let dst: Vec<u32> = vec![10, 11, 12, 20];
+    fill(&p_kv, 7, 0..4, &src).unwrap();
+    let t = p
+        .push(
+            "p0",
+            "ring-default-push",
+            "decode",
+            blocks(pr, 0..4, src.clone()),
+            blocks(dr, 0..4, dst.clone()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.total_bytes, 4 * 2 * 4 * 4096);
+    assert_eq!(
+        t.segments,
+        4 * 2 * 2,
+        "runs 3..6 and 9, per layer and plane"
+    );
+    let st = p.wait(t.transfer_id, Some(WAIT)).await.unwrap();
+    assert_eq!(st.request_id, "ring-default-push");
+    assert_eq!(verify(&d_kv, 7, 0..4, &dst).unwrap(), 4 * 2 * 4 * 4096);
+    assert_eq!(through_ring("accepted"), 1.0);
+
+    // A pull, through the same ring.
+    let back: Vec<u32> = vec![0, 1];
+    let t = p
+        .pull(
+            "p0",
+            "ring-default-pull",
+            "decode",
+            blocks(dr, 0..4, vec![10, 11]),
+            blocks(pr, 0..4, back.clone()),
+        )
+        .await
+        .unwrap();
+    p.wait(t.transfer_id, Some(WAIT)).await.unwrap();
+    assert_eq!(verify(&p_kv, 7, 0..4, &back).unwrap(), 4 * 2 * 2 * 4096);
+    assert_eq!(through_ring("accepted"), 2.0);
+
+    // Refusals carry gRPC's codes: an unknown peer, blocks out of range, a
+    // request id already in flight.
+    let e = p
+        .push(
+            "p0",
+            "ring-unknown-peer",
+            "nobody",
+            blocks(pr, 0..1, vec![0]),
+            blocks(dr, 0..1, vec![0]),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::NotFound), "{e}");
+    let e = p
+        .push(
+            "p0",
+            "ring-out-of-range",
+            "decode",
+            blocks(pr, 0..1, vec![32]),
+            blocks(dr, 0..1, vec![0]),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::InvalidArgument), "{e}");
+    assert!(through_ring("rejected") >= 1.0);
+
+    // Too many block runs for a slot (every other block of 32, 4 KiB slots
+    // hold them, so use a request id no slot takes): gRPC carries it.
+    let long_id = "x".repeat(200);
+    let before = through_ring("accepted");
+    let t = p
+        .push(
+            "p0",
+            &long_id,
+            "decode",
+            blocks(pr, 0..1, vec![1]),
+            blocks(dr, 0..1, vec![1]),
+        )
+        .await
+        .unwrap();
+    p.wait(t.transfer_id, Some(WAIT)).await.unwrap();
+    assert_eq!(
+        through_ring("accepted"),
+        before,
+        "a 200-byte request id cannot be a ring slot"
+    );
+
+    // gRPC on request.
+    let mut g = pair
+        .prefill
+        .client()
+        .await
+        .with_submit_path(SubmitPath::Grpc);
+    let before = through_ring("accepted");
+    let t = g
+        .push(
+            "p0",
+            "grpc-push",
+            "decode",
+            blocks(pr, 0..1, vec![2]),
+            blocks(dr, 0..1, vec![2]),
+        )
+        .await
+        .unwrap();
+    g.wait(t.transfer_id, Some(WAIT)).await.unwrap();
+    assert_eq!(through_ring("accepted"), before);
+    p_kv.unlink();
+    d_kv.unlink();
+}

@@ -561,9 +561,13 @@ async fn grpc_push_sample(
 ) -> anyhow::Result<(Duration, Duration)> {
     bench.next_request += 1;
     let req = format!("lat-{}", bench.next_request);
-    let start = Instant::now();
-    let t = bench
+    // The client's own push would take its ring: this path is gRPC's.
+    let mut grpc = bench
         .p
+        .clone()
+        .with_submit_path(kvrail_client::SubmitPath::Grpc);
+    let start = Instant::now();
+    let t = grpc
         .push(
             "bench-p",
             &req,

@@ -71,3 +71,54 @@ def test_a_killed_sidecar_is_reported_to_the_ring(pair):
         with pytest.raises(RingClosed):
             ring.wait(1.0)
         ring.close()
+
+
+@pytest.fixture
+def metered_pair(tmp_path):
+    from conftest import Pair
+
+    p = Pair(tmp_path, metrics=True)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_client_push_and_pull_use_the_ring_by_default_with_grpc_errors(metered_pair):
+    pair = metered_pair
+    src, dst = make_cache(pair, "dsrc"), make_cache(pair, "ddst")
+    ring_accepted = "kvrail_ring_submissions_total"
+    with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
+        sid, did = p.register_kv_cache(src, expose=True), d.register_kv_cache(dst, expose=True)
+        fill(src, [3, 4, 5, 30], seed=9)
+        dst.memory.array[:] = 0
+        t = p.push("dflt-1", "decode", Blocks(sid, [3, 4, 5, 30], 0, 4), Blocks(did, [10, 11, 12, 13], 0, 4))
+        assert t.total_bytes == src.layout.num_layers * 2 * 4 * src.layout.block_bytes
+        assert t.segments == src.layout.num_layers * 2 * 2  # runs 3..6 and 30
+        p.wait(t, timeout=20)
+        assert same_blocks(src, [3, 4, 5, 30], dst, [10, 11, 12, 13])
+        assert pair.prefill.metric(ring_accepted) == 1
+
+        t = p.pull("dflt-2", "decode", Blocks(did, [10], 0, 4), Blocks(sid, [0], 0, 4))
+        p.wait(t, timeout=20)
+        assert same_blocks(dst, [10], src, [0])
+        assert pair.prefill.metric(ring_accepted) == 2
+
+        # The same exceptions as through gRPC.
+        from kvrail.errors import InvalidArgument, NotFound
+
+        with pytest.raises(NotFound):
+            p.push("dflt-3", "nobody", Blocks(sid, [0]), Blocks(did, [0]))
+        with pytest.raises(InvalidArgument):
+            p.push("dflt-4", "decode", Blocks(sid, [999]), Blocks(did, [0]))
+        # What no slot holds (a 200-byte request id) goes through gRPC.
+        before = pair.prefill.metric(ring_accepted)
+        p.wait(p.push("x" * 200, "decode", Blocks(sid, [1]), Blocks(did, [1])), timeout=20)
+        assert pair.prefill.metric(ring_accepted) == before
+
+    with Client(pair.prefill.socket, "p0", submit_path="grpc") as g:
+        before = pair.prefill.metric(ring_accepted)
+        g.wait(g.push("grpc-1", "decode", Blocks(sid, [2]), Blocks(did, [2])), timeout=20)
+        assert pair.prefill.metric(ring_accepted) == before
+    with pytest.raises(ValueError):
+        Client(pair.prefill.socket, "p0", submit_path="carrier pigeon")

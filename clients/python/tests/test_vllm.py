@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from kvrail.ring import supported as supported_ring
 from conftest import Pair, free_port
 
 if os.environ.get("KVRAIL_VLLM_REQUIRED"):
@@ -202,6 +203,9 @@ def test_short_and_long_prompts_match_the_single_engine(vllm_pair: Disaggregated
     for prompt in ["The quick brown fox", long_prompt("long")]:
         assert vllm_pair.disaggregated(prompt) == vllm_pair.reference(prompt), prompt[:60]
     assert vllm_pair.decode_received_bytes() > before, "no KV bytes reached the decode sidecar"
+    if vllm_pair.mode == "push" and supported_ring():
+        # save_kv_layer's pushes go through the worker's submission ring.
+        assert vllm_pair.pair.prefill.metric("kvrail_ring_submissions_total") > 0
 
 
 def test_the_decode_uses_the_transferred_blocks(vllm_pair: Disaggregated) -> None:

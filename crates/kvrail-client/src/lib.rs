@@ -12,6 +12,9 @@
 
 pub mod gpu;
 pub mod ring;
+mod ring_submit;
+
+pub use ring_submit::SubmitPath;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -143,6 +146,9 @@ pub fn blocks(region_id: u64, layers: std::ops::Range<u32>, block_ids: Vec<u32>)
 #[derive(Debug, Clone)]
 pub struct Client {
     inner: SidecarClient<Channel>,
+    submit_path: SubmitPath,
+    /// Shared by clones: one ring per worker id.
+    rings: std::sync::Arc<ring_submit::RingSubmitters>,
 }
 
 impl Client {
@@ -162,7 +168,68 @@ impl Client {
             inner: SidecarClient::new(channel)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(64 << 20),
+            submit_path: SubmitPath::default(),
+            rings: Default::default(),
         })
+    }
+
+    /// Picks how [`Client::push`] and [`Client::pull`] reach the sidecar
+    /// (default: the worker's ring where the sidecar serves one).
+    pub fn with_submit_path(mut self, path: SubmitPath) -> Self {
+        self.submit_path = path;
+        self
+    }
+
+    /// Starts a transfer through the ring when that is the path and it can
+    /// take it, else through gRPC.
+    async fn start(
+        &mut self,
+        op: ring_submit::Op,
+        worker_id: &str,
+        request_id: &str,
+        peer: &str,
+        source: BlockRange,
+        destination: BlockRange,
+    ) -> Result<TransferAccepted, ClientError> {
+        if self.submit_path == SubmitPath::Ring {
+            let rings = self.rings.clone();
+            let call = ring_submit::TransferCall {
+                op,
+                worker_id,
+                request_id,
+                peer,
+                source: &source,
+                destination: &destination,
+            };
+            if let Some(answer) = rings.start(self, &call).await {
+                return answer;
+            }
+        }
+        let r = match op {
+            ring_submit::Op::Push => {
+                self.inner
+                    .push(PushRequest {
+                        request_id: request_id.into(),
+                        worker_id: worker_id.into(),
+                        peer: peer.into(),
+                        source: Some(source),
+                        destination: Some(destination),
+                    })
+                    .await?
+            }
+            ring_submit::Op::Pull => {
+                self.inner
+                    .pull(PullRequest {
+                        request_id: request_id.into(),
+                        worker_id: worker_id.into(),
+                        peer: peer.into(),
+                        source: Some(source),
+                        destination: Some(destination),
+                    })
+                    .await?
+            }
+        };
+        Ok(r.into_inner())
     }
 
     /// Registers a region; returns its id on this sidecar.
@@ -269,7 +336,8 @@ impl Client {
         Ok((r.generations, r.transfers_failed))
     }
 
-    /// Writes local `source` blocks into `destination` blocks of a region on `peer`.
+    /// Writes local `source` blocks into `destination` blocks of a region on
+    /// `peer` (through the worker's ring by default: see [`SubmitPath`]).
     pub async fn push(
         &mut self,
         worker_id: &str,
@@ -278,20 +346,19 @@ impl Client {
         source: BlockRange,
         destination: BlockRange,
     ) -> Result<TransferAccepted, ClientError> {
-        let r = self
-            .inner
-            .push(PushRequest {
-                request_id: request_id.into(),
-                worker_id: worker_id.into(),
-                peer: peer.into(),
-                source: Some(source),
-                destination: Some(destination),
-            })
-            .await?;
-        Ok(r.into_inner())
+        self.start(
+            ring_submit::Op::Push,
+            worker_id,
+            request_id,
+            peer,
+            source,
+            destination,
+        )
+        .await
     }
 
-    /// Reads `source` blocks of an exposed region on `peer` into local `destination` blocks.
+    /// Reads `source` blocks of an exposed region on `peer` into local
+    /// `destination` blocks (through the worker's ring by default).
     pub async fn pull(
         &mut self,
         worker_id: &str,
@@ -300,17 +367,15 @@ impl Client {
         source: BlockRange,
         destination: BlockRange,
     ) -> Result<TransferAccepted, ClientError> {
-        let r = self
-            .inner
-            .pull(PullRequest {
-                request_id: request_id.into(),
-                worker_id: worker_id.into(),
-                peer: peer.into(),
-                source: Some(source),
-                destination: Some(destination),
-            })
-            .await?;
-        Ok(r.into_inner())
+        self.start(
+            ring_submit::Op::Pull,
+            worker_id,
+            request_id,
+            peer,
+            source,
+            destination,
+        )
+        .await
     }
 
     /// Waits for a transfer to finish; `None` waits without limit.

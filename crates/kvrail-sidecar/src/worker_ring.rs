@@ -328,7 +328,8 @@ impl RingService {
                     region_id: 0,
                     bytes: accepted.total_bytes,
                     elapsed_us: 0,
-                    sequence: 0,
+                    // ACCEPTED's sequence word is the gRPC reply's `segments`.
+                    sequence: accepted.segments,
                     incarnation: 0,
                     request_id: s.request_id,
                     peer: s.peer,

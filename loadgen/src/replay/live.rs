@@ -15,7 +15,7 @@ use anyhow::{anyhow, bail, Context};
 use dashmap::DashMap;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvrail_client::proto::{Notification, NotificationKind, RegionLayout};
-use kvrail_client::{block_offset, blocks, Client, KvRegion};
+use kvrail_client::{block_offset, blocks, Client, KvRegion, SubmitPath};
 use tokio::sync::{oneshot, Notify};
 use tokio_stream::StreamExt;
 
@@ -140,12 +140,14 @@ fn stamp(run: u64, job: usize, layer: u32, plane: u32, k: usize) -> u64 {
 }
 
 /// Replays `jobs` (prefill at `schedule`) over the cluster's sidecars.
+#[allow(clippy::too_many_arguments)]
 pub async fn replay(
     cluster: &LocalCluster,
     jobs: &[Job],
     schedule: &[(f64, f64)],
     overlap: Overlap,
     geometry: Geometry,
+    submit: SubmitPath,
     label: &str,
     quiet: bool,
 ) -> anyhow::Result<LiveRun> {
@@ -160,7 +162,7 @@ pub async fn replay(
         layout,
     )?);
     let result = replay_on(
-        cluster, jobs, schedule, overlap, geometry, &src, &dst, label, quiet,
+        cluster, jobs, schedule, overlap, geometry, submit, &src, &dst, label, quiet,
     )
     .await;
     src.unlink();
@@ -175,6 +177,7 @@ async fn replay_on(
     schedule: &[(f64, f64)],
     overlap: Overlap,
     geometry: Geometry,
+    submit: SubmitPath,
     src: &Arc<KvRegion>,
     dst: &Arc<KvRegion>,
     label: &str,
@@ -184,7 +187,10 @@ async fn replay_on(
     // touched now so that page allocation is not timed as transfer.
     crate::demo::fill_random(&src.memory)?;
     dst.memory.fill(0, dst.memory.len(), 0)?;
-    let mut p = cluster.client(&cluster.prefill).await?;
+    let mut p = cluster
+        .client(&cluster.prefill)
+        .await?
+        .with_submit_path(submit);
     let mut d = cluster.client(&cluster.decode).await?;
     let src_region = p.register_region("prefill-0", src, false).await?;
     let dst_region = d.register_region("decode-0", dst, false).await?;

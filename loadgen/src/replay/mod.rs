@@ -85,6 +85,11 @@ pub struct ReplayArgs {
     /// Extra `kvrail serve` flag for both sidecars (repeatable).
     #[arg(long, allow_hyphen_values = true)]
     pub sidecar_arg: Vec<String>,
+    /// How the emulated prefill worker submits its pushes: through its
+    /// shared-memory ring (as the clients do by default), or one gRPC call
+    /// each (for comparison).
+    #[arg(long, default_value = "ring", value_parser = ["ring", "grpc"])]
+    pub submit: String,
     #[command(flatten)]
     pub nodes: crate::bench::RdmaNodes,
     /// Extra projection link: NAME,RAILS,GBIT_PER_RAIL,LATENCY_US (repeatable).
@@ -233,6 +238,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
         },
         "live_kv_scale": bytes_scale,
         "live_chunk_bytes": chunk_bytes,
+        "live_submit": args.submit,
         "live_pool_blocks": pool_blocks,
     });
     println!("{config}");
@@ -262,9 +268,16 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
     for transport in &live_transports {
         let cluster = start_cluster(&args, transport).await?;
         for &overlap in &args.overlap {
-            let label = format!("{transport} {}", overlap.label());
+            let label = match args.submit.as_str() {
+                "grpc" => format!("{transport} {} (gRPC submissions)", overlap.label()),
+                _ => format!("{transport} {}", overlap.label()),
+            };
+            let submit = match args.submit.as_str() {
+                "grpc" => kvrail_client::SubmitPath::Grpc,
+                _ => kvrail_client::SubmitPath::Ring,
+            };
             let run = live::replay(
-                &cluster, &jobs, &schedule, overlap, geometry, &label, args.quiet,
+                &cluster, &jobs, &schedule, overlap, geometry, submit, &label, args.quiet,
             )
             .await?;
             let moved: u64 = run.ops.iter().map(|o| o.bytes).sum();

@@ -256,6 +256,10 @@ class Client:
     """One worker's connection to its node's sidecar.
 
     ``timeout`` bounds every call (seconds); :meth:`wait` has its own.
+    ``submit_path`` says how :meth:`push` and :meth:`pull` reach the sidecar:
+    ``"ring"`` (the default) through this worker's shared-memory ring where the
+    sidecar serves one and this interpreter can drive it (see
+    :mod:`kvrail.ring`), else gRPC; ``"grpc"``: one gRPC call each.
     """
 
     def __init__(
@@ -265,10 +269,19 @@ class Client:
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        submit_path: str = "ring",
     ) -> None:
+        if submit_path not in ("ring", "grpc"):
+            raise ValueError(f"submit_path must be 'ring' or 'grpc', not {submit_path!r}")
         self.socket = Path(socket)
         self.worker_id = worker_id
         self.timeout = timeout
+        self.submit_path = submit_path
+        # The ring push/pull go through (opened on first use, without
+        # notifications: those stay on notifications()); one call at a time.
+        self._submit_ring: Any = None
+        self._submit_lock = threading.Lock()
+        self._rings_unsupported = False
         if not self.socket.exists():
             raise SidecarUnavailable(f"no sidecar socket at {self.socket}")
         self._channel = grpc.insecure_channel(
@@ -413,6 +426,10 @@ class Client:
     def _transfer(
         self, rpc: Callable[..., Any], message: Any, request_id: str, peer: str, source: Blocks, destination: Blocks
     ) -> Transfer:
+        if self.submit_path == "ring":
+            t = self._ring_transfer(rpc == self._stub.Push, request_id, peer, source, destination)
+            if t is not None:
+                return t
         # PushRequest and PullRequest have the same fields.
         r = self._call(
             rpc,
@@ -425,6 +442,71 @@ class Client:
             ),
         )
         return Transfer(r.transfer_id, request_id, r.total_bytes, r.segments)
+
+    def _ring_transfer(
+        self, push: bool, request_id: str, peer: str, source: Blocks, destination: Blocks
+    ) -> Transfer | None:
+        """Starts the transfer through the ring; None when it was not written
+        there (no ring here, queue full, too large for a slot, ring closed),
+        so gRPC starts it instead: it cannot start twice."""
+        from . import ring as rg
+
+        with self._submit_lock:
+            r = self._submit_ring
+            if r is None:
+                if self._rings_unsupported or not rg.supported():
+                    return None
+                try:
+                    r = rg.Ring(self, notifications=False)
+                except KvrailError as e:
+                    # UNIMPLEMENTED: a sidecar without rings. Anything else
+                    # (this worker's rings all taken...) is retried next time.
+                    self._rings_unsupported = e.status == "UNIMPLEMENTED"
+                    return None
+                except (OSError, rg.RingClosed):
+                    return None
+                self._submit_ring = r
+            try:
+                if push:
+                    user_data = r.submit_push(request_id, peer, source, destination)
+                else:
+                    user_data = r.submit_pull(request_id, peer, source, destination)
+            except rg.RingClosed:
+                self._drop_submit_ring()
+                return None
+            except (rg.RingFull, rg.RingTooLarge):
+                return None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    c = r.wait(max(left, 0.0)) if left > 0 else None
+                except rg.RingClosed as e:
+                    self._drop_submit_ring()
+                    raise SidecarUnavailable(
+                        f"the ring closed before the sidecar answered {request_id!r} ({e}); "
+                        "the transfer may have started: see status() or its notification"
+                    ) from None
+                if c is None:
+                    raise Timeout(f"the sidecar did not answer {request_id!r} within {self.timeout} s")
+                if c.user_data == user_data:
+                    break
+                # An answer to an earlier call that gave up waiting.
+        if c.kind == "ACCEPTED":
+            # ACCEPTED's sequence word carries the gRPC reply's segment count.
+            return Transfer(c.transfer_id, request_id, c.bytes, c.sequence)
+        # The gRPC status the same refusal gets from the gRPC call.
+        status = {"blocks_released": "FAILED_PRECONDITION", "bad_descriptor": "INVALID_ARGUMENT"}.get(
+            c.code, c.code.upper()
+        )
+        if status == "UNAVAILABLE":
+            raise PeerUnavailable(c.message)
+        raise from_status(status, c.message or c.code)
+
+    def _drop_submit_ring(self) -> None:
+        r, self._submit_ring = self._submit_ring, None
+        if r is not None:
+            r.close()
 
     def wait(self, transfer: Transfer | int, timeout: float | None = None) -> TransferStatus:
         """Waits until the transfer ends; raises :class:`TransferFailed` if it failed
@@ -492,6 +574,8 @@ class Client:
         return self._call(self._stub.ListPeers, pb.ListPeersRequest())
 
     def close(self) -> None:
+        with self._submit_lock:
+            self._drop_submit_ring()
         self._channel.close()
 
     def __enter__(self) -> "Client":
