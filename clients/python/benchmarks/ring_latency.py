@@ -1,5 +1,7 @@
 """4 KiB push latency through the Python client: the ring beside gRPC, and
-the Rust client's ring (``loadgen bench --only latency``) in the same run.
+the Rust client's ring (``loadgen bench --only latency``) in the same run;
+``python_client_push`` is ``Client.push`` as a worker calls it (through its
+ring by default) with the notification read from the stream.
 
     python clients/python/benchmarks/ring_latency.py --kvrail target/release/kvrail \
         --loadgen target/release/loadgen --samples 2000
@@ -49,11 +51,15 @@ def main() -> None:
             src = HostKvCache(pair.shm("src"), 1, 64, shape, np.float16)
             dst = HostKvCache(pair.shm("dst"), 1, 64, shape, np.float16)
             with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d, \
-                    Client(pair.prefill.socket, "p1") as pg, Client(pair.decode.socket, "d1") as dg:
+                    Client(pair.prefill.socket, "p1", submit_path="grpc") as pg, \
+                    Client(pair.decode.socket, "d1") as dg, \
+                    Client(pair.prefill.socket, "p2") as pc, Client(pair.decode.socket, "d2") as dc:
                 sid, did = p.register_kv_cache(src), d.register_kv_cache(dst)
                 gsid, gdid = pg.register_kv_cache(src), dg.register_kv_cache(dst)
-                ring_lat, submit, grpc_lat = [], [], []
-                with p.open_ring() as pr, d.open_ring() as dr, dg.notifications() as notes:
+                csid, cdid = pc.register_kv_cache(src), dc.register_kv_cache(dst)
+                ring_lat, submit, grpc_lat, client_lat = [], [], [], []
+                with p.open_ring() as pr, d.open_ring() as dr, dg.notifications() as notes, \
+                        dc.notifications() as cnotes:
                     for i in range(a.samples + 100):
                         rid = f"r{i}"
                         t0 = time.perf_counter()
@@ -79,14 +85,27 @@ def main() -> None:
                             if n.request_id == gid:
                                 break
                         t4 = time.perf_counter()
+                        # Client.push as a worker calls it (through its ring
+                        # by default), the notification from the stream.
+                        cid = f"c{i}"
+                        t5 = time.perf_counter()
+                        pc.push(cid, "decode", Blocks(csid, [i % 64]), Blocks(cdid, [i % 64]))
+                        while True:
+                            n = cnotes.get(timeout=10)
+                            if n.request_id == cid:
+                                break
+                        t6 = time.perf_counter()
                         if i >= 100:
                             ring_lat.append((t2 - t0) * 1e6)
                             submit.append((t1 - t0) * 1e6)
                             grpc_lat.append((t4 - t3) * 1e6)
+                            client_lat.append((t6 - t5) * 1e6)
                 out["python_ring"] = {"p50_us": pct(ring_lat, 50), "p99_us": pct(ring_lat, 99),
                                       "p999_us": pct(ring_lat, 99.9), "submit_p50_us": pct(submit, 50)}
                 out["python_grpc"] = {"p50_us": pct(grpc_lat, 50), "p99_us": pct(grpc_lat, 99),
                                       "p999_us": pct(grpc_lat, 99.9)}
+                out["python_client_push"] = {"p50_us": pct(client_lat, 50), "p99_us": pct(client_lat, 99),
+                                             "p999_us": pct(client_lat, 99.9)}
             src.close() if hasattr(src, "close") else None
         finally:
             pair.stop()

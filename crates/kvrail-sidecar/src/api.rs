@@ -171,6 +171,7 @@ impl Api {
             },
         )
         .await
+        .map_err(|r| r.status)
     }
 
     fn record(&self, id: u64) -> Result<Arc<TransferRecord>, Status> {

@@ -59,15 +59,41 @@ fn check_remote(
     Ok(())
 }
 
+/// A transfer the sidecar would not start: the gRPC status, and the stable
+/// code the submission ring answers with (the gRPC code's name in snake case,
+/// or a failure code of its own such as `blocks_released`).
+#[derive(Debug)]
+pub struct Refusal {
+    pub code: &'static str,
+    pub status: Status,
+}
+
+impl From<Status> for Refusal {
+    fn from(status: Status) -> Self {
+        use tonic::Code as C;
+        let code = match status.code() {
+            C::InvalidArgument => "invalid_argument",
+            C::NotFound => "not_found",
+            C::AlreadyExists => "already_exists",
+            C::Unavailable => "unavailable",
+            C::FailedPrecondition => "failed_precondition",
+            C::ResourceExhausted => "resource_exhausted",
+            C::PermissionDenied => "permission_denied",
+            _ => "internal",
+        };
+        Self { code, status }
+    }
+}
+
 /// Validates, records and starts a transfer on the peer's outbound link.
 pub async fn start_transfer(
     shared: &Arc<Shared>,
     start: Start<'_>,
-) -> Result<TransferAccepted, Status> {
+) -> Result<TransferAccepted, Refusal> {
     require_text(start.request_id, "request_id")?;
     require_text(start.worker_id, "worker_id")?;
     if !shared.peers.contains_key(start.peer) {
-        return Err(Status::not_found(format!("unknown peer {:?}", start.peer)));
+        return Err(Status::not_found(format!("unknown peer {:?}", start.peer)).into());
     }
     let Start {
         push,
@@ -103,11 +129,11 @@ pub async fn start_transfer(
         Ok(Some(link)) => link,
         Ok(None) => {
             shared.transfers.release(worker_id, request_id);
-            return Err(Status::not_found(format!("unknown peer {peer:?}")));
+            return Err(Status::not_found(format!("unknown peer {peer:?}")).into());
         }
         Err(e) => {
             shared.transfers.release(worker_id, request_id);
-            return Err(Status::unavailable(e.to_string()));
+            return Err(Status::unavailable(e.to_string()).into());
         }
     };
     let total = plan.total_bytes();
@@ -166,7 +192,7 @@ pub async fn start_transfer(
                 message: status.message().to_string(),
             });
         });
-        return Err(status);
+        return Err(Refusal { code, status });
     }
     Ok(TransferAccepted {
         transfer_id: id,

@@ -209,26 +209,6 @@ fn ring_open_status(e: kvrail_shm::ring::RingIoError) -> Status {
     }
 }
 
-/// The stable code of a refused submission: the failure code of
-/// [`submit::start_transfer`] where it names one, else the gRPC code's name.
-fn rejection_code(status: &Status) -> String {
-    if status.message().starts_with("blocks_released") {
-        return "blocks_released".into();
-    }
-    use tonic::Code as C;
-    match status.code() {
-        C::InvalidArgument => "invalid_argument",
-        C::NotFound => "not_found",
-        C::AlreadyExists => "already_exists",
-        C::Unavailable => "unavailable",
-        C::FailedPrecondition => "failed_precondition",
-        C::ResourceExhausted => "resource_exhausted",
-        C::PermissionDenied => "permission_denied",
-        _ => "internal",
-    }
-    .into()
-}
-
 fn selection(b: RingBlocks) -> BlockSelection {
     BlockSelection {
         region_id: b.region_id,
@@ -337,13 +317,13 @@ impl RingService {
                     message: String::new(),
                 });
             }
-            Err(status) => {
+            Err(refusal) => {
                 metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "rejected").increment(1);
                 self.reject(
                     s.user_data,
                     s.request_id,
-                    &rejection_code(&status),
-                    status.message(),
+                    refusal.code,
+                    refusal.status.message(),
                 );
             }
         }

@@ -102,6 +102,17 @@ struct LinkState {
     qp_waiters: HashMap<u64, oneshot::Sender<kvrail_core::qp_setup::SetupOutcome>>,
     /// Rails whose queue pairs are being (re)built right now.
     rdma_building: HashSet<RailId>,
+    /// The deadline the timer task sleeps until (None: until nudged).
+    timer_armed: Option<Instant>,
+}
+
+impl LinkState {
+    /// The session's and the queue-pair setups' next deadline.
+    fn next_deadline(&self) -> Option<Instant> {
+        let session = self.session.poll_timeout();
+        let setups = self.qp_setups.poll_timeout();
+        session.into_iter().chain(setups).min()
+    }
 }
 
 /// How an outbound session rebuilds its rails.
@@ -156,6 +167,7 @@ impl PeerLink {
                 qp_setups: Default::default(),
                 qp_waiters: HashMap::new(),
                 rdma_building: HashSet::new(),
+                timer_armed: None,
             }),
             dial,
             timer: Notify::new(),
@@ -276,9 +288,22 @@ impl PeerLink {
         });
     }
 
-    /// Wakes the timer after a change that may move the next deadline.
+    /// Wakes the timer after a change that may move the next deadline, when
+    /// it does: the timer re-reads every deadline whenever it wakes, so one due
+    /// later than the one it sleeps until needs no wake-up (a task wake per
+    /// transfer and per acknowledgement otherwise).
     pub fn rearm_timer(&self) {
-        self.timer.notify_one();
+        let nudge = {
+            let st = self.lock();
+            match (st.next_deadline(), st.timer_armed) {
+                (Some(next), Some(armed)) => next < armed,
+                (Some(_), None) => true,
+                (None, _) => false,
+            }
+        };
+        if nudge {
+            self.timer.notify_one();
+        }
     }
 
     fn pump(&self, st: &mut LinkState) {
@@ -614,10 +639,10 @@ async fn timer_task(link: Weak<PeerLink>) {
     loop {
         let Some(l) = link.upgrade() else { return };
         let (deadline, closed) = {
-            let st = l.lock();
-            let session = st.session.poll_timeout();
-            let setups = st.qp_setups.poll_timeout();
-            (session.into_iter().chain(setups).min(), st.closed)
+            let mut st = l.lock();
+            let deadline = st.next_deadline();
+            st.timer_armed = deadline;
+            (deadline, st.closed)
         };
         if closed {
             return;
