@@ -34,6 +34,10 @@ pub enum SubmitPath {
 
 /// How long the completion thread sleeps between looks at its stop flag.
 const COMPLETION_POLL: Duration = Duration::from_millis(50);
+/// After a ring could not be opened for a worker, its transfers use gRPC this
+/// long before the next try (no failed `OpenRing` per transfer where rings
+/// cannot work, e.g. a sidecar that cannot open this process's shared memory).
+const REOPEN_AFTER: Duration = Duration::from_secs(10);
 
 /// The rings of one client (and its clones), by worker id.
 #[derive(Default)]
@@ -41,6 +45,8 @@ pub(crate) struct RingSubmitters {
     /// The sidecar answered `UNIMPLEMENTED` to `OpenRing`: gRPC from now on.
     unsupported: AtomicBool,
     by_worker: Mutex<HashMap<String, Arc<Submitter>>>,
+    /// Workers whose last ring could not be opened, and when.
+    refused: Mutex<HashMap<String, std::time::Instant>>,
     /// One ring opened at a time (two first pushes of a worker open one ring).
     opening: tokio::sync::Mutex<()>,
 }
@@ -154,6 +160,12 @@ impl RingSubmitters {
         if let Some(s) = lock(&self.by_worker).get(worker_id) {
             return Some(s.clone());
         }
+        if lock(&self.refused)
+            .get(worker_id)
+            .is_some_and(|at| at.elapsed() < REOPEN_AFTER)
+        {
+            return None;
+        }
         let _one_at_a_time = self.opening.lock().await;
         if let Some(s) = lock(&self.by_worker).get(worker_id) {
             return Some(s.clone());
@@ -170,7 +182,8 @@ impl RingSubmitters {
                 }
                 // Refused (this worker's rings are all taken, a bad worker id,
                 // no shared memory): this call goes through gRPC, whose answer
-                // is the one the caller needs; the next one tries again.
+                // is the one the caller needs; a later one tries again.
+                lock(&self.refused).insert(worker_id.to_string(), std::time::Instant::now());
                 return None;
             }
         };

@@ -282,6 +282,9 @@ class Client:
         self._submit_ring: Any = None
         self._submit_lock = threading.Lock()
         self._rings_unsupported = False
+        # After a ring could not be opened, gRPC until then (no failed
+        # OpenRing per transfer where rings cannot work).
+        self._ring_retry_at = 0.0
         if not self.socket.exists():
             raise SidecarUnavailable(f"no sidecar socket at {self.socket}")
         self._channel = grpc.insecure_channel(
@@ -454,16 +457,18 @@ class Client:
         with self._submit_lock:
             r = self._submit_ring
             if r is None:
-                if self._rings_unsupported or not rg.supported():
+                if self._rings_unsupported or not rg.supported() or time.monotonic() < self._ring_retry_at:
                     return None
                 try:
                     r = rg.Ring(self, notifications=False)
                 except KvrailError as e:
                     # UNIMPLEMENTED: a sidecar without rings. Anything else
-                    # (this worker's rings all taken...) is retried next time.
+                    # (this worker's rings all taken...) is retried later.
                     self._rings_unsupported = e.status == "UNIMPLEMENTED"
+                    self._ring_retry_at = time.monotonic() + 10.0
                     return None
                 except (OSError, rg.RingClosed):
+                    self._ring_retry_at = time.monotonic() + 10.0
                     return None
                 self._submit_ring = r
             try:
