@@ -7,10 +7,12 @@
 
 use prost::Message;
 
-/// Generated peer messages (`proto/kvrail/v1/peer.proto`).
+/// Generated peer messages (`proto/kvrail/v1/peer.proto`), checked in so that
+/// binaries carry no build-machine paths (`tests/generated_code.rs` keeps the
+/// file current).
 #[allow(missing_docs, clippy::all)]
 pub mod pb {
-    include!(concat!(env!("OUT_DIR"), "/kvrail.v1.peer.rs"));
+    include!("generated/kvrail.v1.peer.rs");
 }
 
 pub use pb::peer_message::Body;

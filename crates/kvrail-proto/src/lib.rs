@@ -1,9 +1,11 @@
 //! Types and gRPC stubs of the kvrail local worker API (`kvrail.v1`).
 #![allow(clippy::doc_markdown, missing_docs)]
 
-/// Everything generated from `proto/kvrail/v1/sidecar.proto`.
+/// Everything generated from `proto/kvrail/v1/sidecar.proto`, checked in so
+/// that binaries carry no build-machine paths (`tests/generated_code.rs` keeps
+/// the file current).
 pub mod v1 {
-    tonic::include_proto!("kvrail.v1");
+    include!("generated/kvrail.v1.rs");
 }
 
 pub use v1::*;
