@@ -15,6 +15,7 @@
 //! checked: a corrupt slot is an error for that slot, never a panic.
 
 use crate::plan::MAX_BLOCKS_PER_TRANSFER;
+use std::time::{Duration, Instant};
 
 /// First bytes of a ring file.
 pub const MAGIC: [u8; 8] = *b"KVRRING1";
@@ -682,6 +683,59 @@ fn put_u64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 
+/// How long a ring's serving thread spins for the next submission before it
+/// sleeps on the futex. Spinning saves the worker a wake-up system call and
+/// the thread's wake-up latency (about 15 us measured), but only if the next
+/// submission comes while it spins. So it follows the worker's pace: twice
+/// the recent gap between submissions, within `[floor, ceiling]`; a worker
+/// whose gaps exceed the ceiling gets only the floor, since a longer spin
+/// would not catch its next submission, only burn a core. `now` is passed in.
+#[derive(Debug, Clone)]
+pub struct SpinPolicy {
+    floor: Duration,
+    ceiling: Duration,
+    last: Option<Instant>,
+    /// Moving average of the gaps between submissions (weight 1/4 to the newest).
+    gap: Option<Duration>,
+}
+
+impl SpinPolicy {
+    /// Spins that follow the worker's pace, between `floor` and `ceiling`.
+    pub fn adaptive(floor: Duration, ceiling: Duration) -> Self {
+        Self {
+            floor: floor.min(ceiling),
+            ceiling,
+            last: None,
+            gap: None,
+        }
+    }
+
+    /// Always the same spin.
+    pub fn fixed(spin: Duration) -> Self {
+        Self::adaptive(spin, spin)
+    }
+
+    /// Submissions were found at `now`.
+    pub fn note_submissions(&mut self, now: Instant) {
+        if let Some(last) = self.last {
+            let gap = now.saturating_duration_since(last);
+            self.gap = Some(match self.gap {
+                Some(avg) => (avg * 3 + gap) / 4,
+                None => gap,
+            });
+        }
+        self.last = Some(now);
+    }
+
+    /// How long to spin before sleeping now.
+    pub fn spin(&self) -> Duration {
+        match self.gap {
+            Some(gap) if gap <= self.ceiling => (gap * 2).clamp(self.floor, self.ceiling),
+            _ => self.floor,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -851,5 +905,49 @@ mod tests {
         assert_eq!(available(5, 4, 8), None);
         assert!(has_room(0, 7, 8));
         assert!(!has_room(0, 8, 8));
+    }
+
+    #[test]
+    fn the_spin_follows_a_steady_worker_and_drops_to_the_floor_for_a_sparse_one() {
+        let us = Duration::from_micros;
+        let t0 = Instant::now();
+        let mut p = SpinPolicy::adaptive(us(50), us(500));
+        assert_eq!(p.spin(), us(50), "no pace known yet");
+        p.note_submissions(t0);
+        assert_eq!(p.spin(), us(50), "one submission is no pace");
+        // A worker submitting every 80 us: the thread spins 160 us.
+        for i in 1..=20 {
+            p.note_submissions(t0 + us(80 * i));
+        }
+        assert_eq!(p.spin(), us(160));
+        // Every 20 us: twice that is under the floor.
+        let t1 = t0 + us(80 * 20);
+        for i in 1..=40 {
+            p.note_submissions(t1 + us(20 * i));
+        }
+        assert_eq!(p.spin(), us(50));
+        // Every 2 ms (a layer's compute): no spin would catch it.
+        let t2 = t1 + us(20 * 40);
+        for i in 1..=20 {
+            p.note_submissions(t2 + us(2000 * i));
+        }
+        assert_eq!(p.spin(), us(50));
+        // Every 400 us: spins up to the ceiling.
+        let t3 = t2 + us(2000 * 20);
+        for i in 1..=40 {
+            p.note_submissions(t3 + us(400 * i));
+        }
+        assert_eq!(p.spin(), us(500));
+    }
+
+    #[test]
+    fn a_fixed_spin_never_moves() {
+        let us = Duration::from_micros;
+        let t0 = Instant::now();
+        let mut p = SpinPolicy::fixed(us(0));
+        for i in 0..10 {
+            p.note_submissions(t0 + us(30 * i));
+        }
+        assert_eq!(p.spin(), us(0));
     }
 }

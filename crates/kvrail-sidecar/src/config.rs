@@ -51,9 +51,11 @@ pub struct Config {
     /// Poll completion queues this long before sleeping on the completion channel.
     pub rdma_busy_poll_us: u64,
     /// How long a worker ring's thread spins for the next submission before
-    /// it sleeps on the ring's futex. Unset: 50 us on machines with at least 4
-    /// CPUs, 0 on smaller ones (there a spinning thread takes the core the
-    /// worker and the sidecar's own tasks need: measured in docs/ring-format.md).
+    /// it sleeps on the ring's futex, fixed. Unset: it follows the worker's
+    /// pace (twice its recent gap between submissions, 50 to 500 us; see
+    /// `kvrail_core::ring::SpinPolicy`) on machines with at least 4 CPUs, and
+    /// is 0 on smaller ones (there a spinning thread takes the core the worker
+    /// and the sidecar's own tasks need: measured in docs/ring-format.md).
     pub ring_spin_us: Option<u64>,
     /// Queue pair ACK timeout exponent (4.096 us x 2^n per try).
     pub rdma_timeout: u8,
@@ -166,15 +168,18 @@ pub enum ConfigError {
 
 impl Config {
     /// The spin of worker ring threads (see [`Config::ring_spin_us`]).
-    pub fn ring_spin(&self) -> std::time::Duration {
-        std::time::Duration::from_micros(self.ring_spin_us.unwrap_or_else(|| {
-            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-            if cpus >= 4 {
-                50
-            } else {
-                0
-            }
-        }))
+    pub fn ring_spin(&self) -> kvrail_core::ring::SpinPolicy {
+        use kvrail_core::ring::SpinPolicy;
+        use std::time::Duration;
+        if let Some(us) = self.ring_spin_us {
+            return SpinPolicy::fixed(Duration::from_micros(us));
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cpus >= 4 {
+            SpinPolicy::adaptive(Duration::from_micros(50), Duration::from_micros(500))
+        } else {
+            SpinPolicy::fixed(Duration::ZERO)
+        }
     }
 
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {

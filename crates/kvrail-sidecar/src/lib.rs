@@ -90,8 +90,9 @@ pub struct ServeArgs {
     /// QUIC: UDP payload connections start with (default 1200; see docs/quic.md).
     #[arg(long)]
     pub quic_initial_mtu: Option<u16>,
-    /// Spin of worker ring threads before they sleep, in microseconds
-    /// (default: 50 with at least 4 CPUs, else 0).
+    /// Spin of worker ring threads before they sleep, in microseconds, fixed
+    /// (default: twice the worker's recent gap between submissions, 50 to
+    /// 500, with at least 4 CPUs; else 0).
     #[arg(long)]
     pub ring_spin_us: Option<u64>,
     /// QUIC: kvrail connections per QUIC connection, as streams (default 1).

@@ -15,7 +15,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvrail_core::ring::{
     CloseReason, Completion, CompletionKind, RingBlocks, RingOp, Submission, VERSION,
@@ -223,10 +223,10 @@ impl RingService {
     fn serve(self: Arc<Self>, handle: &tokio::runtime::Handle) {
         // Spinning after the last submission before sleeping: a worker that
         // streams layer pushes finds the thread awake (no wake-up system call).
-        let spin = self
-            .shared
-            .upgrade()
-            .map_or(Duration::ZERO, |s| s.config.ring_spin());
+        let mut spin = self.shared.upgrade().map_or_else(
+            || kvrail_core::ring::SpinPolicy::fixed(Duration::ZERO),
+            |s| s.config.ring_spin(),
+        );
         let mut since_check = 0u32;
         loop {
             if self.closing.load(Ordering::Acquire) {
@@ -238,7 +238,7 @@ impl RingService {
             } else {
                 SLEEP
             };
-            let woke = self.ring.wait(spin, sleep, &self.closing);
+            let woke = self.ring.wait(spin.spin(), sleep, &self.closing);
             since_check += 1;
             if !woke || since_check >= 256 {
                 since_check = 0;
@@ -248,13 +248,20 @@ impl RingService {
                     self.request_close(CloseReason::HeaderChanged);
                 }
             }
+            let mut found = false;
             loop {
                 if self.closing.load(Ordering::Acquire) {
                     break;
                 }
                 match self.ring.next() {
                     Next::Empty => break,
-                    Next::Submission(s) => self.start(s, handle),
+                    Next::Submission(s) => {
+                        if !found {
+                            found = true;
+                            spin.note_submissions(Instant::now());
+                        }
+                        self.start(s, handle);
+                    }
                     Next::Corrupt(user_data, e) => {
                         metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "corrupt").increment(1);
                         self.reject(user_data, String::new(), "bad_descriptor", &e.to_string());
