@@ -41,11 +41,15 @@ def main() -> None:
     ap.add_argument("--kvrail", required=True)
     ap.add_argument("--loadgen")
     ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--ring-spin-us", type=int,
+                    help="the sidecars' ring spin (default: theirs), loadgen's sidecars too")
     a = ap.parse_args()
     os.environ["KVRAIL_BIN"] = a.kvrail
     out: dict[str, object] = {"bench": "python_ring_latency", "bytes": 4096, "samples": a.samples}
     with tempfile.TemporaryDirectory() as tmp:
-        pair = conftest.Pair(Path(tmp))
+        spin = () if a.ring_spin_us is None else ("--ring-spin-us", str(a.ring_spin_us))
+        out["ring_spin_us"] = a.ring_spin_us
+        pair = conftest.Pair(Path(tmp), *spin)
         try:
             shape = (16, 2, 64)
             src = HostKvCache(pair.shm("src"), 1, 64, shape, np.float16)
@@ -58,48 +62,64 @@ def main() -> None:
                 gsid, gdid = pg.register_kv_cache(src), dg.register_kv_cache(dst)
                 csid, cdid = pc.register_kv_cache(src), dc.register_kv_cache(dst)
                 ring_lat, submit, grpc_lat, client_lat = [], [], [], []
+                # As `loadgen bench --only latency` does it: rounds alternate
+                # the paths so all see the same machine, and each round's
+                # samples follow one another (a sample does not find the
+                # sidecar asleep because another path ran in between).
+                rounds = 10
+                per_round = -(-a.samples // rounds)
                 with p.open_ring() as pr, d.open_ring() as dr, dg.notifications() as notes, \
                         dc.notifications() as cnotes:
-                    for i in range(a.samples + 100):
-                        rid = f"r{i}"
-                        t0 = time.perf_counter()
-                        pr.submit_push(rid, "decode", Blocks(sid, [i % 64]), Blocks(did, [i % 64]))
-                        t1 = time.perf_counter()
-                        while True:
-                            c = dr.wait(10.0)
-                            assert c is not None, "no completion within 10 s"
-                            if c.request_id == rid:
-                                assert c.kind == "PUSH_RECEIVED", c
-                                break
-                        t2 = time.perf_counter()
-                        done = 0
-                        while done < 2:  # ACCEPTED and PUSH_DONE on the sender's ring
-                            c = pr.wait(10.0)
-                            assert c is not None and c.kind in ("ACCEPTED", "PUSH_DONE"), c
-                            done += 1
-                        gid = f"g{i}"
-                        t3 = time.perf_counter()
-                        pg.push(gid, "decode", Blocks(gsid, [i % 64]), Blocks(gdid, [i % 64]))
-                        while True:
-                            n = notes.get(timeout=10)
-                            if n.request_id == gid:
-                                break
-                        t4 = time.perf_counter()
+                    for rnd in range(rounds + 1):
+                        n = 100 if rnd == 0 else per_round  # round 0 warms up
+                        keep = rnd > 0
+                        for i in range(n):
+                            b = (rnd * per_round + i) % 64
+                            rid = f"r{rnd}-{i}"
+                            t0 = time.perf_counter()
+                            pr.submit_push(rid, "decode", Blocks(sid, [b]), Blocks(did, [b]))
+                            t1 = time.perf_counter()
+                            while True:
+                                c = dr.wait(10.0)
+                                assert c is not None, "no completion within 10 s"
+                                if c.request_id == rid:
+                                    assert c.kind == "PUSH_RECEIVED", c
+                                    break
+                            t2 = time.perf_counter()
+                            done = 0
+                            while done < 2:  # ACCEPTED and PUSH_DONE on the sender's ring
+                                c = pr.wait(10.0)
+                                assert c is not None and c.kind in ("ACCEPTED", "PUSH_DONE"), c
+                                done += 1
+                            if keep:
+                                ring_lat.append((t2 - t0) * 1e6)
+                                submit.append((t1 - t0) * 1e6)
+                        for i in range(n):
+                            b = (rnd * per_round + i) % 64
+                            gid = f"g{rnd}-{i}"
+                            t3 = time.perf_counter()
+                            pg.push(gid, "decode", Blocks(gsid, [b]), Blocks(gdid, [b]))
+                            while True:
+                                note = notes.get(timeout=10)
+                                if note.request_id == gid:
+                                    break
+                            t4 = time.perf_counter()
+                            if keep:
+                                grpc_lat.append((t4 - t3) * 1e6)
                         # Client.push as a worker calls it (through its ring
                         # by default), the notification from the stream.
-                        cid = f"c{i}"
-                        t5 = time.perf_counter()
-                        pc.push(cid, "decode", Blocks(csid, [i % 64]), Blocks(cdid, [i % 64]))
-                        while True:
-                            n = cnotes.get(timeout=10)
-                            if n.request_id == cid:
-                                break
-                        t6 = time.perf_counter()
-                        if i >= 100:
-                            ring_lat.append((t2 - t0) * 1e6)
-                            submit.append((t1 - t0) * 1e6)
-                            grpc_lat.append((t4 - t3) * 1e6)
-                            client_lat.append((t6 - t5) * 1e6)
+                        for i in range(n):
+                            b = (rnd * per_round + i) % 64
+                            cid = f"c{rnd}-{i}"
+                            t5 = time.perf_counter()
+                            pc.push(cid, "decode", Blocks(csid, [b]), Blocks(cdid, [b]))
+                            while True:
+                                note = cnotes.get(timeout=10)
+                                if note.request_id == cid:
+                                    break
+                            t6 = time.perf_counter()
+                            if keep:
+                                client_lat.append((t6 - t5) * 1e6)
                 out["python_ring"] = {"p50_us": pct(ring_lat, 50), "p99_us": pct(ring_lat, 99),
                                       "p999_us": pct(ring_lat, 99.9), "submit_p50_us": pct(submit, 50)}
                 out["python_grpc"] = {"p50_us": pct(grpc_lat, 50), "p99_us": pct(grpc_lat, 99),
@@ -113,7 +133,8 @@ def main() -> None:
                 f.unlink()
     if a.loadgen:
         r = subprocess.run([a.loadgen, "bench", "--only", "latency", "--latency-samples", str(a.samples),
-                            "--transport", "tcp"], capture_output=True, text=True, check=True)
+                            "--transport", "tcp", *(f"--sidecar-arg={x}" for x in spin)],
+                           capture_output=True, text=True, check=True)
         for line in r.stdout.splitlines():
             v = json.loads(line)
             if v.get("bench") == "latency_path" and v.get("path") == "ring" and v.get("bytes") == 4096:

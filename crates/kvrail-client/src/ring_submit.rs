@@ -183,10 +183,15 @@ impl RingSubmitters {
                 // Refused (this worker's rings are all taken, a bad worker id,
                 // no shared memory): this call goes through gRPC, whose answer
                 // is the one the caller needs; a later one tries again.
-                lock(&self.refused).insert(worker_id.to_string(), std::time::Instant::now());
+                let mut refused = lock(&self.refused);
+                // Entries past their back-off mean nothing: dropped here, so
+                // the map holds only the worker ids refused in the last 10 s.
+                refused.retain(|_, at| at.elapsed() < REOPEN_AFTER);
+                refused.insert(worker_id.to_string(), std::time::Instant::now());
                 return None;
             }
         };
+        lock(&self.refused).remove(worker_id);
         let submitter = Arc::new(Submitter {
             ring,
             waiting: Mutex::new(Some(HashMap::new())),

@@ -420,20 +420,19 @@ class Client:
 
     def push(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
         """Writes local blocks into blocks of a region on ``peer``."""
-        return self._transfer(self._stub.Push, pb.PushRequest, request_id, peer, source, destination)
+        return self._transfer(True, request_id, peer, source, destination)
 
     def pull(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
         """Reads blocks of an exposed region on ``peer`` into local blocks."""
-        return self._transfer(self._stub.Pull, pb.PullRequest, request_id, peer, source, destination)
+        return self._transfer(False, request_id, peer, source, destination)
 
-    def _transfer(
-        self, rpc: Callable[..., Any], message: Any, request_id: str, peer: str, source: Blocks, destination: Blocks
-    ) -> Transfer:
+    def _transfer(self, push: bool, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
         if self.submit_path == "ring":
-            t = self._ring_transfer(rpc == self._stub.Push, request_id, peer, source, destination)
+            t = self._ring_transfer(push, request_id, peer, source, destination)
             if t is not None:
                 return t
         # PushRequest and PullRequest have the same fields.
+        rpc, message = (self._stub.Push, pb.PushRequest) if push else (self._stub.Pull, pb.PullRequest)
         r = self._call(
             rpc,
             message(

@@ -22,13 +22,14 @@ import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .v1 import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .client import Blocks, Client
 
 MAGIC = b"KVRRING1"
@@ -54,8 +55,25 @@ CLOSE_REASONS = {
     8: "the sidecar went away (its OpenRing call ended)",
 }
 _SUB_FIXED = 248
-_SUB_HEAD = struct.Struct("<BBBBHHHHIQQQIIII")
-_CQ_HEAD = struct.Struct("<BBBBBBxx7Q")
+# A submission slot's fixed part: the 56-byte head, the peer name (64 bytes
+# at 56) and the request id (128 at 120), zero-padded by the "s" fields.
+_SUB_FIXED_FORMAT = "<BBBBHHHHIQQQIIII64s128s"
+# A completion slot: the 64-byte head, request id (128), peer (64), code (32),
+# message (224).
+_CQ_SLOT = struct.Struct("<BBBBBBxx7Q128s64s32s224s")
+_slot_structs: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _slot_struct(runs: int, generations: int) -> struct.Struct:
+    """One Struct writes a whole submission slot (cached per shape)."""
+    key = (runs, generations)
+    st = _slot_structs.get(key)
+    if st is None:
+        st = struct.Struct(f"{_SUB_FIXED_FORMAT}{2 * runs}I{generations}Q")
+        _slot_structs[key] = st
+    return st
+
+
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
@@ -77,8 +95,10 @@ class RingTooLarge(ValueError):
     """The submission does not fit one slot: use the gRPC call."""
 
 
-@dataclass(frozen=True)
-class RingCompletion:
+class RingCompletion(NamedTuple):
+    """One completion: immutable (a named tuple, built in one step: polled
+    on the worker's hot path)."""
+
     kind: str  # ACCEPTED, REJECTED, or a notification kind
     user_data: int
     transfer_id: int
@@ -96,39 +116,50 @@ class RingCompletion:
 
 class _Futex:
     def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        self._syscall = libc.syscall
-        self._syscall.restype = ctypes.c_long
+        name = ctypes.util.find_library("c") or "libc.so.6"
+        # Calls that return at once keep the GIL (PyDLL): releasing it hands
+        # it to any other thread that wants it, and the submitter then waits
+        # for it back. Only the sleeping wait releases it.
+        fast = ctypes.PyDLL(name, use_errno=True)
+        slow = ctypes.CDLL(name, use_errno=True)
+        self._wake_call = fast.syscall
+        self._wake_call.restype = ctypes.c_long
+        self._wait_call = slow.syscall
+        self._wait_call.restype = ctypes.c_long
         # A locked instruction orders a store before a later load (x86 lets a
-        # load pass an earlier store otherwise): taking and releasing a
-        # private spinlock is one, and costs one C call.
+        # load pass an earlier store otherwise). pthread_spin_trylock on a
+        # lock that stays taken is one (glibc: xchg or lock cmpxchg, a full
+        # barrier whether or not it takes the lock), for one C call.
         self._lock = ctypes.c_int(0)
-        self._spin_lock = libc.pthread_spin_lock
-        self._spin_unlock = libc.pthread_spin_unlock
-        libc.pthread_spin_init(ctypes.byref(self._lock), 0)
+        fast.pthread_spin_init(ctypes.byref(self._lock), 0)
+        fast.pthread_spin_lock(ctypes.byref(self._lock))
+        self._trylock = fast.pthread_spin_trylock
+        self._lock_ref = ctypes.byref(self._lock)
 
     def fence(self) -> None:
-        self._spin_lock(ctypes.byref(self._lock))
-        self._spin_unlock(ctypes.byref(self._lock))
+        self._trylock(self._lock_ref)
 
     def wait(self, addr: int, expected: int, timeout_s: float) -> None:
         sec = int(timeout_s)
         ts = (ctypes.c_long * 2)(sec, int((timeout_s - sec) * 1e9))
-        self._syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
-                      ctypes.byref(ts), None, 0)
+        self._wait_call(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+                        ctypes.byref(ts), None, 0)
 
     def wake(self, addr: int) -> None:
-        self._syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        self._wake_call(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
 
-def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    runs: list[list[int]] = []
+def _runs(block_ids: "Sequence[int]") -> list[int]:
+    """Block ids as consecutive runs, flat: start, count, start, count..."""
+    flat: list[int] = []
+    prev = -2
     for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1][1] += 1
+        if b == prev + 1:
+            flat[-1] += 1
         else:
-            runs.append([b, 1])
-    return [(s, c) for s, c in runs]
+            flat += (b, 1)
+        prev = b
+    return flat
 
 
 class Ring:
@@ -222,9 +253,9 @@ class Ring:
         rid, pname = request_id.encode(), peer.encode()
         if not 0 < len(rid) <= 128 or not 0 < len(pname) <= 64:
             raise RingTooLarge("request id must be 1..=128 bytes and peer 1..=64")
-        sr, dr = _runs(list(src.block_ids)), _runs(list(dst.block_ids))
-        sg, dg = list(src.generations), list(dst.generations)
-        need = _SUB_FIXED + 8 * (len(sr) + len(dr) + len(sg) + len(dg))
+        sr, dr = _runs(src.block_ids), _runs(dst.block_ids)
+        sg, dg = src.generations, dst.generations
+        need = _SUB_FIXED + 4 * (len(sr) + len(dr)) + 8 * (len(sg) + len(dg))
         if need > self.slot_bytes:
             raise RingTooLarge(f"{need} bytes of block runs and generations for a {self.slot_bytes}-byte slot")
         with self._submit_lock:
@@ -232,19 +263,13 @@ class Ring:
                 raise RingFull(f"{self.sq_entries} submissions in flight")
             user_data = self._next_user_data
             self._next_user_data += 1
-            slot = bytearray(need)
-            _SUB_HEAD.pack_into(slot, 0, op, 0, len(pname), len(rid), len(sr), len(dr), len(sg),
-                                len(dg), 0, user_data, src.region_id, dst.region_id,
-                                src.layer_start, src.layer_count, dst.layer_start, dst.layer_count)
-            slot[56:56 + len(pname)] = pname
-            slot[120:120 + len(rid)] = rid
-            runs = [v for run in sr + dr for v in run]
-            struct.pack_into(f"<{len(runs)}I", slot, _SUB_FIXED, *runs)
-            if sg or dg:
-                struct.pack_into(f"<{len(sg) + len(dg)}Q", slot, _SUB_FIXED + 4 * len(runs), *sg, *dg)
+            # Written in place in one step: only what the counts cover is
+            # read, so the rest of the slot may keep old bytes.
             off = HEADER_BYTES + (self._tail % self.sq_entries) * self.slot_bytes
-            # Only what the counts cover is read: the rest of the slot may keep old bytes.
-            self._mm[off:off + need] = slot
+            _slot_struct((len(sr) + len(dr)) // 2, len(sg) + len(dg)).pack_into(
+                self._mm, off, op, 0, len(pname), len(rid), len(sr) // 2, len(dr) // 2, len(sg),
+                len(dg), 0, user_data, src.region_id, dst.region_id, src.layer_start,
+                src.layer_count, dst.layer_start, dst.layer_count, pname, rid, *sr, *dr, *sg, *dg)
             self._tail += 1
             self._u64[SQ_TAIL].value = self._tail  # after the slot: the publication
             self._futex.fence()  # the tail store before the sleeping load
@@ -264,17 +289,15 @@ class Ring:
             if tail - self._head > self.cq_entries or tail < self._head:
                 raise RingClosed(f"completion tail {tail} is not within one ring of {self._head}")
             off = self._cq_offset + (self._head % self.cq_entries) * CQ_SLOT_BYTES
-            b = bytes(self._mm[off:off + CQ_SLOT_BYTES])
+            (kind, side, rl, pl, cl, ml, ud, tid, region, nbytes, el, seq, inc,
+             rid, peer, code, msg) = _CQ_SLOT.unpack_from(self._mm, off)  # copied out
             self._head += 1
             self._u64[CQ_HEAD].value = self._head
-        kind, side, rl, pl, cl, ml, ud, tid, region, nbytes, el, seq, inc = _CQ_HEAD.unpack_from(b, 0)
         return RingCompletion(
-            kind=KINDS.get(kind, f"UNKNOWN_{kind}"), user_data=ud, transfer_id=tid,
-            region_id=region, bytes=nbytes, elapsed_us=el, sequence=seq, incarnation=inc,
-            request_id=b[64:64 + min(rl, 128)].decode(errors="replace"),
-            peer=b[192:192 + min(pl, 64)].decode(errors="replace"), failure_side=side,
-            code=b[256:256 + min(cl, 32)].decode(errors="replace"),
-            message=b[288:288 + min(ml, 224)].decode(errors="replace"))
+            KINDS.get(kind, f"UNKNOWN_{kind}"), ud, tid, region, nbytes, el, seq, inc,
+            rid[:rl].decode(errors="replace"), peer[:pl].decode(errors="replace"), side,
+            code[:cl].decode(errors="replace") if cl else "",
+            msg[:ml].decode(errors="replace") if ml else "")
 
     def wait(self, timeout: float) -> RingCompletion | None:
         """The next completion: spins ``spin_s``, then sleeps on the ring's
