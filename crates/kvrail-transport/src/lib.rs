@@ -144,7 +144,8 @@ pub async fn read_frame(reader: &mut dyn FrameReader) -> Result<Frame, Transport
 
 /// Largest frame a peer may send before it is authenticated: a hello with a
 /// certificate chain fits in a few KiB. Anything longer is refused from its
-/// header, before a byte of the body is read or buffered.
+/// header, before its body is read (at most a transport's small read-ahead,
+/// 8 KiB for TCP, may already be buffered).
 pub const MAX_HANDSHAKE_FRAME_BYTES: u32 = 16 << 10;
 
 /// Reads a handshake frame: a control frame of at most
