@@ -687,15 +687,18 @@ fn put_u64(b: &mut [u8], at: usize, v: u64) {
 /// sleeps on the futex. Spinning saves the worker a wake-up system call and
 /// the thread's wake-up latency (about 15 us measured), but only if the next
 /// submission comes while it spins. So it follows the worker's pace: twice
-/// the recent gap between submissions, within `[floor, ceiling]`; a worker
-/// whose gaps exceed the ceiling gets only the floor, since a longer spin
-/// would not catch its next submission, only burn a core. `now` is passed in.
+/// the recent gap between submissions, within `[floor, ceiling]`. Gaps
+/// longer than the ceiling (a pause, a layer's compute) stay out of the
+/// average: no spin would have caught them. A ring quiet for longer than the
+/// ceiling spins only the floor, so an idle ring's thread mostly sleeps.
+/// `now` is passed in.
 #[derive(Debug, Clone)]
 pub struct SpinPolicy {
     floor: Duration,
     ceiling: Duration,
     last: Option<Instant>,
-    /// Moving average of the gaps between submissions (weight 1/4 to the newest).
+    /// Moving average of the gaps between submissions no longer than the
+    /// ceiling (weight 1/4 to the newest).
     gap: Option<Duration>,
 }
 
@@ -719,18 +722,23 @@ impl SpinPolicy {
     pub fn note_submissions(&mut self, now: Instant) {
         if let Some(last) = self.last {
             let gap = now.saturating_duration_since(last);
-            self.gap = Some(match self.gap {
-                Some(avg) => (avg * 3 + gap) / 4,
-                None => gap,
-            });
+            if gap <= self.ceiling {
+                self.gap = Some(match self.gap {
+                    Some(avg) => (avg * 3 + gap) / 4,
+                    None => gap,
+                });
+            }
         }
         self.last = Some(now);
     }
 
-    /// How long to spin before sleeping now.
-    pub fn spin(&self) -> Duration {
+    /// How long to spin before sleeping at `now`.
+    pub fn spin(&self, now: Instant) -> Duration {
+        let quiet = self
+            .last
+            .is_none_or(|last| now.saturating_duration_since(last) > self.ceiling);
         match self.gap {
-            Some(gap) if gap <= self.ceiling => (gap * 2).clamp(self.floor, self.ceiling),
+            Some(gap) if !quiet => (gap * 2).clamp(self.floor, self.ceiling),
             _ => self.floor,
         }
     }
@@ -908,36 +916,48 @@ mod tests {
     }
 
     #[test]
-    fn the_spin_follows_a_steady_worker_and_drops_to_the_floor_for_a_sparse_one() {
+    fn the_spin_follows_a_steady_worker_and_drops_to_the_floor_when_quiet() {
         let us = Duration::from_micros;
         let t0 = Instant::now();
         let mut p = SpinPolicy::adaptive(us(50), us(500));
-        assert_eq!(p.spin(), us(50), "no pace known yet");
+        assert_eq!(p.spin(t0), us(50), "no pace known yet");
         p.note_submissions(t0);
-        assert_eq!(p.spin(), us(50), "one submission is no pace");
+        assert_eq!(p.spin(t0), us(50), "one submission is no pace");
         // A worker submitting every 80 us: the thread spins 160 us.
-        for i in 1..=20 {
-            p.note_submissions(t0 + us(80 * i));
+        let mut t = t0;
+        for _ in 0..20 {
+            t += us(80);
+            p.note_submissions(t);
         }
-        assert_eq!(p.spin(), us(160));
+        assert_eq!(p.spin(t), us(160));
+        // Quiet for longer than the ceiling (the worker paused): the floor,
+        // so an idle ring's thread mostly sleeps.
+        assert_eq!(p.spin(t + us(501)), us(50));
         // Every 20 us: twice that is under the floor.
-        let t1 = t0 + us(80 * 20);
-        for i in 1..=40 {
-            p.note_submissions(t1 + us(20 * i));
+        for _ in 0..40 {
+            t += us(20);
+            p.note_submissions(t);
         }
-        assert_eq!(p.spin(), us(50));
-        // Every 2 ms (a layer's compute): no spin would catch it.
-        let t2 = t1 + us(20 * 40);
-        for i in 1..=20 {
-            p.note_submissions(t2 + us(2000 * i));
+        assert_eq!(p.spin(t), us(50));
+        // Every 400 us: up to the ceiling.
+        for _ in 0..40 {
+            t += us(400);
+            p.note_submissions(t);
         }
-        assert_eq!(p.spin(), us(50));
-        // Every 400 us: spins up to the ceiling.
-        let t3 = t2 + us(2000 * 20);
-        for i in 1..=40 {
-            p.note_submissions(t3 + us(400 * i));
+        assert_eq!(p.spin(t), us(500));
+        // Bursts of 80 us gaps between 50 ms pauses: the pauses stay out of
+        // the average, so the first submissions after a pause find the
+        // thread spinning for the burst's pace again.
+        for _ in 0..20 {
+            t += us(80);
+            p.note_submissions(t);
         }
-        assert_eq!(p.spin(), us(500));
+        t += us(50_000);
+        p.note_submissions(t);
+        t += us(80);
+        p.note_submissions(t);
+        let spin = p.spin(t);
+        assert!(spin >= us(160) && spin < us(200), "{spin:?}");
     }
 
     #[test]
@@ -948,6 +968,6 @@ mod tests {
         for i in 0..10 {
             p.note_submissions(t0 + us(30 * i));
         }
-        assert_eq!(p.spin(), us(0));
+        assert_eq!(p.spin(t0 + us(300)), us(0));
     }
 }

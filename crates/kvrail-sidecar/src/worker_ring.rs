@@ -238,7 +238,9 @@ impl RingService {
             } else {
                 SLEEP
             };
-            let woke = self.ring.wait(spin.spin(), sleep, &self.closing);
+            let woke = self
+                .ring
+                .wait(spin.spin(Instant::now()), sleep, &self.closing);
             since_check += 1;
             if !woke || since_check >= 256 {
                 since_check = 0;

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import platform
@@ -61,17 +62,10 @@ _SUB_FIXED_FORMAT = "<BBBBHHHHIQQQIIII64s128s"
 # A completion slot: the 64-byte head, request id (128), peer (64), code (32),
 # message (224).
 _CQ_SLOT = struct.Struct("<BBBBBBxx7Q128s64s32s224s")
-_slot_structs: dict[tuple[int, int], struct.Struct] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _slot_struct(runs: int, generations: int) -> struct.Struct:
-    """One Struct writes a whole submission slot (cached per shape)."""
-    key = (runs, generations)
-    st = _slot_structs.get(key)
-    if st is None:
-        st = struct.Struct(f"{_SUB_FIXED_FORMAT}{2 * runs}I{generations}Q")
-        _slot_structs[key] = st
-    return st
+    """One Struct writes a whole submission slot (the last 256 shapes cached)."""
+    return struct.Struct(f"{_SUB_FIXED_FORMAT}{2 * runs}I{generations}Q")
 
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
@@ -128,8 +122,9 @@ class _Futex:
         self._wait_call.restype = ctypes.c_long
         # A locked instruction orders a store before a later load (x86 lets a
         # load pass an earlier store otherwise). pthread_spin_trylock on a
-        # lock that stays taken is one (glibc: xchg or lock cmpxchg, a full
-        # barrier whether or not it takes the lock), for one C call.
+        # lock that stays taken is one on x86-64 (glibc: xchg or lock
+        # cmpxchg, a full barrier there whether or not it takes the lock;
+        # not on aarch64, where supported() keeps rings off), for one C call.
         self._lock = ctypes.c_int(0)
         fast.pthread_spin_init(ctypes.byref(self._lock), 0)
         fast.pthread_spin_lock(ctypes.byref(self._lock))
