@@ -5,13 +5,14 @@
 //! the daemon keeps serving, and nothing is written outside the named blocks.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrail_client::ring::{CompletionKind as K, RingOptions};
 use kvrail_client::{blocks, dense_layout, KvRegion, SharedRegion};
 use kvrail_core::ring::{offset, CloseReason, RingGeometry};
-use kvrail_e2e::Pair;
+use kvrail_e2e::{metric_sum, scrape, Pair};
 use kvrail_examples::{fill, verify};
 use kvrail_shm::ring::WorkerRing;
 
@@ -603,4 +604,129 @@ async fn client_transfers_use_the_ring_by_default_with_grpc_answers() {
     assert_eq!(through_ring("accepted"), before);
     p_kv.unlink();
     d_kv.unlink();
+}
+
+/// Small ring pushes go out from the ring's thread itself when the
+/// connection's writer is idle, and through the writer task while a large
+/// push keeps it busy. On one shared connection every byte lands where it
+/// was meant to, the stream never breaks, and the inline path was taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn inline_small_pushes_and_a_large_push_share_one_connection_intact() {
+    let pair = Pair::start(&["--connections-per-rail", "1"]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    // 2 layers x 2 planes x 1024 blocks of 4 KiB.
+    let layout = dense_layout(2, 2, 1024, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let pr = p.register_region("p0", &p_kv, true).await.unwrap();
+    let dr = d.register_region("d0", &d_kv, true).await.unwrap();
+    let ring = p
+        .open_ring(
+            "p0",
+            RingOptions {
+                sq_entries: 64,
+                cq_entries: 256,
+                ..opts()
+            },
+        )
+        .await
+        .unwrap();
+    let big: Vec<u32> = (0..512).collect();
+    fill(&p_kv, 100, 0..2, &big).unwrap();
+    // Small push i: source block 512 + i to destination block 1023 - i.
+    let small = |i: u32| (512 + i, 1023 - i);
+    for i in 0..48 {
+        let (src, _) = small(i);
+        fill(&p_kv, 1000 + u64::from(i), 0..2, &[src]).unwrap();
+    }
+    let (mut pending, mut done) = (HashSet::new(), HashSet::new());
+    // Interleaved with the 8 MiB push, while its slices are on the wire.
+    let r = (pr, dr);
+    pending.insert(submit_waiting(&ring, r, "big", &big, &big, &mut done));
+    for i in 0..40 {
+        let (src, dst) = small(i);
+        let req = format!("small-{i}");
+        pending.insert(submit_waiting(&ring, r, &req, &[src], &[dst], &mut done));
+    }
+    drain(&ring, &pending, &mut done);
+    // One at a time: the writer is idle before each, so these go inline.
+    for i in 40..48 {
+        let (src, dst) = small(i);
+        let req = format!("small-{i}");
+        pending.insert(submit_waiting(&ring, r, &req, &[src], &[dst], &mut done));
+        drain(&ring, &pending, &mut done);
+    }
+    verify(&d_kv, 100, 0..2, &big).unwrap();
+    for i in 0..48 {
+        let (_, dst) = small(i);
+        verify(&d_kv, 1000 + u64::from(i), 0..2, &[dst]).unwrap();
+    }
+    // Nothing outside the named blocks was written.
+    for b in 512..(1024 - 48) {
+        for layer in 0..2 {
+            assert!(d_kv
+                .read_block(layer, 0, b)
+                .unwrap()
+                .iter()
+                .all(|&x| x == 0));
+        }
+    }
+    let sent = scrape(pair.prefill.metrics.unwrap());
+    let received = scrape(pair.decode.metrics.unwrap());
+    assert!(
+        metric_sum(&sent, "kvrail_inline_writes_total", &[]) >= 1.0,
+        "no push went out inline"
+    );
+    for text in [&sent, &received] {
+        assert_eq!(metric_sum(text, "kvrail_frames_rejected_total", &[]), 0.0);
+        assert_eq!(metric_sum(text, "kvrail_connections_lost_total", &[]), 0.0);
+    }
+    p_kv.unlink();
+    d_kv.unlink();
+}
+
+/// Takes one ring answer: a failure fails the test, PUSH_DONE is noted.
+fn answer(c: kvrail_client::ring::Completion, done: &mut HashSet<String>) {
+    assert!(!matches!(c.kind, K::Failed | K::Rejected), "{c:?}");
+    if c.kind == K::PushDone {
+        done.insert(c.request_id);
+    }
+}
+
+/// Submits a push of `src` blocks (layers 0..2) to `dst`, reading answers
+/// while the submission queue is full; returns the request id.
+fn submit_waiting(
+    ring: &kvrail_client::ring::Ring,
+    (pr, dr): (u64, u64),
+    req: &str,
+    src: &[u32],
+    dst: &[u32],
+    done: &mut HashSet<String>,
+) -> String {
+    loop {
+        match ring.submit_push(
+            req,
+            "decode",
+            &blocks(pr, 0..2, src.to_vec()),
+            &blocks(dr, 0..2, dst.to_vec()),
+        ) {
+            Ok(_) => return req.to_string(),
+            Err(kvrail_client::ring::RingSubmitError::Full) => answer(
+                ring.wait(WAIT).unwrap().expect("an answer within 20 s"),
+                done,
+            ),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Reads answers until every push of `pending` is done.
+fn drain(ring: &kvrail_client::ring::Ring, pending: &HashSet<String>, done: &mut HashSet<String>) {
+    while !pending.is_subset(done) {
+        answer(
+            ring.wait(WAIT).unwrap().expect("an answer within 20 s"),
+            done,
+        );
+    }
 }

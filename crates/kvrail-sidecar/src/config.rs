@@ -57,6 +57,9 @@ pub struct Config {
     /// is 0 on smaller ones (there a spinning thread takes the core the worker
     /// and the sidecar's own tasks need: measured in docs/ring-format.md).
     pub ring_spin_us: Option<u64>,
+    /// A ring's thread writes a small transfer's frames itself when the
+    /// connection's writer is idle (instead of waking the writer task).
+    pub ring_inline_writes: bool,
     /// Queue pair ACK timeout exponent (4.096 us x 2^n per try).
     pub rdma_timeout: u8,
     /// Queue pair retries before it fails (7 retries for ever on Soft-RoCE).
@@ -125,6 +128,7 @@ impl Default for Config {
             rdma_qps_per_rail: 2,
             rdma_busy_poll_us: 0,
             ring_spin_us: None,
+            ring_inline_writes: true,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,
             rdma_min_rnr_timer: 12,

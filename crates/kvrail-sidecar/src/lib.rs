@@ -95,6 +95,10 @@ pub struct ServeArgs {
     /// 500, with at least 4 CPUs; else 0).
     #[arg(long)]
     pub ring_spin_us: Option<u64>,
+    /// Ring threads hand every frame to the connection's writer task (see
+    /// `ring_inline_writes` in the configuration; for comparison).
+    #[arg(long)]
+    pub no_ring_inline_writes: bool,
     /// QUIC: kvrail connections per QUIC connection, as streams (default 1).
     #[arg(long)]
     pub quic_streams_per_connection: Option<usize>,
@@ -168,6 +172,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.ring_spin_us {
             c.ring_spin_us = Some(v);
+        }
+        if self.no_ring_inline_writes {
+            c.ring_inline_writes = false;
         }
         if let Some(v) = self.quic_initial_mtu {
             c.quic_initial_mtu = v;

@@ -15,6 +15,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 pub const BYTES_SENT: &str = "kvrail_bytes_sent_total";
 pub const BYTES_RECEIVED: &str = "kvrail_bytes_received_total";
 pub const SLICES_SENT: &str = "kvrail_slices_sent_total";
+pub const INLINE_WRITES: &str = "kvrail_inline_writes_total";
 pub const SLICES_RECEIVED: &str = "kvrail_slices_received_total";
 pub const TRANSFERS_STARTED: &str = "kvrail_transfers_started_total";
 pub const TRANSFERS_DONE: &str = "kvrail_transfers_done_total";
@@ -89,6 +90,10 @@ fn describe() {
         "Payload bytes placed into local regions"
     );
     describe_counter!(SLICES_SENT, "Data slices written to peers");
+    describe_counter!(
+        INLINE_WRITES,
+        "Small transfers' frames written by the submitting ring thread (the connection's writer idle)"
+    );
     describe_counter!(SLICES_RECEIVED, "Data slices placed into local regions");
     describe_counter!(TRANSFERS_STARTED, "Transfers started, by kind");
     describe_counter!(TRANSFERS_DONE, "Transfers completed, by kind");

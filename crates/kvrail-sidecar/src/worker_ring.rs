@@ -221,6 +221,13 @@ fn selection(b: RingBlocks) -> BlockSelection {
 
 impl RingService {
     fn serve(self: Arc<Self>, handle: &tokio::runtime::Handle) {
+        if self
+            .shared
+            .upgrade()
+            .is_some_and(|s| s.config.ring_inline_writes)
+        {
+            crate::link::write_inline_on_this_thread();
+        }
         // Spinning after the last submission before sleeping: a worker that
         // streams layer pushes finds the thread awake (no wake-up system call).
         let mut spin = self.shared.upgrade().map_or_else(

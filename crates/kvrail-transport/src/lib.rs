@@ -59,6 +59,14 @@ pub struct Connection {
     pub peer_certificate: Option<Vec<u8>>,
 }
 
+/// Writes what the socket takes now, never waiting (see
+/// [`FrameWriter::inline_writer`]).
+pub trait InlineWrite: Send + Sync {
+    /// Writes a prefix of `bufs` without blocking; how many bytes it took
+    /// (`WouldBlock` when none fit now).
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize>;
+}
+
 /// Writing half.
 #[async_trait]
 pub trait FrameWriter: Send {
@@ -88,6 +96,15 @@ pub trait FrameWriter: Send {
     /// Writes an encoded control frame (header included).
     async fn write_control(&mut self, frame: &[u8]) -> io::Result<()> {
         self.write_all_vectored(&mut [IoSlice::new(frame)]).await
+    }
+
+    /// A handle that writes without waiting, from any thread, for a caller
+    /// that knows nothing else is being written on this connection (the
+    /// sidecar writes a small transfer's frames from the submitting thread
+    /// when the connection's writer is idle). `None` where the transport
+    /// cannot (QUIC sends through its endpoint's task).
+    fn inline_writer(&self) -> Option<std::sync::Arc<dyn InlineWrite>> {
+        None
     }
 
     /// Writes a data frame: the 24-byte header, then the payload gathered from `payload`.

@@ -7,13 +7,14 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
-use crate::{Connection, FrameReader, FrameWriter, Listener, Transport};
+use crate::{Connection, FrameReader, FrameWriter, InlineWrite, Listener, Transport};
 
 /// Linux's "bad address": a socket call touched memory it could not use.
 const EFAULT: i32 = 14;
@@ -27,7 +28,7 @@ fn split(stream: TcpStream) -> io::Result<Connection> {
     let (r, w) = stream.into_split();
     Ok(Connection {
         reader: Box::new(TcpFrameReader::new(r)),
-        writer: Box::new(TcpFrameWriter { inner: w }),
+        writer: Box::new(TcpFrameWriter { inner: Arc::new(w) }),
         peer_certificate: None,
     })
 }
@@ -75,11 +76,25 @@ impl Listener for TcpRailListener {
 }
 
 struct TcpFrameWriter {
-    inner: OwnedWriteHalf,
+    /// Shared with the inline writer handle; the write half shuts down when
+    /// the last of them goes.
+    inner: Arc<OwnedWriteHalf>,
+}
+
+struct TcpInlineWriter(Arc<OwnedWriteHalf>);
+
+impl InlineWrite for TcpInlineWriter {
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.0.try_write_vectored(bufs)
+    }
 }
 
 #[async_trait]
 impl FrameWriter for TcpFrameWriter {
+    fn inline_writer(&self) -> Option<Arc<dyn InlineWrite>> {
+        Some(Arc::new(TcpInlineWriter(self.inner.clone())))
+    }
+
     async fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         // Skip empty leading slices so the loop ends exactly when everything is written.
         IoSlice::advance_slices(&mut bufs, 0);

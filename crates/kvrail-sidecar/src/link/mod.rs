@@ -33,12 +33,15 @@ use kvrail_cuda::CopyDone;
 
 mod env;
 mod gpu_staging;
+mod inline;
 mod queue_pairs;
 mod reader;
 mod writer;
 
 pub use env::{LinkEnv, ProbeFuture};
 use gpu_staging::Queued;
+pub use inline::write_inline_on_this_thread;
+use inline::StreamSink;
 use reader::reader_task;
 use writer::writer_task;
 
@@ -58,7 +61,7 @@ enum Outgoing {
 
 /// Where a connection's task takes its work from.
 enum Sink {
-    Stream(mpsc::UnboundedSender<Outgoing>),
+    Stream(StreamSink),
     QueuePair(mpsc::UnboundedSender<OneSidedWork>),
 }
 
@@ -320,6 +323,10 @@ impl PeerLink {
                 message,
             });
         }
+        // Off the runtime, a connection's frames are gathered to go out
+        // inline in one write (see `inline`).
+        let inline = inline::inline_allowed_here();
+        let mut inline_frames: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
         while let Some(t) = st.session.poll_transmit(now) {
             if let Transmit::Slice {
                 conn,
@@ -379,9 +386,36 @@ impl PeerLink {
                     )
                 }
             };
-            if let Some(Sink::Stream(tx)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            if inline {
+                match inline_frames.iter_mut().find(|(c, _)| *c == conn) {
+                    Some((_, frames)) => frames.push(out),
+                    None => inline_frames.push((conn, vec![out])),
+                }
+            } else if let Some(Sink::Stream(sink)) =
+                st.conns.get(conn).and_then(|c| c.writer.as_ref())
+            {
                 // A closed channel means the writer died; its reader reports the loss.
-                let _ = tx.send(out);
+                let _ = sink.queue(out);
+            }
+        }
+        for (conn, frames) in inline_frames {
+            let Some(handle) = st.conns.get(conn) else {
+                continue;
+            };
+            let Some(Sink::Stream(sink)) = handle.writer.as_ref() else {
+                continue;
+            };
+            if let Some((bytes, slices)) = sink.write_or_queue(frames) {
+                let labels = [
+                    ("peer", self.peer.clone()),
+                    ("rail", handle.rail.to_string()),
+                    ("transport", self.transport.to_string()),
+                ];
+                metrics::counter!(m::INLINE_WRITES, &labels).increment(1);
+                if slices > 0 {
+                    metrics::counter!(m::BYTES_SENT, &labels).increment(bytes);
+                    metrics::counter!(m::SLICES_SENT, &labels).increment(slices);
+                }
             }
         }
         while let Some(ev) = st.session.poll_event() {
@@ -497,10 +531,23 @@ impl PeerLink {
     pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
         self.install(rail, false, |key| {
             let (tx, rx) = mpsc::unbounded_channel();
+            let sink = StreamSink {
+                tx,
+                queued: Arc::default(),
+                inline: conn.writer.inline_writer(),
+            };
+            let queued = sink.queued.clone();
             let reader = tokio::spawn(reader_task(self.clone(), key, rail, conn.reader));
-            let writer = tokio::spawn(writer_task(self.clone(), key, rail, conn.writer, rx));
+            let writer = tokio::spawn(writer_task(
+                self.clone(),
+                key,
+                rail,
+                conn.writer,
+                rx,
+                queued,
+            ));
             (
-                Sink::Stream(tx),
+                Sink::Stream(sink),
                 Some(reader.abort_handle()),
                 writer.abort_handle(),
             )

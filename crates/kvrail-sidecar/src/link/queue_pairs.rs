@@ -28,9 +28,9 @@ impl PeerLink {
     pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
         let st = self.lock();
         match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-            Some(Sink::Stream(tx)) => tx
-                .send(Outgoing::Control(encode_control(&wire::message(body))))
-                .is_ok(),
+            Some(Sink::Stream(sink)) => {
+                sink.queue(Outgoing::Control(encode_control(&wire::message(body))))
+            }
             _ => false,
         }
     }

@@ -9,6 +9,7 @@ pub(super) async fn writer_task(
     rail: u32,
     mut writer: Box<dyn FrameWriter>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    queued: Arc<std::sync::atomic::AtomicU64>,
 ) {
     let rail_label = rail.to_string();
     let labels = [
@@ -21,16 +22,26 @@ pub(super) async fn writer_task(
     let mut staging = 0usize;
     let mut batch: Vec<Outgoing> = Vec::with_capacity(WRITE_BATCH_FRAMES);
     let stage_depth = link.env.upgrade().map_or(1, |e| e.gpu_stage_depth());
+    // Frames taken off the channel since the queue last ran dry.
+    let mut taken = 0u64;
     loop {
         if queue.is_empty() {
+            // Everything taken is written: the connection is idle unless more
+            // is already queued (see `inline`).
+            queued.fetch_sub(taken, std::sync::atomic::Ordering::AcqRel);
+            taken = 0;
             let Some(first) = rx.recv().await else { return };
+            taken += 1;
             staging += link.admit(first, &mut queue);
         }
         // Whatever else is already queued goes out in the same system call, and
         // the next GPU slices start their copies while this one is sent.
         while queue.len() < WRITE_BATCH_FRAMES && staging < stage_depth {
             match rx.try_recv() {
-                Ok(o) => staging += link.admit(o, &mut queue),
+                Ok(o) => {
+                    taken += 1;
+                    staging += link.admit(o, &mut queue);
+                }
                 Err(_) => break,
             }
         }

@@ -1,0 +1,159 @@
+//! Small frames written by the thread that produced them.
+//!
+//! A transfer started from a worker's ring runs on the ring's own thread,
+//! outside the tokio runtime. Handing its frames to the connection's writer
+//! task costs a cross-thread wake-up (a parked runtime worker, then the
+//! task) before the first byte leaves. When the connection's writer is idle
+//! (nothing queued, nothing being written) the ring thread writes a small
+//! transfer's frames itself, without waiting: whatever the socket does not
+//! take at once goes to the writer task as one piece, so the stream keeps
+//! its order. Runtime tasks keep handing frames over: the woken writer task
+//! runs next on the same worker.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvrail_transport::InlineWrite;
+
+use super::*;
+
+/// Largest batch (frame headers and payload) written inline: larger
+/// transfers are bandwidth-bound and better left to the writer task.
+pub(super) const INLINE_WRITE_MAX: u64 = 128 << 10;
+
+thread_local! {
+    static INLINE_WRITES: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Lets link work done on this thread write small frames inline (a ring's
+/// thread, which is not a runtime worker).
+pub fn write_inline_on_this_thread() {
+    INLINE_WRITES.with(|c| c.set(true));
+}
+
+pub(super) fn inline_allowed_here() -> bool {
+    INLINE_WRITES.with(Cell::get)
+}
+
+/// A stream connection's way in: its writer task's queue, and its socket
+/// for inline writes.
+pub(super) struct StreamSink {
+    pub(super) tx: mpsc::UnboundedSender<Outgoing>,
+    /// Frames handed to the writer task and not yet written: the task lowers
+    /// it only when it has written everything it took and waits for more, so
+    /// zero means nothing is queued or being written.
+    pub(super) queued: Arc<AtomicU64>,
+    pub(super) inline: Option<Arc<dyn InlineWrite>>,
+}
+
+impl StreamSink {
+    /// Hands a frame to the writer task; false if the task is gone.
+    pub(super) fn queue(&self, out: Outgoing) -> bool {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        self.tx.send(out).is_ok()
+    }
+
+    /// Writes `frames` now if the writer is idle and they are small, else
+    /// queues them. How many payload bytes and slices went out inline.
+    ///
+    /// Callers hold the link's lock, the only place frames are queued from,
+    /// so no frame can be queued between the idle check and the write.
+    pub(super) fn write_or_queue(&self, frames: Vec<Outgoing>) -> Option<(u64, u64)> {
+        let Some(inline) = self.inline.as_ref().filter(|_| self.idle()) else {
+            self.queue_all(frames);
+            return None;
+        };
+        let Some(bufs_len) = inline_size(&frames) else {
+            self.queue_all(frames);
+            return None;
+        };
+        let mut bufs = Vec::with_capacity(frames.len() * 2);
+        for out in &frames {
+            match out {
+                Outgoing::Control(bytes) => bufs.push(IoSlice::new(bytes)),
+                Outgoing::Slice {
+                    header,
+                    region,
+                    pieces,
+                    ..
+                } => {
+                    // `inline_size` accepted only host slices with valid pieces.
+                    let Some(Ok(slices)) = region.memory.shared_host().map(|h| h.io_slices(pieces))
+                    else {
+                        self.queue_all(frames);
+                        return None;
+                    };
+                    bufs.push(IoSlice::new(header));
+                    bufs.extend(slices);
+                }
+            }
+        }
+        // Any failure (the socket full, a fault on a truncated file, a broken
+        // connection) leaves it to the writer task, which handles each.
+        let written: usize = inline.try_write_vectored(&bufs).unwrap_or_default();
+        if written == 0 {
+            drop(bufs);
+            self.queue_all(frames);
+            return None;
+        }
+        let payload = frames.iter().map(Outgoing::payload_len).sum();
+        let slices = frames
+            .iter()
+            .filter(|o| matches!(o, Outgoing::Slice { .. }))
+            .count() as u64;
+        if (written as u64) < bufs_len {
+            // The rest goes next, as bytes: the stream is mid-frame.
+            let mut rest = Vec::with_capacity(bufs_len as usize - written);
+            let mut skip = written;
+            for b in &bufs {
+                if skip >= b.len() {
+                    skip -= b.len();
+                    continue;
+                }
+                rest.extend_from_slice(&b[skip..]);
+                skip = 0;
+            }
+            self.queue(Outgoing::Control(rest));
+        }
+        Some((payload, slices))
+    }
+
+    fn idle(&self) -> bool {
+        self.queued.load(Ordering::Acquire) == 0
+    }
+
+    fn queue_all(&self, frames: Vec<Outgoing>) {
+        for out in frames {
+            // A closed channel means the writer died; its reader reports the loss.
+            let _ = self.queue(out);
+        }
+    }
+}
+
+/// The bytes `frames` put on the wire, if they may go inline: small, from
+/// host memory, none of a failed transfer or a truncated file (the writer
+/// task deals with those).
+fn inline_size(frames: &[Outgoing]) -> Option<u64> {
+    let mut total = 0u64;
+    for out in frames {
+        total += match out {
+            Outgoing::Control(bytes) => bytes.len() as u64,
+            Outgoing::Slice { header, region, .. } => {
+                // A partial write copies the rest out of the region: only
+                // with the guard that turns a truncated file's fault into zeros.
+                if !kvrail_shm::guard::installed()
+                    || out.abandoned()
+                    || region.memory.shared_host().is_none()
+                    || out.truncated_source().is_some()
+                {
+                    return None;
+                }
+                header.len() as u64 + out.payload_len()
+            }
+        };
+        if total > INLINE_WRITE_MAX {
+            return None;
+        }
+    }
+    Some(total)
+}
