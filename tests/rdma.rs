@@ -385,6 +385,79 @@ async fn rdma_push_and_pull_on_both_rails() {
     push_and_pull(2, "both").await;
 }
 
+/// Transfers up to `--rdma-eager-max-bytes` skip the grant round trip and
+/// travel behind their open on the rail's stream connection; larger ones
+/// are still written one-sided.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_small_transfers_go_behind_their_open_large_ones_one_sided() {
+    if !in_vm("rdma_small_transfers_go_behind_their_open_large_ones_one_sided") {
+        return;
+    }
+    let _g = SERIAL.lock().await;
+    // One layer of one block is 2 x 64 KiB: under this limit.
+    let mut s = setup("eager", 1, &["--rdma-eager-max-bytes", "131072"]).await;
+    s.connect(1).await;
+    let sent = |s: &Setup, transport: &str| {
+        let text = scrape(s.pair.prefill.metrics.unwrap());
+        let t = format!("transport=\"{transport}\"");
+        metric_sum(&text, "kvrail_bytes_sent_total", &[&t])
+    };
+    let (rdma0, stream0) = (sent(&s, "rdma"), sent(&s, "tcp"));
+    let (id, dst) = s.push(31, 2..3, 1).await;
+    s.done(id).await;
+    assert_eq!(verify(&s.d_kv, 31, 2..3, &dst).unwrap(), 2 * BLOCK_BYTES);
+    assert_eq!(
+        sent(&s, "rdma"),
+        rdma0,
+        "a small push was written one-sided"
+    );
+    assert_eq!(sent(&s, "tcp") - stream0, (2 * BLOCK_BYTES) as f64);
+    // A small pull is served the same way (one-sided, decode would READ it).
+    let read = |s: &Setup| {
+        let text = scrape(s.pair.decode.metrics.unwrap());
+        metric_sum(
+            &text,
+            "kvrail_bytes_received_total",
+            &["transport=\"rdma\""],
+        )
+    };
+    let read0 = read(&s);
+    let src = scattered_blocks(1, NUM_BLOCKS, 32);
+    let pulled = vec![NUM_BLOCKS - 1];
+    fill(&s.p_kv, 32, 1..2, &src).unwrap();
+    let t =
+        s.d.pull(
+            "d0",
+            "pull-32",
+            "prefill",
+            blocks(s.p_region, 1..2, src),
+            blocks(s.d_region, 1..2, pulled.clone()),
+        )
+        .await
+        .unwrap();
+    let st =
+        s.d.wait(t.transfer_id, Some(Duration::from_secs(120)))
+            .await
+            .unwrap();
+    assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+    assert_eq!(verify(&s.d_kv, 32, 1..2, &pulled).unwrap(), 2 * BLOCK_BYTES);
+    assert_eq!(read(&s), read0, "a small pull was read one-sided");
+    // Above the limit: one-sided.
+    let (id, dst) = s.push(33, 0..4, 4).await;
+    s.done(id).await;
+    assert_eq!(
+        verify(&s.d_kv, 33, 0..4, &dst).unwrap(),
+        4 * 2 * 4 * BLOCK_BYTES
+    );
+    assert!(
+        sent(&s, "rdma") > rdma0,
+        "a large push did not go one-sided"
+    );
+    s.p_kv.unlink();
+    s.d_kv.unlink();
+}
+
 fn link(netdev: &str, state: &str) {
     let ok = Command::new("ip")
         .args(["link", "set", netdev, state])

@@ -41,6 +41,8 @@ struct Fabric {
     counts: (usize, usize, usize),
     /// Bytes copied outside a granted key's bounds (must stay 0).
     out_of_bounds: usize,
+    /// Grant messages sent (either way).
+    grants: usize,
 }
 
 const QP_BASE: usize = 2;
@@ -65,6 +67,7 @@ impl Fabric {
             now: Instant::now(),
             counts: (0, 0, 0),
             out_of_bounds: 0,
+            grants: 0,
         };
         assert_eq!(rails, QP_BASE);
         for r in 0..rails {
@@ -123,8 +126,10 @@ impl Fabric {
                     t => {
                         let (conn, item) = self.sides[dir].regions.wire_item(t);
                         assert!(conn < QP_BASE, "stream traffic on a queue pair");
-                        if let Item::Slice(..) = item {
-                            self.counts.0 += 1;
+                        match &item {
+                            Item::Slice(..) => self.counts.0 += 1,
+                            Item::Control(crate::wire::Body::Grant(_)) => self.grants += 1,
+                            Item::Control(_) => {}
                         }
                         self.control[conn][dir].push_back(item);
                     }
@@ -290,18 +295,27 @@ fn blocks() -> (Vec<u32>, Vec<u32>) {
 
 /// Every selected block of `dst` equals the matching block of `src`.
 fn verify(f: &Fabric, src: (usize, u64, &[u32]), dst: (usize, u64, &[u32])) {
+    verify_layers(f, 0..layout().num_layers, src, dst);
+}
+
+/// As [`verify`], for `layers` only.
+fn verify_layers(
+    f: &Fabric,
+    layers: std::ops::Range<u32>,
+    src: (usize, u64, &[u32]),
+    dst: (usize, u64, &[u32]),
+) {
     let l = layout();
     let s = &f.sides[src.0].regions.0[&src.1].bytes;
     let d = &f.sides[dst.0].regions.0[&dst.1].bytes;
-    for layer in 0..l.num_layers {
+    for layer in layers {
         for plane in 0..l.planes_per_layer {
             for (&a, &b) in src.2.iter().zip(dst.2) {
                 let so = l.block_offset(layer, plane, a) as usize;
                 let dof = l.block_offset(layer, plane, b) as usize;
-                assert_eq!(
-                    &s[so..so + 4096],
-                    &d[dof..dof + 4096],
-                    "layer {layer} plane {plane} block {a}->{b}"
+                assert!(
+                    s[so..so + 4096] == d[dof..dof + 4096],
+                    "layer {layer} plane {plane} block {a}->{b} differs"
                 );
             }
         }
@@ -332,6 +346,40 @@ fn push_is_written_one_sided_after_the_grant() {
             }
         }
     }
+}
+
+#[test]
+fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    f.sides[1].regions.add(3, layout(), true, true);
+    f.sides[1].regions.grant_rails(3, &[0, 1]);
+    f.sides[0].regions.add(4, layout(), false, true);
+    f.sides[0].regions.grant_rails(4, &[0, 1]);
+    // Two layers of one block: 16 KiB, under the 64 KiB default.
+    let push = f.transfer(7, sel(1, (0, 2), &[5]), sel(2, (0, 2), &[9]));
+    f.sides[0].session.start_push(push, f.now).unwrap();
+    // The open and the slice leave together: one flight, no grant first.
+    f.flush();
+    assert_eq!(f.control[0][0].len() + f.control[1][0].len(), 2);
+    let pull = f.transfer(8, sel(4, (0, 2), &[3]), sel(3, (0, 2), &[6]));
+    f.sides[0].session.start_pull(pull, f.now).unwrap();
+    f.run();
+    assert!(f.done(0, 7) && f.done(1, 7), "{:?}", f.sides[0].events);
+    assert!(f.done(0, 8) && f.done(1, 8), "{:?}", f.sides[0].events);
+    assert_eq!(f.grants, 0, "no grant round trip");
+    assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
+    assert!(f.counts.0 >= 2);
+    verify_layers(&f, 0..2, (0, 1, &[5]), (1, 2, &[9]));
+    verify_layers(&f, 0..2, (1, 3, &[6]), (0, 4, &[3]));
+    // Above the limit the same push asks for the grant and writes one-sided.
+    let big = f.transfer(10, sel(1, (0, 16), &[5, 6]), sel(2, (0, 16), &[20, 21]));
+    f.sides[0].session.start_push(big, f.now).unwrap();
+    f.run();
+    assert!(f.done(1, 10));
+    assert_eq!(f.grants, 1);
+    assert!(f.counts.1 >= 1);
+    verify(&f, (0, 1, &[5, 6]), (1, 2, &[20, 21]));
 }
 
 #[test]

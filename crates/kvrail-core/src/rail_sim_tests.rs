@@ -108,6 +108,7 @@ fn config() -> SessionConfig {
         progress_timeout: Duration::from_secs(10),
         rails: RailConfig::default(),
         probes_rails: true,
+        eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
     }
 }
 

@@ -27,6 +27,9 @@ pub type ConnId = usize;
 /// Most connections one session may hold (they are tracked in a bit mask).
 pub const MAX_CONNECTIONS: usize = 64;
 
+/// Default of [`SessionConfig::eager_max_bytes`].
+pub const DEFAULT_EAGER_MAX_BYTES: u64 = 64 << 10;
+
 /// Tunables of a session.
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
@@ -40,6 +43,11 @@ pub struct SessionConfig {
     pub rails: RailConfig,
     /// Whether this side rebuilds down rails (the side that dialed the session).
     pub probes_rails: bool,
+    /// Transfers of at most this many bytes skip the one-sided grant even
+    /// where queue pairs are up: their bytes travel as two-sided slices
+    /// behind the open, one flight, where a grant costs a round trip before
+    /// the first write (longer than a small transfer's time on the wire).
+    pub eager_max_bytes: u64,
 }
 
 impl Default for SessionConfig {
@@ -50,6 +58,7 @@ impl Default for SessionConfig {
             progress_timeout: Duration::from_secs(10),
             rails: RailConfig::default(),
             probes_rails: true,
+            eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
         }
     }
 }
@@ -396,6 +405,12 @@ impl Session {
     }
 
     /// Whether a one-sided connection is alive on a rail that carries traffic.
+    /// Whether a new transfer of `bytes` asks the peer for one-sided access
+    /// (see [`SessionConfig::eager_max_bytes`]).
+    fn goes_one_sided(&self, bytes: u64) -> bool {
+        bytes > self.config.eager_max_bytes && self.has_one_sided()
+    }
+
     pub fn has_one_sided(&self) -> bool {
         self.conns
             .iter()
@@ -585,7 +600,7 @@ impl Session {
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
-        let one_sided = self.has_one_sided();
+        let one_sided = self.goes_one_sided(plan.total_bytes());
         let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
@@ -611,7 +626,7 @@ impl Session {
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
         let total = plan.total_bytes();
-        let one_sided = self.has_one_sided();
+        let one_sided = self.goes_one_sided(total);
         let open = crate::wire::message(Body::PullOpen(pb::PullOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),

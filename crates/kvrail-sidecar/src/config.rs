@@ -60,6 +60,10 @@ pub struct Config {
     /// A ring's thread writes a small transfer's frames itself when the
     /// connection's writer is idle (instead of waking the writer task).
     pub ring_inline_writes: bool,
+    /// RDMA: transfers of at most this many bytes travel behind their open
+    /// on the rail's stream connection instead of waiting a round trip for
+    /// the peer's grant of its memory (0: every transfer one-sided).
+    pub rdma_eager_max_bytes: u64,
     /// Queue pair ACK timeout exponent (4.096 us x 2^n per try).
     pub rdma_timeout: u8,
     /// Queue pair retries before it fails (7 retries for ever on Soft-RoCE).
@@ -129,6 +133,7 @@ impl Default for Config {
             rdma_busy_poll_us: 0,
             ring_spin_us: None,
             ring_inline_writes: true,
+            rdma_eager_max_bytes: kvrail_core::session::DEFAULT_EAGER_MAX_BYTES,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,
             rdma_min_rnr_timer: 12,

@@ -122,6 +122,7 @@ impl Shared {
             progress_timeout: self.config.progress_timeout(),
             rails: self.config.rail_config(),
             probes_rails: dialer,
+            eager_max_bytes: self.config.rdma_eager_max_bytes,
         }
     }
 

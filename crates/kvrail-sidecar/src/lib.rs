@@ -95,6 +95,11 @@ pub struct ServeArgs {
     /// 500, with at least 4 CPUs; else 0).
     #[arg(long)]
     pub ring_spin_us: Option<u64>,
+    /// RDMA: transfers of at most this many bytes travel behind their open
+    /// on the stream connection instead of waiting for the peer's grant
+    /// (default 65536; 0: every transfer one-sided).
+    #[arg(long)]
+    pub rdma_eager_max_bytes: Option<u64>,
     /// Ring threads hand every frame to the connection's writer task (see
     /// `ring_inline_writes` in the configuration; for comparison).
     #[arg(long)]
@@ -172,6 +177,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.ring_spin_us {
             c.ring_spin_us = Some(v);
+        }
+        if let Some(v) = self.rdma_eager_max_bytes {
+            c.rdma_eager_max_bytes = v;
         }
         if self.no_ring_inline_writes {
             c.ring_inline_writes = false;
