@@ -219,6 +219,7 @@ pub fn session(data: &[u8]) {
         progress_timeout: Duration::from_millis(500),
         rails: kvrail_core::RailConfig::default(),
         probes_rails: c.u8() & 1 == 0,
+        eager_max_bytes: u64::from(c.u8()) << 10,
     });
     let regions = Regions(
         [
