@@ -221,13 +221,10 @@ fn selection(b: RingBlocks) -> BlockSelection {
 
 impl RingService {
     fn serve(self: Arc<Self>, handle: &tokio::runtime::Handle) {
-        if self
+        let inline_writes = self
             .shared
             .upgrade()
-            .is_some_and(|s| s.config.ring_inline_writes)
-        {
-            crate::link::write_inline_on_this_thread();
-        }
+            .is_some_and(|s| s.config.ring_inline_writes);
         // Spinning after the last submission before sleeping: a worker that
         // streams layer pushes finds the thread awake (no wake-up system call).
         let mut spin = self.shared.upgrade().map_or_else(
@@ -269,6 +266,9 @@ impl RingService {
                             found = true;
                             spin.note_submissions(Instant::now());
                         }
+                        crate::link::set_inline_writes_on_this_thread(
+                            inline_writes && !self.ring.has_submissions(),
+                        );
                         self.start(s, handle);
                     }
                     Next::Corrupt(user_data, e) => {

@@ -25,10 +25,12 @@ thread_local! {
     static INLINE_WRITES: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Lets link work done on this thread write small frames inline (a ring's
-/// thread, which is not a runtime worker).
-pub fn write_inline_on_this_thread() {
-    INLINE_WRITES.with(|c| c.set(true));
+/// Whether link work done on this thread may write small frames inline (a
+/// ring's thread, which is not a runtime worker, while it has no further
+/// submission waiting: with more behind it, the writer task writes this one
+/// while the thread starts the next, and gathers several into one write).
+pub fn set_inline_writes_on_this_thread(allowed: bool) {
+    INLINE_WRITES.with(|c| c.set(allowed));
 }
 
 pub(super) fn inline_allowed_here() -> bool {

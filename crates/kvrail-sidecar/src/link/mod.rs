@@ -40,7 +40,7 @@ mod writer;
 
 pub use env::{LinkEnv, ProbeFuture};
 use gpu_staging::Queued;
-pub use inline::write_inline_on_this_thread;
+pub use inline::set_inline_writes_on_this_thread;
 use inline::StreamSink;
 use reader::reader_task;
 use writer::writer_task;
