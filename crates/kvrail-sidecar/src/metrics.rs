@@ -8,6 +8,8 @@
 
 use std::net::SocketAddr;
 
+use metrics::Counter;
+
 use kvrail_core::TransferKind;
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -157,4 +159,33 @@ fn describe() {
         RDMA_DESCRIPTORS,
         "Block pieces (per-layer, per-block descriptors) posted over RDMA"
     );
+}
+
+/// One connection's data-path counters (`peer`, `rail`, `transport`),
+/// registered once: looking a labelled series up costs allocations and a
+/// hash per call, paid per slice otherwise.
+#[derive(Clone)]
+pub struct ConnCounters {
+    pub bytes_sent: Counter,
+    pub slices_sent: Counter,
+    pub bytes_received: Counter,
+    pub slices_received: Counter,
+    pub inline_writes: Counter,
+}
+
+impl ConnCounters {
+    pub fn new(peer: &str, rail: u32, transport: &str) -> Self {
+        let labels = [
+            ("peer", peer.to_string()),
+            ("rail", rail.to_string()),
+            ("transport", transport.to_string()),
+        ];
+        ConnCounters {
+            bytes_sent: metrics::counter!(BYTES_SENT, &labels),
+            slices_sent: metrics::counter!(SLICES_SENT, &labels),
+            bytes_received: metrics::counter!(BYTES_RECEIVED, &labels),
+            slices_received: metrics::counter!(SLICES_RECEIVED, &labels),
+            inline_writes: metrics::counter!(INLINE_WRITES, &labels),
+        }
+    }
 }

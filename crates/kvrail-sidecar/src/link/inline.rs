@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvrail_transport::InlineWrite;
 
 use super::*;
+use crate::metrics as m;
 
 /// Largest batch (frame headers and payload) written inline: larger
 /// transfers are bandwidth-bound and better left to the writer task.
@@ -46,6 +47,7 @@ pub(super) struct StreamSink {
     /// zero means nothing is queued or being written.
     pub(super) queued: Arc<AtomicU64>,
     pub(super) inline: Option<Arc<dyn InlineWrite>>,
+    pub(super) counters: m::ConnCounters,
 }
 
 impl StreamSink {
@@ -56,18 +58,16 @@ impl StreamSink {
     }
 
     /// Writes `frames` now if the writer is idle and they are small, else
-    /// queues them. How many payload bytes and slices went out inline.
+    /// queues them.
     ///
     /// Callers hold the link's lock, the only place frames are queued from,
     /// so no frame can be queued between the idle check and the write.
-    pub(super) fn write_or_queue(&self, frames: Vec<Outgoing>) -> Option<(u64, u64)> {
+    pub(super) fn write_or_queue(&self, frames: Vec<Outgoing>) {
         let Some(inline) = self.inline.as_ref().filter(|_| self.idle()) else {
-            self.queue_all(frames);
-            return None;
+            return self.queue_all(frames);
         };
         let Some(bufs_len) = inline_size(&frames) else {
-            self.queue_all(frames);
-            return None;
+            return self.queue_all(frames);
         };
         let mut bufs = Vec::with_capacity(frames.len() * 2);
         for out in &frames {
@@ -82,8 +82,7 @@ impl StreamSink {
                     // `inline_size` accepted only host slices with valid pieces.
                     let Some(Ok(slices)) = region.memory.shared_host().map(|h| h.io_slices(pieces))
                     else {
-                        self.queue_all(frames);
-                        return None;
+                        return self.queue_all(frames);
                     };
                     bufs.push(IoSlice::new(header));
                     bufs.extend(slices);
@@ -95,8 +94,7 @@ impl StreamSink {
         let written: usize = inline.try_write_vectored(&bufs).unwrap_or_default();
         if written == 0 {
             drop(bufs);
-            self.queue_all(frames);
-            return None;
+            return self.queue_all(frames);
         }
         let payload = frames.iter().map(Outgoing::payload_len).sum();
         let slices = frames
@@ -117,7 +115,11 @@ impl StreamSink {
             }
             self.queue(Outgoing::Control(rest));
         }
-        Some((payload, slices))
+        self.counters.inline_writes.increment(1);
+        if slices > 0 {
+            self.counters.bytes_sent.increment(payload);
+            self.counters.slices_sent.increment(slices);
+        }
     }
 
     fn idle(&self) -> bool {

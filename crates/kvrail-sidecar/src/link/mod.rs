@@ -399,23 +399,8 @@ impl PeerLink {
             }
         }
         for (conn, frames) in inline_frames {
-            let Some(handle) = st.conns.get(conn) else {
-                continue;
-            };
-            let Some(Sink::Stream(sink)) = handle.writer.as_ref() else {
-                continue;
-            };
-            if let Some((bytes, slices)) = sink.write_or_queue(frames) {
-                let labels = [
-                    ("peer", self.peer.clone()),
-                    ("rail", handle.rail.to_string()),
-                    ("transport", self.transport.to_string()),
-                ];
-                metrics::counter!(m::INLINE_WRITES, &labels).increment(1);
-                if slices > 0 {
-                    metrics::counter!(m::BYTES_SENT, &labels).increment(bytes);
-                    metrics::counter!(m::SLICES_SENT, &labels).increment(slices);
-                }
+            if let Some(Sink::Stream(sink)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+                sink.write_or_queue(frames);
             }
         }
         while let Some(ev) = st.session.poll_event() {
@@ -535,6 +520,7 @@ impl PeerLink {
                 tx,
                 queued: Arc::default(),
                 inline: conn.writer.inline_writer(),
+                counters: m::ConnCounters::new(&self.peer, rail, self.transport),
             };
             let queued = sink.queued.clone();
             let reader = tokio::spawn(reader_task(self.clone(), key, rail, conn.reader));

@@ -38,7 +38,7 @@ pub(super) async fn read_loop(
     rail: u32,
     reader: &mut dyn FrameReader,
 ) -> Result<(), TransportError> {
-    let rail_label = rail.to_string();
+    let counters = m::ConnCounters::new(&link.peer, rail, link.transport);
     loop {
         let Some(env) = link.env.upgrade() else {
             return Ok(());
@@ -93,13 +93,8 @@ pub(super) async fn read_loop(
                         });
                         continue;
                     }
-                    let labels = [
-                        ("peer", link.peer.clone()),
-                        ("rail", rail_label.clone()),
-                        ("transport", link.transport.to_string()),
-                    ];
-                    metrics::counter!(m::BYTES_RECEIVED, &labels).increment(u64::from(payload_len));
-                    metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
+                    counters.bytes_received.increment(u64::from(payload_len));
+                    counters.slices_received.increment(1);
                     link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
                 }
                 SliceDisposition::Discard => {

@@ -11,12 +11,7 @@ pub(super) async fn writer_task(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     queued: Arc<std::sync::atomic::AtomicU64>,
 ) {
-    let rail_label = rail.to_string();
-    let labels = [
-        ("peer", link.peer.clone()),
-        ("rail", rail_label),
-        ("transport", link.transport.to_string()),
-    ];
+    let counters = m::ConnCounters::new(&link.peer, rail, link.transport);
     // Frames in order; slices of GPU regions wait here while their device copy runs.
     let mut queue: VecDeque<Queued> = VecDeque::new();
     let mut staging = 0usize;
@@ -75,8 +70,8 @@ pub(super) async fn writer_task(
                 let sent = link.send_staged(writer.as_mut(), staged, &device).await;
                 if let Ok(bytes) = &sent {
                     if bytes.slices > 0 {
-                        metrics::counter!(m::BYTES_SENT, &labels).increment(bytes.bytes);
-                        metrics::counter!(m::SLICES_SENT, &labels).increment(bytes.slices);
+                        counters.bytes_sent.increment(bytes.bytes);
+                        counters.slices_sent.increment(bytes.slices);
                         metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_host")
                             .increment(bytes.bytes);
                     }
@@ -114,8 +109,8 @@ pub(super) async fn writer_task(
                     .filter(|o| matches!(o, Outgoing::Slice { .. }))
                     .count() as u64;
                 if r.is_ok() && slices > 0 {
-                    metrics::counter!(m::BYTES_SENT, &labels).increment(payload);
-                    metrics::counter!(m::SLICES_SENT, &labels).increment(slices);
+                    counters.bytes_sent.increment(payload);
+                    counters.slices_sent.increment(slices);
                 }
                 batch.clear();
                 r
