@@ -61,7 +61,11 @@ impl Default for RingOptions {
 
 fn default_spin() -> Duration {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    Duration::from_micros(if cpus >= 4 { 50 } else { 0 })
+    Duration::from_micros(if kvrail_core::ring::spins_with(cpus) {
+        50
+    } else {
+        0
+    })
 }
 
 /// Why a submission was not written.

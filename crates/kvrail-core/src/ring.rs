@@ -683,6 +683,17 @@ fn put_u64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 
+/// Machines with fewer CPUs spin on neither side of a ring: there a spinning
+/// thread takes the core that the other side and the sidecar's tasks need
+/// (measured in docs/ring-format.md). The clients' waits and the sidecar's
+/// ring threads both follow this rule (the Python client states it again).
+pub const MIN_CPUS_TO_SPIN: usize = 4;
+
+/// Whether a machine with `cpus` CPUs spins on a ring at all.
+pub fn spins_with(cpus: usize) -> bool {
+    cpus >= MIN_CPUS_TO_SPIN
+}
+
 /// How long a ring's serving thread spins for the next submission before it
 /// sleeps on the futex. Spinning saves the worker a wake-up system call and
 /// the thread's wake-up latency (about 15 us measured), but only if the next
@@ -969,5 +980,11 @@ mod tests {
             p.note_submissions(t0 + us(30 * i));
         }
         assert_eq!(p.spin(t0 + us(300)), us(0));
+    }
+
+    #[test]
+    fn two_cores_do_not_spin_four_do() {
+        assert!(!spins_with(1) && !spins_with(2) && !spins_with(3));
+        assert!(spins_with(4) && spins_with(16));
     }
 }

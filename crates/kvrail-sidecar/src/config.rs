@@ -184,7 +184,7 @@ impl Config {
             return SpinPolicy::fixed(Duration::from_micros(us));
         }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if cpus >= 4 {
+        if kvrail_core::ring::spins_with(cpus) {
             SpinPolicy::adaptive(Duration::from_micros(50), Duration::from_micros(500))
         } else {
             SpinPolicy::fixed(Duration::ZERO)

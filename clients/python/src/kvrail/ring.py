@@ -166,6 +166,7 @@ class Ring:
         if not supported():
             raise RingClosed(f"rings are not supported by the Python client on {platform.machine()}")
         self.sq_entries, self.cq_entries, self.slot_bytes = sq_entries, cq_entries, slot_bytes
+        # kvrail_core::ring::MIN_CPUS_TO_SPIN: no spinning below 4 CPUs.
         self.spin_s = spin_s if spin_s is not None else (50e-6 if (os.cpu_count() or 1) >= 4 else 0.0)
         total = HEADER_BYTES + sq_entries * slot_bytes + cq_entries * CQ_SLOT_BYTES
         self._cq_offset = HEADER_BYTES + sq_entries * slot_bytes
