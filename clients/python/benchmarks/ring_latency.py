@@ -36,6 +36,16 @@ def pct(xs: list[float], p: float) -> float:
     return round(float(np.percentile(np.array(xs), p)), 1)
 
 
+def timed_push(client: Client, notes, rid: str, src: Blocks, dst: Blocks) -> float:
+    """Microseconds from ``client.push`` to the decode worker's notification
+    of it on the ``notes`` stream."""
+    t = time.perf_counter()
+    client.push(rid, "decode", src, dst)
+    while notes.get(timeout=10).request_id != rid:
+        pass
+    return (time.perf_counter() - t) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvrail", required=True)
@@ -96,30 +106,16 @@ def main() -> None:
                                 submit.append((t1 - t0) * 1e6)
                         for i in range(n):
                             b = (rnd * per_round + i) % 64
-                            gid = f"g{rnd}-{i}"
-                            t3 = time.perf_counter()
-                            pg.push(gid, "decode", Blocks(gsid, [b]), Blocks(gdid, [b]))
-                            while True:
-                                note = notes.get(timeout=10)
-                                if note.request_id == gid:
-                                    break
-                            t4 = time.perf_counter()
+                            us = timed_push(pg, notes, f"g{rnd}-{i}", Blocks(gsid, [b]), Blocks(gdid, [b]))
                             if keep:
-                                grpc_lat.append((t4 - t3) * 1e6)
+                                grpc_lat.append(us)
                         # Client.push as a worker calls it (through its ring
                         # by default), the notification from the stream.
                         for i in range(n):
                             b = (rnd * per_round + i) % 64
-                            cid = f"c{rnd}-{i}"
-                            t5 = time.perf_counter()
-                            pc.push(cid, "decode", Blocks(csid, [b]), Blocks(cdid, [b]))
-                            while True:
-                                note = cnotes.get(timeout=10)
-                                if note.request_id == cid:
-                                    break
-                            t6 = time.perf_counter()
+                            us = timed_push(pc, cnotes, f"c{rnd}-{i}", Blocks(csid, [b]), Blocks(cdid, [b]))
                             if keep:
-                                client_lat.append((t6 - t5) * 1e6)
+                                client_lat.append(us)
                 out["python_ring"] = {"p50_us": pct(ring_lat, 50), "p99_us": pct(ring_lat, 99),
                                       "p999_us": pct(ring_lat, 99.9), "submit_p50_us": pct(submit, 50)}
                 out["python_grpc"] = {"p50_us": pct(grpc_lat, 50), "p99_us": pct(grpc_lat, 99),
