@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvrail_client::proto::{NotificationKind, TransferState};
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
-use kvrail_e2e::{command, scrape, Pair};
+use kvrail_e2e::{command, metric_sum, scrape, Pair};
 use kvrail_examples::{fill, scattered_blocks, verify};
 use tokio_stream::StreamExt;
 
@@ -228,6 +228,16 @@ async fn push_and_pull_both_directions_with_notifications() {
         assert!(text.contains(name), "{name} missing from metrics:\n{text}");
     }
     assert!(text.contains("peer=\"decode\""), "{text}");
+    // Registered at connect time, so present before any byte moved: the
+    // counts say the transfers went through them.
+    assert!(
+        metric_sum(&text, "kvrail_bytes_sent_total", &[]) > 0.0,
+        "{text}"
+    );
+    assert!(
+        metric_sum(&text, "kvrail_bytes_received_total", &[]) > 0.0,
+        "{text}"
+    );
     p_kv.unlink();
     d_kv.unlink();
 }

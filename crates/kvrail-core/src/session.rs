@@ -404,13 +404,13 @@ impl Session {
         self.add_conn(rail, true, now)
     }
 
-    /// Whether a one-sided connection is alive on a rail that carries traffic.
     /// Whether a new transfer of `bytes` asks the peer for one-sided access
     /// (see [`SessionConfig::eager_max_bytes`]).
     fn goes_one_sided(&self, bytes: u64) -> bool {
         bytes > self.config.eager_max_bytes && self.has_one_sided()
     }
 
+    /// Whether a one-sided connection is alive on a rail that carries traffic.
     pub fn has_one_sided(&self) -> bool {
         self.conns
             .iter()

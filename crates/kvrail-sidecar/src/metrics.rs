@@ -170,7 +170,6 @@ pub struct ConnCounters {
     pub slices_sent: Counter,
     pub bytes_received: Counter,
     pub slices_received: Counter,
-    pub inline_writes: Counter,
 }
 
 impl ConnCounters {
@@ -185,7 +184,17 @@ impl ConnCounters {
             slices_sent: metrics::counter!(SLICES_SENT, &labels),
             bytes_received: metrics::counter!(BYTES_RECEIVED, &labels),
             slices_received: metrics::counter!(SLICES_RECEIVED, &labels),
-            inline_writes: metrics::counter!(INLINE_WRITES, &labels),
         }
+    }
+
+    /// The inline-write counter of the same connection (registered only
+    /// where a connection can write inline).
+    pub fn inline_writes(peer: &str, rail: u32, transport: &str) -> Counter {
+        metrics::counter!(
+            INLINE_WRITES,
+            "peer" => peer.to_string(),
+            "rail" => rail.to_string(),
+            "transport" => transport.to_string()
+        )
     }
 }

@@ -270,6 +270,7 @@ impl RingService {
                             inline_writes && !self.ring.has_submissions(),
                         );
                         self.start(s, handle);
+                        crate::link::set_inline_writes_on_this_thread(false);
                     }
                     Next::Corrupt(user_data, e) => {
                         metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "corrupt").increment(1);

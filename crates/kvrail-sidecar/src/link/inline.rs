@@ -48,6 +48,8 @@ pub(super) struct StreamSink {
     pub(super) queued: Arc<AtomicU64>,
     pub(super) inline: Option<Arc<dyn InlineWrite>>,
     pub(super) counters: m::ConnCounters,
+    /// Registered only where inline writes can happen.
+    pub(super) inline_writes: Option<metrics::Counter>,
 }
 
 impl StreamSink {
@@ -66,9 +68,9 @@ impl StreamSink {
         let Some(inline) = self.inline.as_ref().filter(|_| self.idle()) else {
             return self.queue_all(frames);
         };
-        let Some(bufs_len) = inline_size(&frames) else {
+        if !inline_size_fits(&frames) {
             return self.queue_all(frames);
-        };
+        }
         let mut bufs = Vec::with_capacity(frames.len() * 2);
         for out in &frames {
             match out {
@@ -89,6 +91,7 @@ impl StreamSink {
                 }
             }
         }
+        let bufs_len: usize = bufs.iter().map(|b| b.len()).sum();
         // Any failure (the socket full, a fault on a truncated file, a broken
         // connection) leaves it to the writer task, which handles each.
         let written: usize = inline.try_write_vectored(&bufs).unwrap_or_default();
@@ -101,9 +104,9 @@ impl StreamSink {
             .iter()
             .filter(|o| matches!(o, Outgoing::Slice { .. }))
             .count() as u64;
-        if (written as u64) < bufs_len {
+        if written < bufs_len {
             // The rest goes next, as bytes: the stream is mid-frame.
-            let mut rest = Vec::with_capacity(bufs_len as usize - written);
+            let mut rest = Vec::with_capacity(bufs_len - written);
             let mut skip = written;
             for b in &bufs {
                 if skip >= b.len() {
@@ -115,7 +118,9 @@ impl StreamSink {
             }
             self.queue(Outgoing::Control(rest));
         }
-        self.counters.inline_writes.increment(1);
+        if let Some(c) = &self.inline_writes {
+            c.increment(1);
+        }
         if slices > 0 {
             self.counters.bytes_sent.increment(payload);
             self.counters.slices_sent.increment(slices);
@@ -134,30 +139,29 @@ impl StreamSink {
     }
 }
 
-/// The bytes `frames` put on the wire, if they may go inline: small, from
-/// host memory, none of a failed transfer or a truncated file (the writer
-/// task deals with those).
-fn inline_size(frames: &[Outgoing]) -> Option<u64> {
+/// Whether `frames` may go inline: small, from guarded host memory, none of
+/// a failed transfer or a truncated file (the writer task deals with those).
+fn inline_size_fits(frames: &[Outgoing]) -> bool {
     let mut total = 0u64;
     for out in frames {
         total += match out {
             Outgoing::Control(bytes) => bytes.len() as u64,
             Outgoing::Slice { header, region, .. } => {
                 // A partial write copies the rest out of the region: only
-                // with the guard that turns a truncated file's fault into zeros.
-                if !kvrail_shm::guard::installed()
-                    || out.abandoned()
-                    || region.memory.shared_host().is_none()
+                // from a mapping the guard covers (a truncated file's fault
+                // then reads zeros instead of killing the daemon).
+                if out.abandoned()
+                    || !region.memory.shared_host().is_some_and(|h| h.is_guarded())
                     || out.truncated_source().is_some()
                 {
-                    return None;
+                    return false;
                 }
                 header.len() as u64 + out.payload_len()
             }
         };
         if total > INLINE_WRITE_MAX {
-            return None;
+            return false;
         }
     }
-    Some(total)
+    true
 }

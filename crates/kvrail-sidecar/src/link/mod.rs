@@ -516,10 +516,14 @@ impl PeerLink {
     pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
         self.install(rail, false, |key| {
             let (tx, rx) = mpsc::unbounded_channel();
+            let inline = conn.writer.inline_writer();
             let sink = StreamSink {
                 tx,
                 queued: Arc::default(),
-                inline: conn.writer.inline_writer(),
+                inline_writes: inline
+                    .as_ref()
+                    .map(|_| m::ConnCounters::inline_writes(&self.peer, rail, self.transport)),
+                inline,
                 counters: m::ConnCounters::new(&self.peer, rail, self.transport),
             };
             let queued = sink.queued.clone();
