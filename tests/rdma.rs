@@ -279,6 +279,36 @@ impl Setup {
         (t.transfer_id, dst)
     }
 
+    /// Decode pulls prefill's `src` blocks (filled with `seed`) into `dst`,
+    /// waits until it is done, and returns the transfer's size.
+    async fn pull(
+        &mut self,
+        seed: u64,
+        layers: std::ops::Range<u32>,
+        src: Vec<u32>,
+        dst: &[u32],
+    ) -> u64 {
+        fill(&self.p_kv, seed, layers.clone(), &src).unwrap();
+        let t = self
+            .d
+            .pull(
+                "d0",
+                &format!("pull-{seed}"),
+                "prefill",
+                blocks(self.p_region, layers.clone(), src),
+                blocks(self.d_region, layers, dst.to_vec()),
+            )
+            .await
+            .unwrap();
+        let st = self
+            .d
+            .wait(t.transfer_id, Some(Duration::from_secs(120)))
+            .await
+            .unwrap();
+        assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+        t.total_bytes
+    }
+
     async fn done(&mut self, id: u64) {
         let s = self
             .p
@@ -327,34 +357,15 @@ async fn push_and_pull(rail_count: usize, name: &str) {
     // Pull: decode reads prefill's blocks with RDMA READ.
     let src = scattered_blocks(64, NUM_BLOCKS, 7);
     let dst: Vec<u32> = (0..NUM_BLOCKS).rev().take(64).collect();
-    fill(&s.p_kv, 7, 1..3, &src).unwrap();
-    let t =
-        s.d.pull(
-            "d0",
-            "pull-7",
-            "prefill",
-            blocks(s.p_region, 1..3, src),
-            blocks(s.d_region, 1..3, dst.clone()),
-        )
-        .await
-        .unwrap();
-    let st =
-        s.d.wait(t.transfer_id, Some(Duration::from_secs(120)))
-            .await
-            .unwrap();
-    assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
-    assert_eq!(verify(&s.d_kv, 7, 1..3, &dst).unwrap(), t.total_bytes);
+    let total = s.pull(7, 1..3, src, &dst).await;
+    assert_eq!(verify(&s.d_kv, 7, 1..3, &dst).unwrap(), total);
     let text = scrape(s.pair.decode.metrics.unwrap());
     let read = metric_sum(
         &text,
         "kvrail_bytes_received_total",
         &["transport=\"rdma\"", "peer=\"prefill\""],
     );
-    assert!(
-        read >= t.total_bytes as f64,
-        "READ bytes {read} < {}",
-        t.total_bytes
-    );
+    assert!(read >= total as f64, "READ bytes {read} < {total}");
     let text = scrape(s.pair.prefill.metrics.unwrap());
     assert!(
         text.contains("kvrail_rdma_work_requests_total")
@@ -425,22 +436,7 @@ async fn rdma_small_transfers_go_behind_their_open_large_ones_one_sided() {
     let read0 = read(&s);
     let src = scattered_blocks(1, NUM_BLOCKS, 32);
     let pulled = vec![NUM_BLOCKS - 1];
-    fill(&s.p_kv, 32, 1..2, &src).unwrap();
-    let t =
-        s.d.pull(
-            "d0",
-            "pull-32",
-            "prefill",
-            blocks(s.p_region, 1..2, src),
-            blocks(s.d_region, 1..2, pulled.clone()),
-        )
-        .await
-        .unwrap();
-    let st =
-        s.d.wait(t.transfer_id, Some(Duration::from_secs(120)))
-            .await
-            .unwrap();
-    assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+    s.pull(32, 1..2, src, &pulled).await;
     assert_eq!(verify(&s.d_kv, 32, 1..2, &pulled).unwrap(), 2 * BLOCK_BYTES);
     assert_eq!(read(&s), read0, "a small pull was read one-sided");
     // Above the limit: one-sided.

@@ -71,26 +71,10 @@ impl StreamSink {
         if !inline_size_fits(&frames) {
             return self.queue_all(frames);
         }
-        let mut bufs = Vec::with_capacity(frames.len() * 2);
-        for out in &frames {
-            match out {
-                Outgoing::Control(bytes) => bufs.push(IoSlice::new(bytes)),
-                Outgoing::Slice {
-                    header,
-                    region,
-                    pieces,
-                    ..
-                } => {
-                    // `inline_size` accepted only host slices with valid pieces.
-                    let Some(Ok(slices)) = region.memory.shared_host().map(|h| h.io_slices(pieces))
-                    else {
-                        return self.queue_all(frames);
-                    };
-                    bufs.push(IoSlice::new(header));
-                    bufs.extend(slices);
-                }
-            }
-        }
+        let Ok(bufs) = super::writer::io_slices(&frames) else {
+            // The writer task fails what cannot be gathered.
+            return self.queue_all(frames);
+        };
         let bufs_len: usize = bufs.iter().map(|b| b.len()).sum();
         // Any failure (the socket full, a fault on a truncated file, a broken
         // connection) leaves it to the writer task, which handles each.

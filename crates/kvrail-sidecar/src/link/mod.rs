@@ -517,6 +517,7 @@ impl PeerLink {
         self.install(rail, false, |key| {
             let (tx, rx) = mpsc::unbounded_channel();
             let inline = conn.writer.inline_writer();
+            let counters = m::ConnCounters::new(&self.peer, rail, self.transport);
             let sink = StreamSink {
                 tx,
                 queued: Arc::default(),
@@ -524,14 +525,19 @@ impl PeerLink {
                     .as_ref()
                     .map(|_| m::ConnCounters::inline_writes(&self.peer, rail, self.transport)),
                 inline,
-                counters: m::ConnCounters::new(&self.peer, rail, self.transport),
+                counters: counters.clone(),
             };
             let queued = sink.queued.clone();
-            let reader = tokio::spawn(reader_task(self.clone(), key, rail, conn.reader));
+            let reader = tokio::spawn(reader_task(
+                self.clone(),
+                key,
+                counters.clone(),
+                conn.reader,
+            ));
             let writer = tokio::spawn(writer_task(
                 self.clone(),
                 key,
-                rail,
+                counters,
                 conn.writer,
                 rx,
                 queued,

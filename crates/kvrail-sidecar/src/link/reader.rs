@@ -7,10 +7,10 @@ use super::*;
 pub(super) async fn reader_task(
     link: Arc<PeerLink>,
     key: ConnKey,
-    rail: u32,
+    counters: m::ConnCounters,
     mut reader: Box<dyn FrameReader>,
 ) {
-    let reason = match read_loop(&link, key.0, rail, reader.as_mut()).await {
+    let reason = match read_loop(&link, key.0, &counters, reader.as_mut()).await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
             metrics::counter!(m::FRAMES_REJECTED, "reason" => wire_reason(&e)).increment(1);
@@ -35,10 +35,9 @@ pub(super) fn wire_reason(e: &wire::WireError) -> &'static str {
 pub(super) async fn read_loop(
     link: &Arc<PeerLink>,
     conn: ConnId,
-    rail: u32,
+    counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
 ) -> Result<(), TransportError> {
-    let counters = m::ConnCounters::new(&link.peer, rail, link.transport);
     loop {
         let Some(env) = link.env.upgrade() else {
             return Ok(());

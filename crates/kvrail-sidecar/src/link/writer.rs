@@ -6,12 +6,11 @@ use super::*;
 pub(super) async fn writer_task(
     link: Arc<PeerLink>,
     key: ConnKey,
-    rail: u32,
+    counters: m::ConnCounters,
     mut writer: Box<dyn FrameWriter>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     queued: Arc<std::sync::atomic::AtomicU64>,
 ) {
-    let counters = m::ConnCounters::new(&link.peer, rail, link.transport);
     // Frames in order; slices of GPU regions wait here while their device copy runs.
     let mut queue: VecDeque<Queued> = VecDeque::new();
     let mut staging = 0usize;
@@ -168,6 +167,13 @@ pub(super) async fn write_batch(
     if writer.takes_owned_payload() {
         return writer.write_chunks(owned_chunks(batch)?).await;
     }
+    let mut bufs = io_slices(batch)?;
+    writer.write_all_vectored(&mut bufs).await
+}
+
+/// The batch's bytes in order, as I/O slices: frame headers and control
+/// frames, payload straight from its mapped region.
+pub(super) fn io_slices(batch: &[Outgoing]) -> std::io::Result<Vec<IoSlice<'_>>> {
     let mut bufs = Vec::with_capacity(batch.len() * 2);
     for out in batch {
         match out {
@@ -184,7 +190,7 @@ pub(super) async fn write_batch(
             }
         }
     }
-    writer.write_all_vectored(&mut bufs).await
+    Ok(bufs)
 }
 
 /// The host memory a ready slice is sent from (GPU slices go through staging).
