@@ -622,8 +622,9 @@ async fn client_transfers_use_the_ring_by_default_with_grpc_answers() {
 
 /// Small ring pushes go out from the ring's thread itself when the
 /// connection's writer is idle, and through the writer task while a large
-/// push keeps it busy. On one shared connection every byte lands where it
-/// was meant to, the stream never breaks, and the inline path was taken.
+/// push keeps it busy; the receiver answers the lone ones inline too. On one
+/// shared connection every byte lands where it was meant to, the stream
+/// never breaks, and the inline paths were taken.
 #[tokio::test(flavor = "multi_thread")]
 async fn inline_small_pushes_and_a_large_push_share_one_connection_intact() {
     let pair = Pair::start(&["--connections-per-rail", "1"]);
@@ -691,6 +692,12 @@ async fn inline_small_pushes_and_a_large_push_share_one_connection_intact() {
     assert!(
         metric_sum(&sent, "kvrail_inline_writes_total", &[]) >= 1.0,
         "no push went out inline"
+    );
+    // The receiver's reader writes its Complete itself when nothing more
+    // waits on the connection (the one-at-a-time pushes).
+    assert!(
+        metric_sum(&received, "kvrail_inline_writes_total", &[]) >= 1.0,
+        "no Complete went back inline"
     );
     for text in [&sent, &received] {
         assert_eq!(metric_sum(text, "kvrail_frames_rejected_total", &[]), 0.0);

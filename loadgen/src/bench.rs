@@ -52,6 +52,10 @@ pub struct BenchArgs {
     /// 4 KiB push latency samples (call to the peer worker's notification).
     #[arg(long, default_value_t = 1000)]
     pub latency_samples: usize,
+    /// Submission paths the latency bench measures: grpc, ring (both by
+    /// default, alternated in rounds; one alone to profile it).
+    #[arg(long, value_delimiter = ',', default_value = "grpc,ring", value_parser = ["grpc", "ring"])]
+    pub latency_paths: Vec<String>,
     /// Bytes moved per measurement, at least (small sizes repeat until they reach it);
     /// default 1G over TCP, 256M over RDMA (Soft-RoCE is slow).
     #[arg(long, value_parser = parse_size)]
@@ -606,10 +610,9 @@ fn ring_push_samples(
     ids: &[u32],
     first_request: u64,
     count: usize,
-) -> anyhow::Result<(Latencies, Latencies, Latencies)> {
+) -> anyhow::Result<(Latencies, Latencies)> {
     use kvrail_client::ring::CompletionKind as K;
     let mut lat = Latencies::default();
-    let mut accepted = Latencies::default();
     let mut submit_cpu = Latencies::default();
     for i in 0..count {
         let req = format!("ring-lat-{}", first_request + i as u64);
@@ -621,25 +624,10 @@ fn ring_push_samples(
             &blocks(regions.1, 0..1, ids.to_vec()),
         )?;
         let submitted = start.elapsed();
-        // The sidecar's answer comes first (it is written before the push
-        // reaches the wire); reading it does not delay the decode side's
-        // completion, which waits in its own queue.
-        let mut answers = 0;
-        loop {
-            let c = p
-                .wait(Duration::from_secs(10))?
-                .context("no answer on the sender's ring within 10 s")?;
-            match c.kind {
-                K::Accepted => {
-                    accepted.record(start.elapsed());
-                    answers += 1;
-                    break;
-                }
-                K::PushDone => answers += 1,
-                K::Rejected | K::Failed => bail!("ring push failed: {c:?}"),
-                _ => {}
-            }
-        }
+        // The prefill worker does not wait for the sidecar's answers (a
+        // model thread goes on with the next layer): only the decode side
+        // waits, for its notification. The sender's ACCEPTED and PUSH_DONE
+        // are read after it, not timed.
         loop {
             let c = d
                 .wait(Duration::from_secs(10))?
@@ -653,7 +641,7 @@ fn ring_push_samples(
         }
         lat.record(start.elapsed());
         submit_cpu.record(submitted);
-        // The sender's PUSH_DONE: read, not timed.
+        let mut answers = 0;
         while answers < 2 {
             let c = p
                 .wait(Duration::from_secs(10))?
@@ -665,7 +653,7 @@ fn ring_push_samples(
             }
         }
     }
-    Ok((lat, submit_cpu, accepted))
+    Ok((lat, submit_cpu))
 }
 
 /// Layer-wise streaming as a prefill worker does it: one 4 KiB push per
@@ -791,6 +779,7 @@ async fn latency(
     // Rounds alternate the two paths so both see the same machine.
     let rounds = 10usize;
     let per_round = samples.div_ceil(rounds);
+    let grpc_measured = bench.args.latency_paths.iter().any(|p| p == "grpc");
     let mut lat = Latencies::default();
     let mut in_sidecar = Latencies::default();
     for (size, label) in [(4096u64, "4 KiB"), (64 << 10, "64 KiB"), (1 << 20, "1 MiB")] {
@@ -798,12 +787,17 @@ async fn latency(
         let mut grpc = Latencies::default();
         let mut ring = Latencies::default();
         let mut submit_cpu = Latencies::default();
-        let mut ring_accepted = Latencies::default();
         let mut grpc_sidecar = Latencies::default();
         for round in 0..=rounds {
             // Round 0 warms both paths up.
             let n = if round == 0 { 50 } else { per_round };
-            for i in 0..n {
+            let grpc_n = if grpc_measured { n } else { 0 };
+            let ring_n = if bench.args.latency_paths.iter().any(|p| p == "ring") {
+                n
+            } else {
+                0
+            };
+            for i in 0..grpc_n {
                 let first = ((round * per_round + i) as u32 * nblocks) % 1024;
                 let ids: Vec<u32> = (0..nblocks).map(|b| (first + b) % 1024).collect();
                 let (e, s) = grpc_push_sample(bench, &mut notes, regions, ids).await?;
@@ -814,16 +808,15 @@ async fn latency(
             }
             let (p, d) = (p_ring.clone(), d_ring.clone());
             let first_request = bench.next_request;
-            bench.next_request += n as u64;
+            bench.next_request += ring_n as u64;
             let ids: Vec<u32> = (0..nblocks).collect();
-            let (r, c, a) = tokio::task::spawn_blocking(move || {
-                ring_push_samples(&p, &d, ring_regions, &ids, first_request, n)
+            let (r, c) = tokio::task::spawn_blocking(move || {
+                ring_push_samples(&p, &d, ring_regions, &ids, first_request, ring_n)
             })
             .await??;
             if round > 0 {
                 ring.merge(&r);
                 submit_cpu.merge(&c);
-                ring_accepted.merge(&a);
             }
         }
         if size == 4096 {
@@ -831,6 +824,9 @@ async fn latency(
             in_sidecar = grpc_sidecar.clone();
         }
         for (path, l) in [("grpc", &grpc), ("ring", &ring)] {
+            if !bench.args.latency_paths.iter().any(|p| p == path) {
+                continue;
+            }
             let mut v = json!({
                 "bench": "latency_path",
                 "transport": bench.transport,
@@ -846,9 +842,11 @@ async fn latency(
             });
             if path == "ring" {
                 v["submit_p50_us"] = json!(submit_cpu.percentile_us(50.0));
-                v["accepted_p50_us"] = json!(ring_accepted.percentile_us(50.0));
-                v["ratio_p50_vs_grpc"] =
-                    json!(l.percentile_us(50.0) as f64 / grpc.percentile_us(50.0).max(1) as f64);
+                if grpc_measured {
+                    v["ratio_p50_vs_grpc"] = json!(
+                        l.percentile_us(50.0) as f64 / grpc.percentile_us(50.0).max(1) as f64
+                    );
+                }
             }
             println!("{v}");
             bench.results.push(v);
@@ -889,6 +887,9 @@ async fn latency(
     bench.p.unregister_region(ring_regions.0).await?;
     bench.d.unregister_region(ring_regions.1).await?;
     bench.unregister(regions).await?;
+    if !grpc_measured {
+        return Ok(());
+    }
     // Where the time goes: a bare API round trip, and the sender's own view of the push.
     let mut rpc = Latencies::default();
     for _ in 0..samples {

@@ -60,6 +60,10 @@ pub struct Config {
     /// A ring's thread writes a small transfer's frames itself when the
     /// connection's writer is idle (instead of waking the writer task).
     pub ring_inline_writes: bool,
+    /// A runtime task that produces only control frames for a connection
+    /// (a receiver's acknowledgement or Complete, a Grant) writes them itself
+    /// when the connection's writer is idle, instead of waking the writer task.
+    pub inline_control_writes: bool,
     /// RDMA: transfers of at most this many bytes travel behind their open
     /// on the rail's stream connection instead of waiting a round trip for
     /// the peer's grant of its memory (0: every transfer one-sided).
@@ -133,6 +137,7 @@ impl Default for Config {
             rdma_busy_poll_us: 0,
             ring_spin_us: None,
             ring_inline_writes: true,
+            inline_control_writes: true,
             rdma_eager_max_bytes: kvrail_core::session::DEFAULT_EAGER_MAX_BYTES,
             rdma_timeout: 14,
             rdma_retry_cnt: 6,

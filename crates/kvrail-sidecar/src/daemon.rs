@@ -974,6 +974,10 @@ impl LinkEnv for Shared {
         self.config.gpu_stage_depth
     }
 
+    fn inline_control_writes(&self) -> bool {
+        self.config.inline_control_writes
+    }
+
     fn on_event(&self, peer: &str, event: Event) {
         Shared::on_event(self, peer, event);
     }

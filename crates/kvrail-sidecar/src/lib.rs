@@ -104,6 +104,10 @@ pub struct ServeArgs {
     /// `ring_inline_writes` in the configuration; for comparison).
     #[arg(long)]
     pub no_ring_inline_writes: bool,
+    /// Runtime tasks hand control frames to the connection's writer task (see
+    /// `inline_control_writes` in the configuration; for comparison).
+    #[arg(long)]
+    pub no_inline_control_writes: bool,
     /// QUIC: kvrail connections per QUIC connection, as streams (default 1).
     #[arg(long)]
     pub quic_streams_per_connection: Option<usize>,
@@ -183,6 +187,9 @@ impl ServeArgs {
         }
         if self.no_ring_inline_writes {
             c.ring_inline_writes = false;
+        }
+        if self.no_inline_control_writes {
+            c.inline_control_writes = false;
         }
         if let Some(v) = self.quic_initial_mtu {
             c.quic_initial_mtu = v;

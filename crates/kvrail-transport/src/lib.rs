@@ -127,6 +127,11 @@ pub trait FrameReader: Send {
     async fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()>;
     /// Reads exactly the total length of `dst`, scattering into it.
     async fn read_payload(&mut self, dst: &mut [IoSliceMut<'_>]) -> io::Result<()>;
+    /// Whether more input may already be waiting (read ahead, or in the
+    /// socket). A hint that only steers batching: true when unsure.
+    fn input_pending(&mut self) -> bool {
+        true
+    }
     /// Reads and drops `len` bytes.
     async fn discard(&mut self, len: u64) -> io::Result<()> {
         let mut scratch = vec![0u8; len.min(1 << 20) as usize];

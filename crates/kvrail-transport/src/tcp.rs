@@ -183,6 +183,21 @@ impl TcpFrameReader {
 
 #[async_trait]
 impl FrameReader for TcpFrameReader {
+    fn input_pending(&mut self) -> bool {
+        if self.start < self.end {
+            return true;
+        }
+        // A peek without waiting: Pending when the socket is (known) empty.
+        let mut byte = [0u8; 1];
+        let mut buf = tokio::io::ReadBuf::new(&mut byte);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match self.inner.poll_peek(&mut cx, &mut buf) {
+            std::task::Poll::Ready(Ok(n)) => n > 0,
+            std::task::Poll::Ready(Err(_)) => true,
+            std::task::Poll::Pending => false,
+        }
+    }
+
     async fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
         let mut done = self.take_ahead(buf);
         while done < buf.len() {
@@ -295,6 +310,41 @@ mod tests {
         let expect: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
         assert_eq!(&a[..], &expect[..7]);
         assert_eq!(&b[..], &expect[7..]);
+    }
+
+    /// `input_pending` sees a frame that waits behind the one just read, in
+    /// the read-ahead or in the socket, and nothing once it is read too.
+    #[tokio::test]
+    async fn input_pending_sees_a_waiting_frame_and_then_none() {
+        for ahead in [0, READ_AHEAD_BYTES] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let client = TcpStream::connect(addr).await.unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            let (r, _keep) = server.into_split();
+            let mut reader = TcpFrameReader::with_read_ahead(r, ahead);
+            // Both frames in one write: one segment on loopback, so the
+            // second has arrived once the first can be read.
+            let mut bytes = Vec::new();
+            for id in [1u64, 2] {
+                let msg = wire::message(Body::Complete(wire::pb::Complete { transfer_id: id }));
+                bytes.extend_from_slice(&wire::encode_control(&msg));
+            }
+            let mut client = client.into_std().unwrap();
+            client.set_nonblocking(false).unwrap();
+            std::io::Write::write_all(&mut client, &bytes).unwrap();
+            for (id, pending_after) in [(1u64, true), (2, false)] {
+                match read_frame(&mut reader).await.unwrap() {
+                    Frame::Control(Body::Complete(c)) => assert_eq!(c.transfer_id, id),
+                    other => panic!("{other:?}"),
+                }
+                assert_eq!(
+                    reader.input_pending(),
+                    pending_after,
+                    "read-ahead {ahead}, after frame {id}"
+                );
+            }
+        }
     }
 
     /// Small and large frames written back to back come out whole and in

@@ -23,6 +23,9 @@ pub trait LinkEnv: Send + Sync + 'static {
     fn rdma(&self) -> &RdmaRails;
     /// GPU slices a connection stages ahead of the one it sends.
     fn gpu_stage_depth(&self) -> usize;
+    /// Whether runtime tasks write a connection's control frames themselves
+    /// when its writer is idle (see `inline`).
+    fn inline_control_writes(&self) -> bool;
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).

@@ -323,9 +323,15 @@ impl PeerLink {
                 message,
             });
         }
-        // Off the runtime, a connection's frames are gathered to go out
-        // inline in one write (see `inline`).
-        let inline = inline::inline_allowed_here();
+        // Ends first: a receiver's worker hears of its data before the
+        // acknowledgement to the sender is written.
+        self.deliver_events(&env, st);
+        // A connection's frames are gathered to go out inline in one write
+        // (see `inline`): everything from a ring's thread, control frames
+        // alone from a runtime task.
+        let ring_inline = inline::inline_allowed_here();
+        let gather =
+            ring_inline || (inline::inline_control_allowed_here() && env.inline_control_writes());
         let mut inline_frames: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
         while let Some(t) = st.session.poll_transmit(now) {
             if let Transmit::Slice {
@@ -386,7 +392,7 @@ impl PeerLink {
                     )
                 }
             };
-            if inline {
+            if gather {
                 match inline_frames.iter_mut().find(|(c, _)| *c == conn) {
                     Some((_, frames)) => frames.push(out),
                     None => inline_frames.push((conn, vec![out])),
@@ -400,15 +406,14 @@ impl PeerLink {
         }
         for (conn, frames) in inline_frames {
             if let Some(Sink::Stream(sink)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-                sink.write_or_queue(frames);
+                if ring_inline || frames.iter().all(|f| matches!(f, Outgoing::Control(_))) {
+                    sink.write_or_queue(frames);
+                } else {
+                    sink.queue_all(frames);
+                }
             }
         }
-        while let Some(ev) = st.session.poll_event() {
-            match ev {
-                Event::Rail(change) => self.on_rail_change(st, change),
-                ev => self.deliver(&env, ev),
-            }
-        }
+        self.deliver_events(&env, st);
         // Refresh periodically, and at once when a rail appears.
         let rails = st.session.rail_count();
         if rails != st.gauged_rails
@@ -423,6 +428,15 @@ impl PeerLink {
                 metrics::gauge!(m::RAIL_THROUGHPUT, &labels)
                     .set(r.rate_bytes_per_sec.unwrap_or(0.0));
                 metrics::gauge!(m::RAIL_STATE, &labels).set(r.health.gauge());
+            }
+        }
+    }
+
+    fn deliver_events(&self, env: &Arc<dyn LinkEnv>, st: &mut LinkState) {
+        while let Some(ev) = st.session.poll_event() {
+            match ev {
+                Event::Rail(change) => self.on_rail_change(st, change),
+                ev => self.deliver(env, ev),
             }
         }
     }

@@ -47,7 +47,10 @@ pub(super) async fn read_loop(
             Frame::Control(Body::RdmaAccept(a)) => link.on_rdma_accept(a),
             Frame::Control(body) => {
                 let dir = env.directory();
-                link.with_session(|s, now| s.handle_control(conn, body, now, &dir));
+                let last = !reader.input_pending();
+                inline::with_inline_control(last, || {
+                    link.with_session(|s, now| s.handle_control(conn, body, now, &dir))
+                });
                 link.rearm_timer();
             }
             Frame::Data {
@@ -94,7 +97,10 @@ pub(super) async fn read_loop(
                     }
                     counters.bytes_received.increment(u64::from(payload_len));
                     counters.slices_received.increment(1);
-                    link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
+                    let last = !reader.input_pending();
+                    inline::with_inline_control(last, || {
+                        link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now))
+                    });
                 }
                 SliceDisposition::Discard => {
                     debug!(peer = %link.peer, transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
