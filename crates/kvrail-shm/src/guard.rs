@@ -70,6 +70,20 @@ pub fn installed() -> bool {
     INSTALLED.load(Ordering::Acquire)
 }
 
+/// Whether all of `buf` lies in one mapping the guard covers (installed, and
+/// entered in the table): only then may [`touch`] read it without risking a
+/// SIGBUS that kills the process.
+pub fn covers(buf: &[u8]) -> bool {
+    if !installed() || buf.is_empty() {
+        return false;
+    }
+    let (lo, hi) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
+    TABLE.iter().any(|slot| {
+        let start = slot.start.load(Ordering::Acquire);
+        start != 0 && start != usize::MAX && lo >= start && hi <= slot.end.load(Ordering::Acquire)
+    })
+}
+
 /// A mapping's entry in the table; freed on drop.
 #[derive(Debug)]
 pub struct Entry(Option<usize>);
@@ -162,5 +176,28 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _ctx: *
 pub fn touch(buf: &[u8]) {
     for chunk in buf.chunks(4096) {
         std::hint::black_box(chunk[0]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `covers` holds only for bytes inside one entered mapping while its
+    /// entry lives (the EFAULT retries touch nothing else).
+    #[test]
+    fn covers_only_what_an_entry_holds() {
+        install().unwrap();
+        let buf = vec![1u8; 3 * 4096];
+        let inner = &buf[4096..8192];
+        assert!(!covers(inner), "nothing entered yet");
+        let entry = enter(buf[4096..].as_ptr() as usize, 2 * 4096);
+        assert!(entry.is_guarded());
+        assert!(covers(inner));
+        assert!(covers(&buf[8192..]));
+        assert!(!covers(&buf[..8192]), "starts before the entry");
+        assert!(!covers(&buf[4096..4096]), "empty");
+        drop(entry);
+        assert!(!covers(inner), "the entry is gone");
     }
 }

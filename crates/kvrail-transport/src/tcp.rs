@@ -112,7 +112,9 @@ impl FrameWriter for TcpFrameWriter {
                 // stays in step) and the region's transfer fails on the mark.
                 Err(e) if e.raw_os_error() == Some(EFAULT) => {
                     let here = bufs.len();
-                    if touched_at == Some(here) || !kvrail_shm::guard::installed() {
+                    // Only memory the guard covers: touching an unguarded
+                    // truncated mapping would kill the process.
+                    if touched_at == Some(here) || !kvrail_shm::guard::covers(&bufs[0]) {
                         return Err(e);
                     }
                     touched_at = Some(here);
@@ -229,7 +231,7 @@ impl FrameReader for TcpFrameReader {
                 // lets the guard map zero pages, and the read completes in step.
                 Err(e) if e.raw_os_error() == Some(EFAULT) => {
                     let here = dst.len();
-                    if touched_at == Some(here) || !kvrail_shm::guard::installed() {
+                    if touched_at == Some(here) || !kvrail_shm::guard::covers(&dst[0]) {
                         return Err(e);
                     }
                     touched_at = Some(here);
