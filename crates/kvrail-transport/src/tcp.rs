@@ -127,6 +127,9 @@ impl FrameWriter for TcpFrameWriter {
     }
 }
 
+/// Most buffers one `readv` is handed (see `read_payload`).
+const READV_MAX_BUFFERS: usize = 64;
+
 /// Bytes read ahead of what the frame parser asked for. Small, so that a large
 /// payload has at most this much copied before the rest is read straight into
 /// its blocks.
@@ -223,7 +226,11 @@ impl FrameReader for TcpFrameReader {
         let mut touched_at = None;
         while !dst.is_empty() {
             self.inner.readable().await?;
-            match self.inner.try_read_vectored(dst) {
+            // The kernel copies in and checks every buffer passed, however
+            // few a call fills: a scattered slice's hundreds go a bounded
+            // number at a time.
+            let at_once = dst.len().min(READV_MAX_BUFFERS);
+            match self.inner.try_read_vectored(&mut dst[..at_once]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => IoSliceMut::advance_slices(&mut dst, n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -312,6 +319,53 @@ mod tests {
         let expect: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
         assert_eq!(&a[..], &expect[..7]);
         assert_eq!(&b[..], &expect[7..]);
+    }
+
+    /// A payload scattered over more buffers than one `readv` is handed
+    /// lands whole and in order.
+    #[tokio::test]
+    async fn a_payload_over_hundreds_of_buffers_lands_in_order() {
+        for ahead in [0, READ_AHEAD_BYTES] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let client = TcpStream::connect(addr).await.unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            let (r, _keep) = server.into_split();
+            let mut reader = TcpFrameReader::with_read_ahead(r, ahead);
+            let mut client = split(client).unwrap();
+            let len = 5 * READV_MAX_BUFFERS * 1000 + 123;
+            let payload: Vec<u8> = (0..len).map(|b| (b % 249) as u8).collect();
+            let expect = payload.clone();
+            let hdr = wire::encode_data_header(
+                SliceHeader {
+                    transfer_id: 1,
+                    offset: 0,
+                },
+                len as u32,
+            );
+            let writer = tokio::spawn(async move {
+                client
+                    .writer
+                    .write_slice(&hdr, &[IoSlice::new(&payload)])
+                    .await
+                    .unwrap();
+                client
+            });
+            let Frame::Data { payload_len, .. } = read_frame(&mut reader).await.unwrap() else {
+                panic!("not a slice")
+            };
+            assert_eq!(payload_len as usize, len);
+            let mut bufs: Vec<Vec<u8>> = (0..len.div_ceil(1000))
+                .map(|i| vec![0u8; 1000.min(len - i * 1000)])
+                .collect();
+            let mut slices: Vec<IoSliceMut<'_>> =
+                bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+            assert!(slices.len() > 4 * READV_MAX_BUFFERS);
+            reader.read_payload(&mut slices).await.unwrap();
+            drop(slices);
+            assert_eq!(bufs.concat(), expect, "read-ahead {ahead}");
+            writer.await.unwrap();
+        }
     }
 
     /// `input_pending` sees a frame that waits behind the one just read, in
