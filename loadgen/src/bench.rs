@@ -851,17 +851,29 @@ async fn latency(
             println!("{v}");
             bench.results.push(v);
         }
-        eprintln!(
-            "latency    push {label:>6}: gRPC p50 {} us p99 {} us p999 {} us | ring p50 {} us p99 {} us p999 {} us",
-            grpc.percentile_us(50.0),
-            grpc.percentile_us(99.0),
-            grpc.percentile_us(99.9),
-            ring.percentile_us(50.0),
-            ring.percentile_us(99.0),
-            ring.percentile_us(99.9),
-        );
+        let summary = |l: &Latencies| {
+            format!(
+                "p50 {} us p99 {} us p999 {} us",
+                l.percentile_us(50.0),
+                l.percentile_us(99.0),
+                l.percentile_us(99.9)
+            )
+        };
+        let parts: Vec<String> = [("gRPC", &grpc), ("ring", &ring)]
+            .into_iter()
+            .filter(|(path, _)| {
+                bench
+                    .args
+                    .latency_paths
+                    .iter()
+                    .any(|p| p.eq_ignore_ascii_case(path))
+            })
+            .map(|(path, l)| format!("{path} {}", summary(l)))
+            .collect();
+        eprintln!("latency    push {label:>6}: {}", parts.join(" | "));
     }
-    for layers in [32u32, 80] {
+    let ring_measured = bench.args.latency_paths.iter().any(|p| p == "ring");
+    for layers in [32u32, 80].into_iter().filter(|_| ring_measured) {
         let (p, d) = (p_ring.clone(), d_ring.clone());
         let first_request = bench.next_request;
         bench.next_request += 1000;

@@ -49,13 +49,21 @@ pub(super) fn inline_allowed_here() -> bool {
 
 /// Runs `f` (a reader's synchronous session work) with inline control
 /// writes allowed on this thread when `allowed`: the reader has no further
-/// input waiting. With more behind it, its replies go to the writer task,
-/// which gathers those of a burst into one write.
+/// input waiting (as far as `input_pending` can tell: a stale readiness
+/// flag or a spent task budget reads as "nothing waiting", which costs only
+/// batching). With more behind it, its replies go to the writer task, which
+/// gathers those of a burst into one write.
 pub(super) fn with_inline_control<R>(allowed: bool, f: impl FnOnce() -> R) -> R {
+    /// Clears the flag however `f` ends (a runtime worker runs other tasks next).
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            INLINE_CONTROL.with(|c| c.set(false));
+        }
+    }
     INLINE_CONTROL.with(|c| c.set(allowed));
-    let r = f();
-    INLINE_CONTROL.with(|c| c.set(false));
-    r
+    let _reset = Reset;
+    f()
 }
 
 pub(super) fn inline_control_allowed_here() -> bool {
