@@ -168,6 +168,22 @@ fn vm_bond_modules(run: &Path) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// Waits for `client`'s transfer `id` and requires it done (both sidecars'
+/// log tails otherwise).
+async fn wait_done(client: &mut Client, pair: &Pair, id: u64) {
+    let s = client
+        .wait(id, Some(Duration::from_secs(120)))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.state,
+        TransferState::Done as i32,
+        "{s:?}\n--- prefill log (tail) ---\n{}\n--- decode log (tail) ---\n{}",
+        tail(&pair.prefill.log(), 60),
+        tail(&pair.decode.log(), 60)
+    );
+}
+
 struct Setup {
     pair: Pair,
     p: Client,
@@ -300,28 +316,13 @@ impl Setup {
             )
             .await
             .unwrap();
-        let st = self
-            .d
-            .wait(t.transfer_id, Some(Duration::from_secs(120)))
-            .await
-            .unwrap();
-        assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+        wait_done(&mut self.d, &self.pair, t.transfer_id).await;
         t.total_bytes
     }
 
+    /// Waits until prefill's transfer `id` is done.
     async fn done(&mut self, id: u64) {
-        let s = self
-            .p
-            .wait(id, Some(Duration::from_secs(120)))
-            .await
-            .unwrap();
-        assert_eq!(
-            s.state,
-            TransferState::Done as i32,
-            "{s:?}\n--- prefill log (tail) ---\n{}\n--- decode log (tail) ---\n{}",
-            tail(&self.pair.prefill.log(), 60),
-            tail(&self.pair.decode.log(), 60)
-        );
+        wait_done(&mut self.p, &self.pair, id).await;
     }
 
     fn rdma_bytes(&self, rail: &str) -> f64 {

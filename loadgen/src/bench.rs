@@ -779,7 +779,8 @@ async fn latency(
     // Rounds alternate the two paths so both see the same machine.
     let rounds = 10usize;
     let per_round = samples.div_ceil(rounds);
-    let grpc_measured = bench.args.latency_paths.iter().any(|p| p == "grpc");
+    let measured = |path: &str| bench.args.latency_paths.iter().any(|p| p == path);
+    let (grpc_measured, ring_measured) = (measured("grpc"), measured("ring"));
     let mut lat = Latencies::default();
     let mut in_sidecar = Latencies::default();
     for (size, label) in [(4096u64, "4 KiB"), (64 << 10, "64 KiB"), (1 << 20, "1 MiB")] {
@@ -792,11 +793,7 @@ async fn latency(
             // Round 0 warms both paths up.
             let n = if round == 0 { 50 } else { per_round };
             let grpc_n = if grpc_measured { n } else { 0 };
-            let ring_n = if bench.args.latency_paths.iter().any(|p| p == "ring") {
-                n
-            } else {
-                0
-            };
+            let ring_n = if ring_measured { n } else { 0 };
             for i in 0..grpc_n {
                 let first = ((round * per_round + i) as u32 * nblocks) % 1024;
                 let ids: Vec<u32> = (0..nblocks).map(|b| (first + b) % 1024).collect();
@@ -823,10 +820,11 @@ async fn latency(
             lat = grpc.clone();
             in_sidecar = grpc_sidecar.clone();
         }
-        for (path, l) in [("grpc", &grpc), ("ring", &ring)] {
-            if !bench.args.latency_paths.iter().any(|p| p == path) {
-                continue;
-            }
+        let paths = [
+            ("grpc", grpc_measured, &grpc),
+            ("ring", ring_measured, &ring),
+        ];
+        for (path, _, l) in paths.into_iter().filter(|(_, m, _)| *m) {
             let mut v = json!({
                 "bench": "latency_path",
                 "transport": bench.transport,
@@ -859,20 +857,16 @@ async fn latency(
                 l.percentile_us(99.9)
             )
         };
-        let parts: Vec<String> = [("gRPC", &grpc), ("ring", &ring)]
-            .into_iter()
-            .filter(|(path, _)| {
-                bench
-                    .args
-                    .latency_paths
-                    .iter()
-                    .any(|p| p.eq_ignore_ascii_case(path))
-            })
-            .map(|(path, l)| format!("{path} {}", summary(l)))
-            .collect();
+        let parts: Vec<String> = [
+            ("gRPC", grpc_measured, &grpc),
+            ("ring", ring_measured, &ring),
+        ]
+        .into_iter()
+        .filter(|(_, m, _)| *m)
+        .map(|(path, _, l)| format!("{path} {}", summary(l)))
+        .collect();
         eprintln!("latency    push {label:>6}: {}", parts.join(" | "));
     }
-    let ring_measured = bench.args.latency_paths.iter().any(|p| p == "ring");
     for layers in [32u32, 80].into_iter().filter(|_| ring_measured) {
         let (p, d) = (p_ring.clone(), d_ring.clone());
         let first_request = bench.next_request;

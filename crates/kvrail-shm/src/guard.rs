@@ -79,9 +79,21 @@ pub fn covers(buf: &[u8]) -> bool {
     }
     let (lo, hi) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
     TABLE.iter().any(|slot| {
-        let start = slot.start.load(Ordering::Acquire);
-        start != 0 && start != usize::MAX && lo >= start && hi <= slot.end.load(Ordering::Acquire)
+        slot.live_range()
+            .is_some_and(|(start, end)| lo >= start && hi <= end)
     })
+}
+
+impl Slot {
+    /// The mapping a live entry holds, `[start, end)`; None for a free slot
+    /// or one being removed. Plain atomics: the SIGBUS handler calls it too.
+    fn live_range(&self) -> Option<(usize, usize)> {
+        let start = self.start.load(Ordering::Acquire);
+        if start == 0 || start == usize::MAX {
+            return None;
+        }
+        Some((start, self.end.load(Ordering::Acquire)))
+    }
 }
 
 /// A mapping's entry in the table; freed on drop.
@@ -137,11 +149,10 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _ctx: *
     let addr = unsafe { (*info).si_addr() } as usize;
     let page = PAGE.load(Ordering::Relaxed);
     for slot in TABLE.iter() {
-        let start = slot.start.load(Ordering::Acquire);
-        if start == 0 || start == usize::MAX {
+        let Some((start, end)) = slot.live_range() else {
             continue;
-        }
-        if addr >= start && addr < slot.end.load(Ordering::Acquire) {
+        };
+        if addr >= start && addr < end {
             let at = addr & !(page - 1);
             // SAFETY: replaces one page of a mapping this process made and still
             // holds (its entry is live) with a private zero page; the mapping's

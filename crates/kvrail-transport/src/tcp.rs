@@ -321,17 +321,24 @@ mod tests {
         assert_eq!(&b[..], &expect[7..]);
     }
 
+    /// A frame reader with `ahead` bytes of read-ahead on one end of a
+    /// loopback connection, the server's write half (kept open), and the
+    /// client's stream.
+    async fn loopback_reader(ahead: usize) -> (TcpFrameReader, OwnedWriteHalf, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = TcpStream::connect(addr).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let (r, keep) = server.into_split();
+        (TcpFrameReader::with_read_ahead(r, ahead), keep, client)
+    }
+
     /// A payload scattered over more buffers than one `readv` is handed
     /// lands whole and in order.
     #[tokio::test]
     async fn a_payload_over_hundreds_of_buffers_lands_in_order() {
         for ahead in [0, READ_AHEAD_BYTES] {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let client = TcpStream::connect(addr).await.unwrap();
-            let (server, _) = listener.accept().await.unwrap();
-            let (r, _keep) = server.into_split();
-            let mut reader = TcpFrameReader::with_read_ahead(r, ahead);
+            let (mut reader, _keep, client) = loopback_reader(ahead).await;
             let mut client = split(client).unwrap();
             let len = 5 * READV_MAX_BUFFERS * 1000 + 123;
             let payload: Vec<u8> = (0..len).map(|b| (b % 249) as u8).collect();
@@ -373,12 +380,7 @@ mod tests {
     #[tokio::test]
     async fn input_pending_sees_a_waiting_frame_and_then_none() {
         for ahead in [0, READ_AHEAD_BYTES] {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let client = TcpStream::connect(addr).await.unwrap();
-            let (server, _) = listener.accept().await.unwrap();
-            let (r, _keep) = server.into_split();
-            let mut reader = TcpFrameReader::with_read_ahead(r, ahead);
+            let (mut reader, _keep, client) = loopback_reader(ahead).await;
             // Both frames in one write: one segment on loopback, so the
             // second has arrived once the first can be read.
             let mut bytes = Vec::new();
@@ -409,12 +411,7 @@ mod tests {
     #[tokio::test]
     async fn back_to_back_frames_parse_the_same_with_and_without_read_ahead() {
         for ahead in [0, READ_AHEAD_BYTES, 13] {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let client = TcpStream::connect(addr).await.unwrap();
-            let (server, _) = listener.accept().await.unwrap();
-            let (r, _keep) = server.into_split();
-            let mut reader = TcpFrameReader::with_read_ahead(r, ahead);
+            let (mut reader, _keep, client) = loopback_reader(ahead).await;
             let mut client = split(client).unwrap();
             let sizes = [4096usize, 1, 3000, 300_000, 9000, 17];
             let writer = tokio::spawn(async move {
