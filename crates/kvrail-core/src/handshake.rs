@@ -1,6 +1,17 @@
-//! The versioned handshake every peer connection starts with.
+//! The versioned handshake every peer connection starts with, sans-IO.
+//!
+//! The dialer sends a `Hello`; the acceptor checks it and answers with a
+//! `HelloAck` or refuses with an `Abort`. Over TCP between nodes with identities
+//! both sides also prove they hold their certificate's key: the acceptor signs
+//! both nonces in its ack, the dialer checks that and answers with a
+//! `HelloProof`, which the acceptor checks before the connection joins a
+//! session. [`Dialer`] and [`Acceptor`] make every decision of that sequence,
+//! with `now` passed in; the sidecar moves their messages, draws the nonces,
+//! and does the signing through [`Credentials`].
 
-use crate::wire::{pb, PROTOCOL_VERSION};
+use std::time::{Duration, Instant};
+
+use crate::wire::{pb, Body, PROTOCOL_VERSION};
 
 /// Why a peer's hello is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -15,6 +26,25 @@ pub enum HandshakeError {
     NoCommonTransport(Vec<String>),
     #[error("first message was not a hello")]
     NotHello,
+    #[error("rail {asked} does not exist here (this node has {rails} rails)")]
+    UnknownRail { asked: u32, rails: u32 },
+    /// The TLS certificate the connection came with names another node.
+    #[error("peer says it is {node:?} but its {why}")]
+    CertificateName { node: String, why: String },
+    #[error("peer {0:?} presented no certificate on tcp (it runs without tls_dir, or --insecure)")]
+    NoCertificate(String),
+    #[error("tcp handshake nonce of {0} bytes")]
+    Nonce(usize),
+    #[error("{0}")]
+    Certificate(String),
+    #[error("expected the tcp handshake proof")]
+    NotProof,
+    #[error("tcp handshake proof: {0}")]
+    Proof(String),
+    #[error("no {0} in time")]
+    Timeout(&'static str),
+    #[error("malformed handshake message: {0}")]
+    Malformed(String),
     /// A field is longer than any real hello carries (checked before anything
     /// of the hello is looked up, logged or echoed).
     #[error("hello field {field} is {len} long, at most {max} allowed")]
@@ -23,6 +53,29 @@ pub enum HandshakeError {
         len: usize,
         max: usize,
     },
+}
+
+impl HandshakeError {
+    /// The refusal's metric label (a fixed set).
+    pub fn label(&self) -> &'static str {
+        match self {
+            HandshakeError::Version { .. } => "version",
+            HandshakeError::UnknownPeer(_) => "unknown_peer",
+            HandshakeError::WrongNode { .. } => "wrong_node",
+            HandshakeError::NoCommonTransport(_) => "no_common_transport",
+            HandshakeError::NotHello => "not_hello",
+            HandshakeError::Oversized { .. } => "oversized",
+            HandshakeError::UnknownRail { .. } => "unknown_rail",
+            HandshakeError::CertificateName { .. } => "certificate_name",
+            HandshakeError::NoCertificate(_) => "no_certificate",
+            HandshakeError::Nonce(_) | HandshakeError::NotProof | HandshakeError::Malformed(_) => {
+                "malformed"
+            }
+            HandshakeError::Certificate(_) => "certificate",
+            HandshakeError::Proof(_) => "proof",
+            HandshakeError::Timeout(_) => "timeout",
+        }
+    }
 }
 
 /// Longest node name (as in a DNS label set).
@@ -143,6 +196,311 @@ pub fn check_hello(
         return Err(HandshakeError::NoCommonTransport(hello.transports.clone()));
     }
     Ok(())
+}
+
+/// How long either side waits for the other's next handshake message.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the authenticated TCP handshake needs of this node's identity (the
+/// sidecar's `kvrail_auth::Identity`; a fake in the tests).
+/// `Sync`: drivers hold it across awaits on multi-threaded runtimes.
+pub trait Credentials: Sync {
+    /// Our certificate (DER), sent to the peer.
+    fn certificate(&self) -> Vec<u8>;
+    /// Our signature over `message`.
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, String>;
+    /// That `certificate` chains to our CA, is valid now and names `peer`.
+    fn verify_certificate(&self, peer: &str, certificate: &[u8]) -> Result<(), String>;
+    /// That the key of `certificate` (already verified) made `signature` over `message`.
+    fn verify_signature(
+        &self,
+        peer: &str,
+        certificate: &[u8],
+        message: &[u8],
+        signature: &[u8],
+    ) -> Result<(), String>;
+}
+
+/// Given the node name a hello claims, why the connection's TLS certificate
+/// does not name it.
+pub type NameCheck<'a> = dyn Fn(&str) -> Result<(), String> + Sync + 'a;
+
+/// The accepting side's view of itself.
+pub struct AcceptorConfig<'a> {
+    /// This node's name.
+    pub node: &'a str,
+    /// Rails this node listens on.
+    pub rail_count: u32,
+    /// Transports we offer, best first.
+    pub transports: &'a [String],
+    /// Whether a dialer of that name is a configured peer.
+    pub is_known_peer: &'a (dyn Fn(&str) -> bool + Sync),
+    /// The connection's TLS peer certificate (QUIC, TLS over TCP): it must name
+    /// the node the hello claims to be. Given the claimed name, why not.
+    pub tls_name_check: Option<&'a NameCheck<'a>>,
+    /// With an identity (authenticated TCP) the dialer must prove its certificate.
+    pub credentials: Option<&'a dyn Credentials>,
+    /// Our nonce (drawn by the caller; [`NONCE_BYTES`] random bytes).
+    pub nonce: Vec<u8>,
+    /// Random per start of this process.
+    pub incarnation: u64,
+    /// Our kvrail release.
+    pub software: &'a str,
+}
+
+/// What the acceptor's driver does next.
+#[derive(Debug)]
+pub enum AcceptorStep {
+    /// Write this ack (its `rail_mtu` is the driver's to fill in, from the
+    /// interface the connection arrived on), then hand the next message to
+    /// [`Acceptor::on_message`] before [`Acceptor::deadline`].
+    AnswerThenAwaitProof(pb::HelloAck),
+    /// Write this ack; the handshake is done.
+    AnswerAndAccept(pb::HelloAck, pb::Hello),
+    /// The dialer's proof checked out; the handshake is done.
+    Accept(pb::Hello),
+    /// Send an `Abort` saying why, and close.
+    Refuse(HandshakeError),
+}
+
+enum AcceptorState {
+    AwaitHello,
+    AwaitProof { hello: Box<pb::Hello> },
+    Finished,
+}
+
+/// The accepting side of one connection's handshake.
+pub struct Acceptor<'a> {
+    config: AcceptorConfig<'a>,
+    state: AcceptorState,
+    deadline: Instant,
+}
+
+impl<'a> Acceptor<'a> {
+    /// A connection just accepted at `now`: its hello is due by [`Self::deadline`].
+    pub fn new(config: AcceptorConfig<'a>, now: Instant) -> Self {
+        Acceptor {
+            config,
+            state: AcceptorState::AwaitHello,
+            deadline: now + HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// When the message awaited is due.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The awaited message did not come by the deadline.
+    pub fn on_timeout(&mut self) -> AcceptorStep {
+        let what = match self.state {
+            AcceptorState::AwaitProof { .. } => "tcp handshake proof",
+            _ => "hello",
+        };
+        self.state = AcceptorState::Finished;
+        AcceptorStep::Refuse(HandshakeError::Timeout(what))
+    }
+
+    /// A message arrived (`Err`: it could not be decoded, saying why).
+    pub fn on_message(&mut self, message: Result<Body, String>, now: Instant) -> AcceptorStep {
+        let state = std::mem::replace(&mut self.state, AcceptorState::Finished);
+        let refuse = AcceptorStep::Refuse;
+        let message = match message {
+            Ok(m) => m,
+            Err(why) => return refuse(HandshakeError::Malformed(why)),
+        };
+        match state {
+            AcceptorState::AwaitHello => {
+                let Body::Hello(hello) = message else {
+                    return refuse(HandshakeError::NotHello);
+                };
+                match self.answer(&hello) {
+                    Err(e) => refuse(e),
+                    Ok(ack) if self.config.credentials.is_some() => {
+                        self.state = AcceptorState::AwaitProof {
+                            hello: Box::new(hello),
+                        };
+                        self.deadline = now + HANDSHAKE_TIMEOUT;
+                        AcceptorStep::AnswerThenAwaitProof(ack)
+                    }
+                    Ok(ack) => AcceptorStep::AnswerAndAccept(ack, hello),
+                }
+            }
+            AcceptorState::AwaitProof { hello } => {
+                let Body::HelloProof(proof) = message else {
+                    return refuse(HandshakeError::NotProof);
+                };
+                let Some(id) = self.config.credentials else {
+                    return refuse(HandshakeError::NotProof);
+                };
+                // The certificate itself was checked before we answered.
+                let signed =
+                    transcript(Signer::Dialer, &hello, self.config.node, &self.config.nonce);
+                match id.verify_signature(
+                    &hello.node_name,
+                    &hello.certificate,
+                    &signed,
+                    &proof.signature,
+                ) {
+                    Ok(()) => AcceptorStep::Accept(*hello),
+                    Err(e) => refuse(HandshakeError::Proof(e)),
+                }
+            }
+            AcceptorState::Finished => refuse(HandshakeError::Malformed(
+                "a message after the handshake ended".into(),
+            )),
+        }
+    }
+
+    /// Every check of a hello, in the order that keeps a hostile one cheap: its
+    /// sizes first, then what it claims, then its certificate; the ack.
+    fn answer(&self, hello: &pb::Hello) -> Result<pb::HelloAck, HandshakeError> {
+        let c = &self.config;
+        check_hello_sizes(hello)?;
+        if hello.rail_index >= c.rail_count {
+            return Err(HandshakeError::UnknownRail {
+                asked: hello.rail_index,
+                rails: c.rail_count,
+            });
+        }
+        if let Some(check) = c.tls_name_check {
+            check(&hello.node_name).map_err(|why| HandshakeError::CertificateName {
+                node: hello.node_name.clone(),
+                why,
+            })?;
+        }
+        let ours: Vec<&str> = c.transports.iter().map(String::as_str).collect();
+        check_hello(hello, c.node, c.is_known_peer, &ours)?;
+        let mut ack = pb::HelloAck {
+            protocol_version: u32::from(PROTOCOL_VERSION),
+            node_name: c.node.to_string(),
+            transports: c.transports.to_vec(),
+            rail_count: c.rail_count,
+            rail_index: hello.rail_index,
+            software: c.software.to_string(),
+            incarnation: c.incarnation,
+            ..Default::default()
+        };
+        if let Some(id) = c.credentials {
+            if hello.certificate.is_empty() {
+                return Err(HandshakeError::NoCertificate(hello.node_name.clone()));
+            }
+            if hello.nonce.len() != NONCE_BYTES {
+                return Err(HandshakeError::Nonce(hello.nonce.len()));
+            }
+            id.verify_certificate(&hello.node_name, &hello.certificate)
+                .map_err(HandshakeError::Certificate)?;
+            ack.certificate = id.certificate();
+            ack.nonce = c.nonce.clone();
+            ack.signature = id
+                .sign(&transcript(Signer::Acceptor, hello, c.node, &ack.nonce))
+                .map_err(|e| HandshakeError::Certificate(format!("cannot sign our answer: {e}")))?;
+        }
+        Ok(ack)
+    }
+}
+
+/// Why the dialer gives up on a handshake the acceptor answered (or did not).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DialRefusal {
+    #[error("answered as {0:?}")]
+    AnsweredAs(String),
+    #[error("{0}")]
+    Aborted(String),
+    #[error("unexpected handshake reply")]
+    Unexpected,
+    #[error("peer speaks protocol version {0}, this sidecar speaks {PROTOCOL_VERSION}")]
+    Version(u32),
+    #[error(
+        "peer did not authenticate its tcp handshake (it runs without certificates, or --insecure)"
+    )]
+    NotAuthenticated,
+    #[error("tcp authentication: {0}")]
+    Authentication(String),
+    #[error("cannot sign our tcp handshake: {0}")]
+    CannotSign(String),
+    #[error("no handshake reply")]
+    Timeout,
+}
+
+/// The dialer's handshake was answered: the ack, and (authenticated TCP) the
+/// proof to send before the connection carries anything else.
+#[derive(Debug, PartialEq)]
+pub struct Dialed {
+    pub ack: pb::HelloAck,
+    pub proof: Option<pb::HelloProof>,
+}
+
+/// The dialing side of one connection's handshake.
+pub struct Dialer<'a> {
+    hello: pb::Hello,
+    credentials: Option<&'a dyn Credentials>,
+    deadline: Instant,
+}
+
+impl<'a> Dialer<'a> {
+    /// Starts at `now` with our `hello` (its `expected_peer` names whom we
+    /// dial); with `credentials` (authenticated TCP) our certificate and
+    /// `nonce` go into it. The hello to send.
+    pub fn start(
+        mut hello: pb::Hello,
+        credentials: Option<&'a dyn Credentials>,
+        nonce: Vec<u8>,
+        now: Instant,
+    ) -> (Self, pb::Hello) {
+        if let Some(id) = credentials {
+            hello.certificate = id.certificate();
+            hello.nonce = nonce;
+        }
+        let sent = hello.clone();
+        let dialer = Dialer {
+            hello,
+            credentials,
+            deadline: now + HANDSHAKE_TIMEOUT,
+        };
+        (dialer, sent)
+    }
+
+    /// When the acceptor's answer is due ([`DialRefusal::Timeout`] after).
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The acceptor's answer.
+    pub fn on_message(&self, message: Body) -> Result<Dialed, DialRefusal> {
+        let peer = &self.hello.expected_peer;
+        let ack = match message {
+            Body::HelloAck(ack) if &ack.node_name == peer => ack,
+            Body::HelloAck(ack) => return Err(DialRefusal::AnsweredAs(ack.node_name)),
+            Body::Abort(a) => return Err(DialRefusal::Aborted(a.message)),
+            _ => return Err(DialRefusal::Unexpected),
+        };
+        if ack.protocol_version != u32::from(PROTOCOL_VERSION) {
+            return Err(DialRefusal::Version(ack.protocol_version));
+        }
+        let Some(id) = self.credentials else {
+            return Ok(Dialed { ack, proof: None });
+        };
+        if ack.certificate.is_empty() {
+            return Err(DialRefusal::NotAuthenticated);
+        }
+        let signed = transcript(Signer::Acceptor, &self.hello, &ack.node_name, &ack.nonce);
+        id.verify_certificate(peer, &ack.certificate)
+            .and_then(|()| id.verify_signature(peer, &ack.certificate, &signed, &ack.signature))
+            .map_err(DialRefusal::Authentication)?;
+        let signature = id
+            .sign(&transcript(
+                Signer::Dialer,
+                &self.hello,
+                &ack.node_name,
+                &ack.nonce,
+            ))
+            .map_err(DialRefusal::CannotSign)?;
+        Ok(Dialed {
+            ack,
+            proof: Some(pb::HelloProof { signature }),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //!
 //! Regions and block handles ([`layout`], [`plan`]), slicing and connection
 //! scheduling, the transfer state machine ([`transfer`]) and the peer session
-//! ([`session`]), the queue-pair setup exchange ([`qp_setup`]), plus the wire
+//! ([`session`]), the peer handshake ([`handshake`]), the queue-pair setup exchange ([`qp_setup`]), plus the wire
 //! framing ([`wire`]). No sockets, no clock, no
 //! threads: drivers feed events and `now` in and drain what to send out.
 
@@ -29,6 +29,8 @@ pub use session::{
 };
 pub use transfer::TransferState;
 
+#[cfg(test)]
+mod handshake_tests;
 #[cfg(test)]
 mod one_sided_tests;
 #[cfg(test)]

@@ -166,3 +166,159 @@ pub fn sel(region: u64, layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
         generations: Vec::new(),
     }
 }
+
+/// A node identity for handshake tests: a certificate names its node, the CA
+/// that issued it and its key; a signature is the key and a digest of the message.
+#[derive(Clone)]
+pub struct FakeIdentity {
+    pub node: String,
+    /// The CA that issued our certificate.
+    pub ca: u8,
+    /// The CA whose certificates we accept.
+    pub trusts: u8,
+    pub key: u8,
+}
+
+impl FakeIdentity {
+    pub fn new(node: &str) -> Self {
+        FakeIdentity {
+            node: node.into(),
+            ca: 1,
+            trusts: 1,
+            key: node.len() as u8,
+        }
+    }
+
+    fn digest(key: u8, message: &[u8]) -> Vec<u8> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        message.hash(&mut h);
+        let mut s = vec![key];
+        s.extend_from_slice(&h.finish().to_be_bytes());
+        s
+    }
+
+    fn parse(cert: &[u8]) -> Option<(u8, String, u8)> {
+        let (&ca, rest) = cert.split_first()?;
+        let (&key, name) = rest.split_last()?;
+        Some((ca, String::from_utf8(name.to_vec()).ok()?, key))
+    }
+}
+
+impl crate::handshake::Credentials for FakeIdentity {
+    fn certificate(&self) -> Vec<u8> {
+        let mut c = vec![self.ca];
+        c.extend_from_slice(self.node.as_bytes());
+        c.push(self.key);
+        c
+    }
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, String> {
+        Ok(Self::digest(self.key, message))
+    }
+    fn verify_certificate(&self, peer: &str, certificate: &[u8]) -> Result<(), String> {
+        match Self::parse(certificate) {
+            Some((ca, _, _)) if ca != self.trusts => Err("certificate from another CA".into()),
+            Some((_, name, _)) if name != peer => Err(format!("certificate names {name:?}")),
+            Some(_) => Ok(()),
+            None => Err("not a certificate".into()),
+        }
+    }
+    fn verify_signature(
+        &self,
+        _peer: &str,
+        certificate: &[u8],
+        message: &[u8],
+        signature: &[u8],
+    ) -> Result<(), String> {
+        let (_, _, key) = Self::parse(certificate).ok_or("not a certificate")?;
+        if signature == Self::digest(key, message) {
+            Ok(())
+        } else {
+            Err("signature does not match its certificate".into())
+        }
+    }
+}
+
+/// Where a handshake run over an in-memory wire ended, on each side.
+pub struct HandshakeEnd {
+    pub dialer: Result<crate::handshake::Dialed, crate::handshake::DialRefusal>,
+    pub acceptor: Result<pb::Hello, crate::handshake::HandshakeError>,
+    /// Everything the acceptor sent (acks and aborts), in order.
+    pub acceptor_sent: Vec<Body>,
+}
+
+/// Runs one connection's handshake over `wire` (0: dialer to acceptor, 1: back),
+/// every message encoded into a frame and decoded again as a driver does.
+/// `tamper` may change each message the dialer sends before it is encoded.
+pub fn run_handshake(
+    wire: &mut [std::collections::VecDeque<Item>; 2],
+    dialer: &crate::handshake::Dialer<'_>,
+    hello: pb::Hello,
+    acceptor: &mut crate::handshake::Acceptor<'_>,
+    now: Instant,
+    tamper: &mut dyn FnMut(&mut Body),
+) -> HandshakeEnd {
+    use crate::handshake::AcceptorStep;
+    let through_frame = |body: Body| -> Result<Body, String> {
+        let frame = crate::wire::encode_control(&crate::wire::message(body));
+        crate::wire::decode_control(&frame[crate::wire::FRAME_HEADER_LEN..])
+            .map_err(|e| e.to_string())
+    };
+    let mut sent = Body::Hello(hello);
+    tamper(&mut sent);
+    wire[0].push_back(Item::Control(sent));
+    let mut acceptor_sent = Vec::new();
+    let mut dialer_end = None;
+    let mut acceptor_end = None;
+    while acceptor_end.is_none() || dialer_end.is_none() {
+        if let Some(Item::Control(body)) = wire[0].pop_front() {
+            let step = acceptor.on_message(through_frame(body), now);
+            let (reply, end) = match step {
+                AcceptorStep::AnswerThenAwaitProof(ack) => (Body::HelloAck(ack), None),
+                AcceptorStep::AnswerAndAccept(ack, h) => (Body::HelloAck(ack), Some(Ok(h))),
+                AcceptorStep::Accept(h) => {
+                    acceptor_end = Some(Ok(h));
+                    continue;
+                }
+                AcceptorStep::Refuse(e) => (
+                    Body::Abort(pb::Abort {
+                        transfer_id: 0,
+                        code: crate::wire::ErrorCode::Protocol as i32,
+                        message: e.to_string(),
+                    }),
+                    Some(Err(e)),
+                ),
+            };
+            acceptor_sent.push(reply.clone());
+            wire[1].push_back(Item::Control(reply));
+            acceptor_end = end;
+        } else if let Some(Item::Control(body)) = wire[1].pop_front() {
+            let body = through_frame(body).expect("the acceptor's messages decode");
+            let result = dialer.on_message(body);
+            if let Ok(crate::handshake::Dialed {
+                proof: Some(proof), ..
+            }) = &result
+            {
+                let mut p = Body::HelloProof(proof.clone());
+                tamper(&mut p);
+                wire[0].push_back(Item::Control(p));
+            }
+            dialer_end = Some(result);
+        } else {
+            // Nothing in flight: whoever still waits sees its deadline pass.
+            if acceptor_end.is_none() {
+                if let AcceptorStep::Refuse(e) = acceptor.on_timeout() {
+                    acceptor_end = Some(Err(e));
+                }
+            }
+            if dialer_end.is_none() {
+                dialer_end = Some(Err(crate::handshake::DialRefusal::Timeout));
+            }
+        }
+    }
+    HandshakeEnd {
+        dialer: dialer_end.unwrap(),
+        acceptor: acceptor_end.unwrap(),
+        acceptor_sent,
+    }
+}

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::dial::{random_nonce, HANDSHAKE_TIMEOUT};
+use crate::dial::{random_nonce, IdentityCredentials};
 use crate::ratelog::RateLimitedLog;
 use dashmap::DashMap;
 use kvrail_auth::Identity;
-use kvrail_core::handshake::{check_hello, transcript, HandshakeError, Signer, NONCE_BYTES};
+use kvrail_core::handshake::{Acceptor, AcceptorConfig, AcceptorStep, Credentials};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
@@ -517,151 +517,68 @@ impl Shared {
         from: SocketAddr,
         _handshake_slot: tokio::sync::OwnedSemaphorePermit,
     ) {
-        let first = tokio::time::timeout(
-            HANDSHAKE_TIMEOUT,
-            read_handshake_frame(conn.reader.as_mut()),
-        )
-        .await;
-        let hello = match first {
-            Ok(Ok(Frame::Control(Body::Hello(h)))) => h,
-            Ok(Ok(_)) => {
-                return self
-                    .refuse(
-                        conn,
-                        from,
-                        HandshakeError::NotHello.to_string(),
-                        "not_hello",
-                    )
-                    .await
-            }
-            Ok(Err(e)) => return self.refuse(conn, from, e.to_string(), "malformed").await,
-            Err(_) => {
-                return self
-                    .refuse(conn, from, "no hello in time".into(), "timeout")
-                    .await
-            }
-        };
-        if hello.rail_index as usize >= self.config.listen.len() {
-            let reason = format!(
-                "rail {} does not exist here (this node has {} rails)",
-                hello.rail_index,
-                self.config.listen.len()
-            );
-            return self.refuse(conn, from, reason, "unknown_rail").await;
-        }
-        if let Some(cert) = &conn.peer_certificate {
-            // TLS proved the certificate is from our CA; it must also be this node's.
-            if let Err(why) = kvrail_auth::check_name(cert, &hello.node_name) {
-                let reason = format!("peer says it is {:?} but its {why}", hello.node_name);
-                return self.refuse(conn, from, reason, "certificate_name").await;
-            }
-        }
-        let known = |name: &str| self.peers.contains_key(name);
         let offered = self.offered_transports();
-        let ours: Vec<&str> = offered.iter().map(String::as_str).collect();
-        if let Err(e) = check_hello(&hello, &self.config.node, known, &ours) {
-            let label = match e {
-                HandshakeError::Version { .. } => "version",
-                HandshakeError::UnknownPeer(_) => "unknown_peer",
-                HandshakeError::WrongNode { .. } => "wrong_node",
-                HandshakeError::NoCommonTransport(_) => "no_common_transport",
-                HandshakeError::NotHello => "not_hello",
-                HandshakeError::Oversized { .. } => "oversized",
-            };
-            return self.refuse(conn, from, e.to_string(), label).await;
-        }
-        let rail_mtu = self
-            .config
-            .listen
-            .get(hello.rail_index as usize)
-            .and_then(|a| crate::netinfo::mtu_of_address(a.ip()))
-            .unwrap_or(0);
-        let mut ack = pb::HelloAck {
-            protocol_version: u32::from(PROTOCOL_VERSION),
-            node_name: self.config.node.clone(),
-            transports: offered.clone(),
-            rail_count: self.config.listen.len() as u32,
-            rail_index: hello.rail_index,
-            software: env!("CARGO_PKG_VERSION").to_string(),
-            rail_mtu,
-            incarnation: self.incarnation,
-            ..Default::default()
+        let known = |name: &str| self.peers.contains_key(name);
+        let tls_certificate = conn.peer_certificate.clone();
+        // TLS proved the certificate is from our CA; it must also be this node's.
+        let tls_name_check = |claimed: &str| match &tls_certificate {
+            Some(cert) => kvrail_auth::check_name(cert, claimed),
+            None => Ok(()),
         };
-        let identity = self.tcp_identity(transport);
-        if let Some(id) = identity {
-            if hello.certificate.is_empty() {
-                let reason = format!("peer {:?} presented no certificate on tcp (it runs without tls_dir, or --insecure)", hello.node_name);
-                return self.refuse(conn, from, reason, "no_certificate").await;
-            }
-            if hello.nonce.len() != NONCE_BYTES {
-                let reason = format!("tcp handshake nonce of {} bytes", hello.nonce.len());
-                return self.refuse(conn, from, reason, "malformed").await;
-            }
-            if let Err(e) = id.verify_certificate(&hello.node_name, &hello.certificate) {
-                return self.refuse(conn, from, e.to_string(), "certificate").await;
-            }
-            ack.certificate = id.certificate().to_vec();
-            ack.nonce = random_nonce();
-            match id.sign(&transcript(
-                Signer::Acceptor,
-                &hello,
-                &ack.node_name,
-                &ack.nonce,
-            )) {
-                Ok(sig) => ack.signature = sig,
-                Err(e) => {
-                    warn!("cannot sign a tcp handshake: {e}");
-                    return;
-                }
-            }
-        }
-        let acceptor_nonce = ack.nonce.clone();
-        let frame = wire::encode_control(&wire::message(Body::HelloAck(ack)));
-        // A peer that does not read must not hold the task (and its buffers).
-        let wrote =
-            tokio::time::timeout(HANDSHAKE_WRITE_TIMEOUT, conn.writer.write_control(&frame)).await;
-        if !matches!(wrote, Ok(Ok(()))) {
-            return;
-        }
-        if let Some(id) = identity {
-            // The dialer proves it holds its certificate's key before it gets a session.
-            let proof = tokio::time::timeout(
-                HANDSHAKE_TIMEOUT,
+        let identity = self.tcp_identity(transport).map(IdentityCredentials);
+        let mut acceptor = Acceptor::new(
+            AcceptorConfig {
+                node: &self.config.node,
+                rail_count: self.config.listen.len() as u32,
+                transports: &offered,
+                is_known_peer: &known,
+                tls_name_check: Some(&tls_name_check),
+                credentials: identity.as_ref().map(|c| c as &dyn Credentials),
+                nonce: random_nonce(),
+                incarnation: self.incarnation,
+                software: env!("CARGO_PKG_VERSION"),
+            },
+            tokio::time::Instant::now().into_std(),
+        );
+        let hello = loop {
+            let message = tokio::time::timeout_at(
+                acceptor.deadline().into(),
                 read_handshake_frame(conn.reader.as_mut()),
             )
             .await;
-            let signature = match proof {
-                Ok(Ok(Frame::Control(Body::HelloProof(p)))) => p.signature,
-                Ok(Ok(_)) => {
-                    return self
-                        .refuse(
-                            conn,
-                            from,
-                            "expected the tcp handshake proof".into(),
-                            "malformed",
-                        )
-                        .await
-                }
-                Ok(Err(e)) => return self.refuse(conn, from, e.to_string(), "malformed").await,
-                Err(_) => {
-                    return self
-                        .refuse(
-                            conn,
-                            from,
-                            "no tcp handshake proof in time".into(),
-                            "timeout",
-                        )
-                        .await
-                }
+            let now = tokio::time::Instant::now().into_std();
+            let step = match message {
+                Err(_) => acceptor.on_timeout(),
+                Ok(Ok(Frame::Control(body))) => acceptor.on_message(Ok(body), now),
+                Ok(Ok(_)) => acceptor.on_message(Err("a data frame".into()), now),
+                Ok(Err(e)) => acceptor.on_message(Err(e.to_string()), now),
             };
-            // The certificate itself was checked before we answered.
-            let signed = transcript(Signer::Dialer, &hello, &self.config.node, &acceptor_nonce);
-            if let Err(e) =
-                id.verify_signature(&hello.node_name, &hello.certificate, &signed, &signature)
-            {
-                return self.refuse(conn, from, e.to_string(), "proof").await;
+            let (mut ack, accepted) = match step {
+                AcceptorStep::Refuse(e) => {
+                    return self.refuse(conn, from, e.to_string(), e.label()).await
+                }
+                AcceptorStep::Accept(hello) => break hello,
+                AcceptorStep::AnswerThenAwaitProof(ack) => (ack, None),
+                AcceptorStep::AnswerAndAccept(ack, hello) => (ack, Some(hello)),
+            };
+            ack.rail_mtu = self
+                .config
+                .listen
+                .get(ack.rail_index as usize)
+                .and_then(|a| crate::netinfo::mtu_of_address(a.ip()))
+                .unwrap_or(0);
+            let frame = wire::encode_control(&wire::message(Body::HelloAck(ack)));
+            // A peer that does not read must not hold the task (and its buffers).
+            let wrote =
+                tokio::time::timeout(HANDSHAKE_WRITE_TIMEOUT, conn.writer.write_control(&frame))
+                    .await;
+            if !matches!(wrote, Ok(Ok(()))) {
+                return;
             }
-        }
+            if let Some(hello) = accepted {
+                break hello;
+            }
+        };
         if hello.probe {
             // `kvrail doctor`: every check passed; nothing to attach.
             info!(peer = %hello.node_name, rail = hello.rail_index, %from, "answered a doctor probe");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvrail_auth::Identity;
-use kvrail_core::handshake::{transcript, Signer, NONCE_BYTES};
+use kvrail_core::handshake::{Credentials, Dialed, Dialer, NONCE_BYTES};
 use kvrail_core::wire::{self, pb, Body};
 use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport, TransportError};
 
@@ -22,17 +22,43 @@ pub enum DialError {
     RailsDown { peer: String, causes: String },
 }
 
-/// How long the acceptor has to answer a hello.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// A fresh random nonce for an authenticated TCP handshake.
 pub fn random_nonce() -> Vec<u8> {
     rand::random::<[u8; NONCE_BYTES]>().to_vec()
 }
 
-/// Connects to `addr` (from `local` when given), sends `hello` and checks the
-/// acceptor's answer; with `identity` (authenticated TCP) also checks its
-/// signature and sends our proof. The connection and the acceptor's ack.
+/// This node's identity as the core's handshake uses it.
+pub struct IdentityCredentials<'a>(pub &'a Identity);
+
+impl Credentials for IdentityCredentials<'_> {
+    fn certificate(&self) -> Vec<u8> {
+        self.0.certificate().to_vec()
+    }
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, String> {
+        self.0.sign(message).map_err(|e| e.to_string())
+    }
+    fn verify_certificate(&self, peer: &str, certificate: &[u8]) -> Result<(), String> {
+        self.0
+            .verify_certificate(peer, certificate)
+            .map_err(|e| e.to_string())
+    }
+    fn verify_signature(
+        &self,
+        peer: &str,
+        certificate: &[u8],
+        message: &[u8],
+        signature: &[u8],
+    ) -> Result<(), String> {
+        self.0
+            .verify_signature(peer, certificate, message, signature)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Connects to `addr` (from `local` when given) and runs the core's dialer
+/// handshake over the connection: our hello, the acceptor's answer, and (with
+/// `identity`, authenticated TCP) our proof. The connection and the
+/// acceptor's ack.
 pub async fn handshake(
     transport: &Arc<dyn Transport>,
     identity: Option<&Identity>,
@@ -75,24 +101,32 @@ pub async fn handshake(
             unreachable(e)
         }
     };
-    if let Some(id) = identity {
-        hello.certificate = id.certificate().to_vec();
-        hello.nonce = random_nonce();
-    }
     hello.software = env!("CARGO_PKG_VERSION").to_string();
-    let frame = wire::encode_control(&wire::message(Body::Hello(hello.clone())));
+    let credentials = identity.map(IdentityCredentials);
+    let (dialer, hello) = Dialer::start(
+        hello,
+        credentials.as_ref().map(|c| c as &dyn Credentials),
+        random_nonce(),
+        tokio::time::Instant::now().into_std(),
+    );
+    let frame = wire::encode_control(&wire::message(Body::Hello(hello)));
     conn.writer.write_control(&frame).await.map_err(|e| {
         failed(
             e.to_string(),
             e.kind() == std::io::ErrorKind::PermissionDenied,
         )
     })?;
-    let reply = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
+    let reply = tokio::time::timeout_at(
+        dialer.deadline().into(),
         read_handshake_frame(conn.reader.as_mut()),
     )
     .await
-    .map_err(|_| failed("no handshake reply".into(), false))?
+    .map_err(|_| {
+        failed(
+            kvrail_core::handshake::DialRefusal::Timeout.to_string(),
+            false,
+        )
+    })?
     .map_err(|e| match e {
         TransportError::Io(io) => failed(
             io.to_string(),
@@ -100,49 +134,22 @@ pub async fn handshake(
         ),
         e => failed(e.to_string(), false),
     })?;
-    match reply {
-        Frame::Control(Body::HelloAck(ack)) if ack.node_name == peer => {
-            if let Some(id) = identity {
-                let refused = |reason: String| DialError::Refused {
-                    peer: peer.clone(),
-                    reason,
-                };
-                if ack.certificate.is_empty() {
-                    return Err(refused("peer did not authenticate its tcp handshake (it runs without certificates, or --insecure)".into()));
-                }
-                let signed = transcript(Signer::Acceptor, &hello, &ack.node_name, &ack.nonce);
-                id.verify_peer(&peer, &ack.certificate, &signed, &ack.signature)
-                    .map_err(|e| refused(format!("tcp authentication: {e}")))?;
-                let proof = id
-                    .sign(&transcript(
-                        Signer::Dialer,
-                        &hello,
-                        &ack.node_name,
-                        &ack.nonce,
-                    ))
-                    .map_err(|e| refused(format!("cannot sign our tcp handshake: {e}")))?;
-                let frame =
-                    wire::encode_control(&wire::message(Body::HelloProof(pb::HelloProof {
-                        signature: proof,
-                    })));
-                conn.writer
-                    .write_control(&frame)
-                    .await
-                    .map_err(|e| unreachable(e.to_string()))?;
-            }
-            Ok((conn, ack))
-        }
-        Frame::Control(Body::HelloAck(ack)) => Err(DialError::Refused {
+    let Frame::Control(body) = reply else {
+        return Err(DialError::Refused {
             peer: peer.clone(),
-            reason: format!("answered as {:?}", ack.node_name),
-        }),
-        Frame::Control(Body::Abort(a)) => Err(DialError::Refused {
-            peer: peer.clone(),
-            reason: a.message,
-        }),
-        _ => Err(DialError::Refused {
-            peer: peer.clone(),
-            reason: "unexpected handshake reply".into(),
-        }),
+            reason: kvrail_core::handshake::DialRefusal::Unexpected.to_string(),
+        });
+    };
+    let Dialed { ack, proof } = dialer.on_message(body).map_err(|e| DialError::Refused {
+        peer: peer.clone(),
+        reason: e.to_string(),
+    })?;
+    if let Some(proof) = proof {
+        let frame = wire::encode_control(&wire::message(Body::HelloProof(proof)));
+        conn.writer
+            .write_control(&frame)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
     }
+    Ok((conn, ack))
 }
