@@ -1,10 +1,13 @@
-"""The pure-Python submission ring against real sidecars: pushes through the
-ring land and are answered in both workers' completion queues; refusals carry
-their codes; a killed sidecar is reported; and its latency beside the Rust
-client's is measured by ``benchmarks/ring_latency.py``."""
+"""The Python client's submission ring against real sidecars, each test once
+per implementation (the compiled ``native`` one and the pure-Python one):
+pushes through the ring land and are answered in both workers' completion
+queues; refusals carry their codes; a killed sidecar is reported; and its
+latency beside the Rust client's is measured by ``benchmarks/ring_latency.py``."""
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import numpy as np
@@ -12,10 +15,31 @@ import pytest
 
 from kvrail import Blocks, Client
 from kvrail.ring import RingClosed, RingTooLarge, supported
+from kvrail import ring as ring_module
 
 from test_client import fill, make_cache, same_blocks
 
-pytestmark = pytest.mark.skipif(not supported(), reason="the Python ring needs x86-64 (see kvrail.ring)")
+pytestmark = pytest.mark.skipif(not supported(), reason="no ring implementation here (see kvrail.ring)")
+
+
+def skip_unless_available(impl: str) -> None:
+    """Skips a ring implementation this machine cannot run, saying why; under
+    CI (which builds the extension on x86-64) a missing one fails."""
+    try:
+        ring_module._pick_impl(impl)
+    except RingClosed as e:
+        if os.environ.get("CI") == "true" and platform.machine() == "x86_64":
+            pytest.fail(f"CI must test the {impl} ring: {e}")
+        pytest.skip(str(e))
+
+
+@pytest.fixture(params=["native", "python"], autouse=True)
+def impl(request, monkeypatch) -> str:
+    """Every test of this file once per implementation (rings opened by the
+    tests and by ``Client.push`` alike follow KVRAIL_RING_IMPL)."""
+    skip_unless_available(request.param)
+    monkeypatch.setenv("KVRAIL_RING_IMPL", request.param)
+    return request.param
 
 
 def wait_for(ring, request_id: str, kinds: set[str], timeout: float = 20.0):
@@ -27,13 +51,14 @@ def wait_for(ring, request_id: str, kinds: set[str], timeout: float = 20.0):
     raise AssertionError(f"no {kinds} for {request_id}")
 
 
-def test_a_push_through_the_ring_lands_and_both_rings_hear_of_it(pair):
+def test_a_push_through_the_ring_lands_and_both_rings_hear_of_it(pair, impl):
     src, dst = make_cache(pair, "src"), make_cache(pair, "dst")
     with Client(pair.prefill.socket, "p0") as p, Client(pair.decode.socket, "d0") as d:
         sid, did = p.register_kv_cache(src), d.register_kv_cache(dst)
         fill(src, [3, 4, 5, 30], seed=7)
         dst.memory.array[:] = 0
         with p.open_ring() as pr, d.open_ring() as dr:
+            assert pr.impl == dr.impl == impl
             ud = pr.submit_push("ring-1", "decode", Blocks(sid, [3, 4, 5, 30], 0, 4),
                                 Blocks(did, [10, 11, 12, 13], 0, 4))
             a = wait_for(pr, "ring-1", {"ACCEPTED", "REJECTED"})

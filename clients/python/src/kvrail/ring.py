@@ -1,13 +1,22 @@
-"""The worker's submission ring in pure Python (layout: docs/ring-format.md).
+"""The worker's submission ring (layout: docs/ring-format.md).
 
 A push or pull is one slot written into shared memory and a tail index
 moved; the sidecar answers in the completion queue. No gRPC call, and a
-futex system call only when the sidecar sleeps. Python's ``mmap`` and
-``ctypes`` are enough: the 8-byte index words are written with single aligned
-stores, and the slot bytes before the index. That order holds for other
-processes on x86-64, whose stores are seen in program order; on other CPUs
-(aarch64) a plain Python store has no release barrier, so :func:`supported`
-is false there and callers use gRPC.
+futex system call only when the sidecar sleeps.
+
+Two implementations of the worker's side, the same protocol:
+
+- ``native``: the compiled ``kvrail._ring_native`` (built with the package
+  when a C compiler and Python's headers are there): each step is one C call
+  with real atomics (release stores, full fences), on any CPU.
+- ``python``: ``mmap`` and ``ctypes`` only. The 8-byte index words are written
+  with single aligned stores, and the slot bytes before the index. That order
+  holds for other processes on x86-64, whose stores are seen in program
+  order; on other CPUs (aarch64) a plain Python store has no release barrier,
+  so there the pure-Python ring is not offered.
+
+``KVRAIL_RING_IMPL`` (``native``, ``python``, or ``auto``, the default:
+native when built) or ``Ring(impl=...)`` picks one.
 """
 
 from __future__ import annotations
@@ -27,6 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from .v1 import sidecar_pb2 as pb
+
+try:
+    from . import _ring_native
+    _NATIVE_MISSING = ""
+except ImportError as _e:  # not built: no compiler or headers at install time
+    _ring_native = None  # type: ignore[assignment]
+    _NATIVE_MISSING = str(_e)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -72,9 +88,35 @@ _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
+def _pick_impl(asked: str | None) -> str:
+    """The implementation a new ring uses; RingClosed says why none can."""
+    want = asked or os.environ.get("KVRAIL_RING_IMPL", "auto") or "auto"
+    if want not in ("auto", "native", "python"):
+        raise RingClosed(f"ring implementation {want!r}: expected native, python or auto")
+    if want in ("auto", "native") and _ring_native is not None:
+        return "native"
+    if want == "native":
+        raise RingClosed(f"the compiled ring extension is not built ({_NATIVE_MISSING})")
+    if platform.machine() != "x86_64":
+        raise RingClosed(f"rings on {platform.machine()} need the compiled extension "
+                         f"(kvrail._ring_native: {_NATIVE_MISSING or 'not chosen'})")
+    return "python"
+
+
 def supported() -> bool:
     """Whether this interpreter can drive a ring safely (see the module doc)."""
-    return platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
+    if not os.path.isdir("/dev/shm"):
+        return False
+    try:
+        _pick_impl(None)
+    except RingClosed:
+        return False
+    return True
+
+
+def native_available() -> bool:
+    """Whether the compiled ring extension was built and imports."""
+    return _ring_native is not None
 
 
 class RingClosed(Exception):
@@ -157,14 +199,21 @@ def _runs(block_ids: "Sequence[int]") -> list[int]:
     return flat
 
 
+if _ring_native is not None:
+    _ring_native.set_types(tuple(KINDS.get(k) for k in range(max(KINDS) + 1)), RingCompletion,
+                           RingTooLarge)
+
+
 class Ring:
     """A ring served for one worker. ``Client.open_ring`` makes one."""
 
     def __init__(self, client: "Client", *, sq_entries: int = 256, cq_entries: int = 1024,
                  slot_bytes: int = 4096, notifications: bool = True,
-                 spin_s: float | None = None) -> None:
-        if not supported():
-            raise RingClosed(f"rings are not supported by the Python client on {platform.machine()}")
+                 spin_s: float | None = None, impl: str | None = None) -> None:
+        #: "native" (the compiled extension) or "python" (see the module doc).
+        self.impl = _pick_impl(impl)
+        if not os.path.isdir("/dev/shm"):
+            raise RingClosed("rings need /dev/shm")
         self.sq_entries, self.cq_entries, self.slot_bytes = sq_entries, cq_entries, slot_bytes
         # kvrail_core::ring::MIN_CPUS_TO_SPIN: no spinning below 4 CPUs.
         self.spin_s = spin_s if spin_s is not None else (50e-6 if (os.cpu_count() or 1) >= 4 else 0.0)
@@ -243,6 +292,24 @@ class Ring:
         return self._submit(PULL, request_id, peer, source, destination)
 
     def _submit(self, op: int, request_id: str, peer: str, src: "Blocks", dst: "Blocks") -> int:
+        if self.impl == "native":
+            if self._released:
+                raise RingClosed("the ring was closed by this worker")
+            try:
+                r = _ring_native.submit(self._mm, self.sq_entries, self.slot_bytes, op, request_id,
+                                        peer, src, dst)
+            except ValueError as e:  # RingTooLarge is one too
+                if self._released:  # unmapped by close() meanwhile
+                    raise RingClosed("the ring was closed by this worker") from None
+                raise e from None
+            if r > 0:
+                return r
+            if r == 0:
+                raise RingFull(f"{self.sq_entries} submissions in flight")
+            if r == -1:
+                raise RingClosed(self.closed() or "closed by the sidecar")
+            raise RingTooLarge(f"{-r} bytes of block runs and generations for a "
+                               f"{self.slot_bytes}-byte slot")
         why = self.closed()
         if why is not None:
             raise RingClosed(why)
@@ -278,6 +345,14 @@ class Ring:
         """The next completion, if one is published."""
         if self._released:
             raise RingClosed("the ring was closed by this worker")
+        if self.impl == "native":
+            # One C call that runs no Python code between taking the slot and
+            # moving the head: no lock needed beside the interpreter's (which a
+            # free-threaded build turns back on for this single-phase module).
+            try:
+                return _ring_native.poll(self._mm, self._cq_offset, self.cq_entries)
+            except ValueError as e:
+                raise RingClosed(str(e)) from None
         with self._read_lock:
             tail = self._u64[CQ_TAIL].value
             if tail == self._head:
@@ -314,6 +389,10 @@ class Ring:
             now = time.monotonic()
             if now >= deadline:
                 return None
+            if self.impl == "native":
+                if not _ring_native.spin(self._mm, min(self.spin_s, deadline - now)):
+                    _ring_native.sleep(self._mm, min(deadline - now, 0.1))
+                continue
             spin_until = now + min(self.spin_s, deadline - now)
             while time.monotonic() < spin_until:
                 if self._u64[CQ_TAIL].value != self._head:
