@@ -18,8 +18,11 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Once;
 
-/// Mappings the guard can cover at once (regions registered by all workers).
-const SLOTS: usize = 4096;
+/// Mappings the guard can cover at once (regions and rings of all workers).
+/// With the guard installed, `SharedRegion` maps nothing past this
+/// (`ShmError::GuardFull`), so every mapping of the process is covered.
+pub const MAX_MAPPINGS: usize = 4096;
+const SLOTS: usize = MAX_MAPPINGS;
 
 struct Slot {
     start: AtomicUsize,
@@ -38,6 +41,14 @@ static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
 static INSTALL: Once = Once::new();
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// SIGBUS faults the handler contained, since the process started.
+static CONTAINED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many SIGBUS faults the guard has contained in this process (a count
+/// for tests and diagnostics).
+pub fn contained_faults() -> usize {
+    CONTAINED.load(Ordering::Relaxed)
+}
 
 /// Installs the process's SIGBUS handler (once). Until it is installed, a
 /// truncated mapping still kills the process: the daemon installs it at start.
@@ -101,8 +112,8 @@ impl Slot {
 pub struct Entry(Option<usize>);
 
 /// Enters `[start, start+len)` in the table. `Entry(None)` when the table is
-/// full: that mapping is then unguarded (a truncation kills the process, as
-/// without the guard), which the caller logs.
+/// full: that mapping would be unguarded (a truncation kills the process, as
+/// without the guard), so `SharedRegion` refuses to keep it.
 pub fn enter(start: usize, len: usize) -> Entry {
     for (i, slot) in TABLE.iter().enumerate() {
         if slot
@@ -169,6 +180,7 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _ctx: *
             };
             if mapped != libc::MAP_FAILED {
                 slot.poisoned.store(true, Ordering::Release);
+                CONTAINED.fetch_add(1, Ordering::Relaxed);
                 return;
             }
         }
@@ -181,12 +193,20 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _ctx: *
     }
 }
 
-/// Reads one byte of every 4 KiB of `buf` from user space. Over a truncated
-/// mapping that raises the SIGBUS the guard contains (a kernel copy only said
-/// EFAULT), so a retried socket call then succeeds over zero pages.
+/// Reads one byte of every 4 KiB page `buf` touches, from user space (a
+/// buffer that does not start on a page boundary spans one page more than its
+/// length says; 4 KiB steps reach every page of any larger page size too).
+/// Over a truncated mapping that raises the SIGBUS the guard contains (a
+/// kernel copy only said EFAULT), so a retried socket call then succeeds over
+/// zero pages.
 pub fn touch(buf: &[u8]) {
-    for chunk in buf.chunks(4096) {
-        std::hint::black_box(chunk[0]);
+    const STEP: usize = 4096;
+    let start = buf.as_ptr() as usize;
+    let mut at = 0;
+    while at < buf.len() {
+        std::hint::black_box(buf[at]);
+        // The first byte of the next 4 KiB page.
+        at = ((start + at) / STEP + 1) * STEP - start;
     }
 }
 
@@ -210,5 +230,30 @@ mod tests {
         assert!(!covers(&buf[4096..4096]), "empty");
         drop(entry);
         assert!(!covers(inner), "the entry is gone");
+    }
+
+    /// An unaligned buffer's last page is touched too (one byte every 4 KiB
+    /// from its start would miss it): touching it contains one fault per page,
+    /// and reading its last byte afterwards faults no more.
+    #[test]
+    fn touch_reaches_every_page_of_an_unaligned_buffer() {
+        install().unwrap();
+        let path = std::env::temp_dir().join(format!("kvrail-touch-{}", std::process::id()));
+        let region = crate::SharedRegion::create(&path, 4 * 4096).unwrap();
+        assert!(region.is_guarded());
+        // The file shrinks under the mapping: every page now faults.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let _ = std::fs::remove_file(&path);
+        let before = contained_faults();
+        touch(region.slice(100, 4096).unwrap()); // pages 0 and 1
+        assert!(region.is_poisoned());
+        assert_eq!(contained_faults() - before, 2, "one fault per page");
+        assert_eq!(region.slice(4195, 1).unwrap()[0], 0);
+        assert_eq!(contained_faults() - before, 2, "page 1 was already touched");
     }
 }

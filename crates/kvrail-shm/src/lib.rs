@@ -85,6 +85,10 @@ pub enum ShmError {
         size: u64,
         needed: u64,
     },
+    /// The SIGBUS guard is installed and its table is full: a mapping it does
+    /// not cover would let a worker's truncation kill the process, so none is made.
+    #[error("cannot map {0}: the SIGBUS guard already covers its {max} mappings (unregister regions or close rings first)", max = guard::MAX_MAPPINGS)]
+    GuardFull(PathBuf),
     /// Registration policy: a worker registers only its own files.
     #[error("{path} belongs to uid {owner}, not to the registering worker's uid {caller}")]
     NotOwner {
@@ -236,8 +240,12 @@ impl SharedRegion {
             path: path.clone(),
             source,
         })?;
+        let guard = guard::enter(map.as_ptr() as usize, map.len());
+        if guard::installed() && !guard.is_guarded() {
+            return Err(ShmError::GuardFull(path));
+        }
         Ok(Self {
-            guard: guard::enter(map.as_ptr() as usize, map.len()),
+            guard,
             map,
             path,
             _file: file,

@@ -128,6 +128,7 @@ fn shm_status(e: &ShmError) -> Status {
         | ShmError::Relative(_)
         | ShmError::NotAFile(_) => Status::invalid_argument(e.to_string()),
         ShmError::NotOwner { .. } => Status::permission_denied(e.to_string()),
+        ShmError::GuardFull(_) => Status::resource_exhausted(e.to_string()),
         _ => Status::failed_precondition(e.to_string()),
     }
 }

@@ -204,6 +204,7 @@ fn ring_open_status(e: kvrail_shm::ring::RingIoError) -> Status {
             Status::not_found(format!("ring file: {source}"))
         }
         E::Shm(ShmError::NotOwner { .. }) => Status::permission_denied(e.to_string()),
+        E::Shm(ShmError::GuardFull(_)) => Status::resource_exhausted(e.to_string()),
         E::AlreadyOpen => Status::already_exists(e.to_string()),
         e => Status::invalid_argument(format!("ring: {e}")),
     }

@@ -98,12 +98,15 @@ impl FrameWriter for TcpFrameWriter {
     async fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         // Skip empty leading slices so the loop ends exactly when everything is written.
         IoSlice::advance_slices(&mut bufs, 0);
-        let mut touched_at = None;
+        let mut touched = false;
         while !bufs.is_empty() {
             self.inner.writable().await?;
             match self.inner.try_write_vectored(bufs) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+                Ok(n) => {
+                    IoSlice::advance_slices(&mut bufs, n);
+                    touched = false;
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 // Payload of a region whose file was truncated under its mapping:
                 // the kernel copy failed where a user-space read would fault.
@@ -111,20 +114,35 @@ impl FrameWriter for TcpFrameWriter {
                 // mark the region; the frame then goes out whole (the stream
                 // stays in step) and the region's transfer fails on the mark.
                 Err(e) if e.raw_os_error() == Some(EFAULT) => {
-                    let here = bufs.len();
-                    // Only memory the guard covers: touching an unguarded
-                    // truncated mapping would kill the process.
-                    if touched_at == Some(here) || !kvrail_shm::guard::covers(&bufs[0]) {
+                    // A second EFAULT with no progress since the touch: give up.
+                    if touched || !touch_guarded(bufs.iter().map(|b| &b[..])) {
                         return Err(e);
                     }
-                    touched_at = Some(here);
-                    kvrail_shm::guard::touch(&bufs[0]);
+                    touched = true;
                 }
                 Err(e) => return Err(e),
             }
         }
         Ok(())
     }
+}
+
+/// After a socket call's EFAULT: reads every page of each buffer the SIGBUS
+/// guard covers, so the guard puts zero pages where a truncated file left
+/// none. All of the call's buffers, not only the first: the kernel copies a
+/// received segment (up to 64 KiB) or a send chunk as one piece and fails it
+/// whole, so the page at fault can lie in any buffer that piece spans.
+/// Memory the guard does not cover is never touched (over a truncated
+/// mapping that would kill the process); false when no buffer was covered.
+fn touch_guarded<'a>(bufs: impl Iterator<Item = &'a [u8]>) -> bool {
+    let mut any = false;
+    for b in bufs {
+        if kvrail_shm::guard::covers(b) {
+            kvrail_shm::guard::touch(b);
+            any = true;
+        }
+    }
+    any
 }
 
 /// Most buffers one `readv` is handed (see `read_payload`).
@@ -223,7 +241,7 @@ impl FrameReader for TcpFrameReader {
             let n = self.take_ahead(&mut dst[0]);
             IoSliceMut::advance_slices(&mut dst, n);
         }
-        let mut touched_at = None;
+        let mut touched = false;
         while !dst.is_empty() {
             self.inner.readable().await?;
             // The kernel copies in and checks every buffer passed, however
@@ -232,17 +250,18 @@ impl FrameReader for TcpFrameReader {
             let at_once = dst.len().min(READV_MAX_BUFFERS);
             match self.inner.try_read_vectored(&mut dst[..at_once]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => IoSliceMut::advance_slices(&mut dst, n),
+                Ok(n) => {
+                    IoSliceMut::advance_slices(&mut dst, n);
+                    touched = false;
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 // Into a truncated region: as in the writer, a user-space touch
                 // lets the guard map zero pages, and the read completes in step.
                 Err(e) if e.raw_os_error() == Some(EFAULT) => {
-                    let here = dst.len();
-                    if touched_at == Some(here) || !kvrail_shm::guard::covers(&dst[0]) {
+                    if touched || !touch_guarded(dst[..at_once].iter().map(|b| &b[..])) {
                         return Err(e);
                     }
-                    touched_at = Some(here);
-                    kvrail_shm::guard::touch(&dst[0]);
+                    touched = true;
                 }
                 Err(e) => return Err(e),
             }
@@ -373,6 +392,46 @@ mod tests {
             assert_eq!(bufs.concat(), expect, "read-ahead {ahead}");
             writer.await.unwrap();
         }
+    }
+
+    /// Payload read into a mapping whose file was truncated, into buffers that
+    /// do not start on a page boundary (each spans one page more than its
+    /// length): the read completes over the guard's zero pages, in step with
+    /// the stream, and the mapping says it was truncated. Before every page of
+    /// a buffer was touched, the retry faulted again inside the same buffer
+    /// and the connection ended.
+    #[tokio::test]
+    async fn a_read_into_a_truncated_mapping_completes_over_zero_pages() {
+        kvrail_shm::guard::install().unwrap();
+        let path = std::env::temp_dir().join(format!("kvrail-tcp-trunc-{}", std::process::id()));
+        let region = kvrail_shm::SharedRegion::create(&path, 8 * 4096).unwrap();
+        assert!(region.is_guarded());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let _ = std::fs::remove_file(&path);
+        let (mut reader, _keep, mut client) = loopback_reader(0).await;
+        let payload: Vec<u8> = (0..3 * 4096 + 5).map(|b| (b % 251) as u8 + 1).collect();
+        let trailer = b"next frame".to_vec();
+        let sent = [payload.clone(), trailer.clone()].concat();
+        let writer = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            client.write_all(&sent).await.unwrap();
+            client
+        });
+        let pieces = [(100, 4096), (100 + 4096, 4096), (100 + 8192, 4096 + 5)];
+        let mut bufs = region.io_slices_mut(&pieces).unwrap();
+        reader.read_payload(&mut bufs).await.unwrap();
+        drop(bufs);
+        assert!(region.is_poisoned());
+        // The stream is still in step: what follows the payload reads whole.
+        let mut next = vec![0u8; trailer.len()];
+        reader.read_exact(&mut next).await.unwrap();
+        assert_eq!(next, trailer);
+        writer.await.unwrap();
     }
 
     /// `input_pending` sees a frame that waits behind the one just read, in
