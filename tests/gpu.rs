@@ -171,14 +171,17 @@ async fn gpu_to_host_and_host_to_gpu_mix_in_one_pair() {
         .register_region("d", &host, true)
         .await
         .expect("register host");
-    // GPU -> host.
+    // GPU -> host, the source blocks scattered (a permutation): each staged
+    // slice gathers many separate pieces (one batched copy where the driver
+    // has cuMemcpyBatchAsync).
     let ids: Vec<u32> = (0..16).collect();
+    let scattered: Vec<u32> = (0..16).map(|i| (i * 7) % 16).collect();
     let t = p
         .push(
             "p",
             "mix-1",
             "decode",
-            blocks(src_id, 0..4, ids.clone()),
+            blocks(src_id, 0..4, scattered.clone()),
             blocks(host_id, 0..4, ids.clone()),
         )
         .await
@@ -197,8 +200,9 @@ async fn gpu_to_host_and_host_to_gpu_mix_in_one_pair() {
         for plane in 0..2 {
             for b in 0..16u32 {
                 let got = host.read_block(layer, plane, b).expect("read");
-                let first = kvrail_client::block_offset(&layout, layer, plane, b) / 4;
-                for i in [0usize, got.len() / 4 - 1] {
+                let source = scattered[b as usize];
+                let first = kvrail_client::block_offset(&layout, layer, plane, source) / 4;
+                for i in 0..got.len() / 4 {
                     assert_eq!(
                         word(&got, i),
                         cuda::pattern_word(7, first + i as u64),
@@ -224,7 +228,8 @@ async fn gpu_to_host_and_host_to_gpu_mix_in_one_pair() {
         .expect("pull");
     let s = p.wait(t.transfer_id, None).await.expect("wait");
     assert_eq!(s.state, TransferState::Done as i32, "{s:?}");
-    let pairs: Vec<(u32, u32)> = ids.into_iter().zip(rev).collect();
+    // Host block i holds source block scattered[i], now in GPU block rev[i].
+    let pairs: Vec<(u32, u32)> = scattered.into_iter().zip(rev).collect();
     assert_eq!(back.mismatches(&layout, 7, &pairs).expect("verify"), 0);
     host.unlink();
 }

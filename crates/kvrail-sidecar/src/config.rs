@@ -97,6 +97,9 @@ pub struct Config {
     /// GPU regions: CUDA streams per copy direction and device, used in turn
     /// (each with its own waiter thread).
     pub gpu_copy_streams: usize,
+    /// GPU regions: a slice's scattered pieces go in one `cuMemcpyBatchAsync`
+    /// where the driver has it (CUDA 12.8+), not one copy call per piece.
+    pub gpu_batch_copies: bool,
     /// QUIC: per-stream and per-connection receive windows, and the send window.
     pub quic_stream_window: u64,
     pub quic_connection_window: u64,
@@ -150,6 +153,7 @@ impl Default for Config {
             quic_initial_mtu: 1200,
             gpu_stage_depth: 3,
             gpu_copy_streams: 1,
+            gpu_batch_copies: true,
             quic_stream_window: 32 << 20,
             quic_connection_window: 64 << 20,
             quic_send_window: 64 << 20,

@@ -25,16 +25,19 @@ pub struct GpuDevice {
 pub struct GpuDevices {
     staging_bytes: usize,
     copy_streams: usize,
+    batch_copies: bool,
     devices: Mutex<HashMap<u32, Arc<GpuDevice>>>,
 }
 
 impl GpuDevices {
     /// Staging buffers hold one slice each; each direction copies on
-    /// `copy_streams` streams.
-    pub fn new(staging_bytes: usize, copy_streams: usize) -> Self {
+    /// `copy_streams` streams, a slice's pieces in one batched call where the
+    /// driver can and `batch_copies` allows.
+    pub fn new(staging_bytes: usize, copy_streams: usize, batch_copies: bool) -> Self {
         GpuDevices {
             staging_bytes,
             copy_streams,
+            batch_copies,
             devices: Mutex::new(HashMap::new()),
         }
     }
@@ -48,10 +51,30 @@ impl GpuDevices {
         log_capabilities(&gpu);
         let device = Arc::new(GpuDevice {
             pool: StagingPool::new(&gpu, self.staging_bytes),
-            to_host: CopyQueue::with_lanes(&gpu, &format!("d2h{ordinal}"), self.copy_streams)?,
-            to_device: CopyQueue::with_lanes(&gpu, &format!("h2d{ordinal}"), self.copy_streams)?,
+            to_host: CopyQueue::with_options(
+                &gpu,
+                &format!("d2h{ordinal}"),
+                self.copy_streams,
+                self.batch_copies,
+            )?,
+            to_device: CopyQueue::with_options(
+                &gpu,
+                &format!("h2d{ordinal}"),
+                self.copy_streams,
+                self.batch_copies,
+            )?,
             gpu,
         });
+        info!(
+            device = ordinal,
+            batched = device.to_host.batches(),
+            "GPU staging copies: {}",
+            if device.to_host.batches() {
+                "a slice's pieces in one cuMemcpyBatchAsync"
+            } else {
+                "one copy call per piece"
+            }
+        );
         devices.insert(ordinal, device.clone());
         Ok(device)
     }

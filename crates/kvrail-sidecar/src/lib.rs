@@ -120,6 +120,10 @@ pub struct ServeArgs {
     /// GPU regions: CUDA streams per copy direction (default 1).
     #[arg(long)]
     pub gpu_copy_streams: Option<usize>,
+    /// GPU regions: one copy call per piece even where the driver can batch a
+    /// slice's pieces (`gpu_batch_copies = false`; for comparison).
+    #[arg(long)]
+    pub no_gpu_batch_copies: bool,
     /// Accept and make TCP peer connections without authentication.
     #[arg(long)]
     pub insecure: bool,
@@ -202,6 +206,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.gpu_stage_depth {
             c.gpu_stage_depth = v;
+        }
+        if self.no_gpu_batch_copies {
+            c.gpu_batch_copies = false;
         }
         if let Some(v) = self.gpu_copy_streams {
             c.gpu_copy_streams = v;

@@ -95,7 +95,11 @@ impl Daemon {
             transports: transports.clone(),
             rdma: RdmaRails::discover(&config),
             identity: identity.clone(),
-            gpus: GpuDevices::new(config.slice_bytes as usize, config.gpu_copy_streams),
+            gpus: GpuDevices::new(
+                config.slice_bytes as usize,
+                config.gpu_copy_streams,
+                config.gpu_batch_copies,
+            ),
             watched_workers: DashMap::new(),
             refusal_log: RateLimitedLog::new(5),
             next_transfer: AtomicU64::new(0),
