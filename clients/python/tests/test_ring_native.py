@@ -185,6 +185,20 @@ def test_wait_sleeps_until_a_completion_or_its_timeout():
     assert r._u32[R.WORKER_SLEEPING].value == 0
 
 
+def test_geometry_that_does_not_fit_the_mapping_is_refused():
+    from kvrail import _ring_native as N
+
+    r = detached("native")
+    src, dst = Blocks(1, [0]), Blocks(2, [0])
+    for entries, slot in [(SQ + 1, SLOT), (2**62, SLOT), (SQ, 2**62), (0, SLOT), (SQ, 8)]:
+        with pytest.raises(ValueError):
+            N.submit(r._mm, entries, slot, R.PUSH, "x", "decode", src, dst)
+    for offset, entries in [(r._cq_offset, CQ + 1), (r._cq_offset, 2**62), (0, CQ)]:
+        with pytest.raises(ValueError):
+            N.poll(r._mm, offset, entries)
+    assert r._u64[R.SQ_TAIL].value == 0
+
+
 def test_a_ring_unmapped_by_close_refuses_calls():
     r = detached("native")
     r._release()

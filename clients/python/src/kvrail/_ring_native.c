@@ -194,7 +194,8 @@ static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     long op = PyLong_AsLong(args[3]);
     if (PyErr_Occurred())
         return NULL;
-    if (entries <= 0 || slot_bytes < SUB_FIXED || op < 0 || op > 255) {
+    if (entries <= 0 || slot_bytes < SUB_FIXED || op < 0 || op > 255 ||
+        entries > (PY_SSIZE_T_MAX - HEADER_BYTES) / slot_bytes) {
         PyErr_SetString(PyExc_ValueError, "ring geometry out of range");
         return NULL;
     }
@@ -293,7 +294,7 @@ static PyObject *poll(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t cq_offset = PyLong_AsSsize_t(args[1]), entries = PyLong_AsSsize_t(args[2]);
     if (PyErr_Occurred())
         return NULL;
-    if (cq_offset < HEADER_BYTES || entries <= 0) {
+    if (cq_offset < HEADER_BYTES || entries <= 0 || entries > (PY_SSIZE_T_MAX - cq_offset) / CQ_SLOT_BYTES) {
         PyErr_SetString(PyExc_ValueError, "ring geometry out of range");
         return NULL;
     }
