@@ -177,10 +177,20 @@ fn run_suite_in_vm(run: &Path, exe: &Path, bin_dir: &Path, modules: Option<&Path
 /// `bonding.ko` and `tls.ko` of the VM's kernel, from its Debian package,
 /// cached under target/.
 fn vm_bond_modules(run: &Path) -> Result<PathBuf, String> {
-    let out = Command::new(run)
-        .args(["uname", "-r"])
-        .output()
-        .map_err(|e| format!("run uname in the VM: {e}"))?;
+    // A short boot of its own; a boot that hangs (see run_suite_in_vm) is
+    // given up after RDMA_VM_TIMEOUT and tried once more.
+    let uname = || {
+        Command::new(run)
+            .args(["uname", "-r"])
+            .env("RDMA_VM_TIMEOUT", "240")
+            .output()
+            .map_err(|e| format!("run uname in the VM: {e}"))
+    };
+    let mut out = uname()?;
+    if out.status.code() == Some(124) {
+        println!("the VM did not boot within 240 s for `uname -r`; booting it again");
+        out = uname()?;
+    }
     let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() || version.is_empty() {
         return Err(format!(

@@ -185,6 +185,35 @@ def test_wait_sleeps_until_a_completion_or_its_timeout():
     assert r._u32[R.WORKER_SLEEPING].value == 0
 
 
+def test_ids_changed_by_their_own_index_are_read_safely():
+    """An id whose __index__ empties the list being read: the C code reads a
+    copy, so it neither crashes nor reads freed memory."""
+    r = detached("native")
+    ids: list = []
+
+    class Sneaky:
+        def __index__(self):
+            ids.clear()
+            ids.extend(range(10_000))
+            return 3
+
+    ids.extend([Sneaky(), Sneaky(), 9])
+    r.submit_push("s", "decode", Blocks(1, ids), Blocks(2, [0, 1, 2]))
+    assert r._u64[R.SQ_TAIL].value == 1
+
+
+def test_timeouts_must_be_finite():
+    from kvrail import _ring_native as N
+
+    r = detached("native")
+    for bad in (float("nan"), float("inf"), 5.0):
+        with pytest.raises(ValueError):
+            N.spin(r._mm, bad)
+    for bad in (float("nan"), float("-inf")):
+        with pytest.raises(ValueError):
+            N.sleep(r._mm, bad)
+
+
 def test_geometry_that_does_not_fit_the_mapping_is_refused():
     from kvrail import _ring_native as N
 
@@ -200,8 +229,18 @@ def test_geometry_that_does_not_fit_the_mapping_is_refused():
 
 
 def test_a_ring_unmapped_by_close_refuses_calls():
+    from kvrail import _ring_native as N
+
     r = detached("native")
+    mm = r._mm
     r._release()
+    # The C functions themselves refuse a closed mapping.
+    with pytest.raises(ValueError):
+        N.submit(mm, SQ, SLOT, R.PUSH, "x", "decode", Blocks(1, [0]), Blocks(2, [0]))
+    with pytest.raises(ValueError):
+        N.poll(mm, R.HEADER_BYTES + SQ * SLOT, CQ)
+    with pytest.raises(ValueError):
+        N.spin(mm, 0.0)
     with pytest.raises(R.RingClosed):
         r.submit_push("x", "decode", Blocks(1, [0]), Blocks(2, [0]))
     with pytest.raises(R.RingClosed):

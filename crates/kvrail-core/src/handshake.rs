@@ -45,6 +45,9 @@ pub enum HandshakeError {
     Timeout(&'static str),
     #[error("malformed handshake message: {0}")]
     Malformed(String),
+    /// Our side could not sign its answer (our key; not the peer's fault).
+    #[error("this node cannot sign its tcp handshake: {0}")]
+    CannotSign(String),
     /// A field is longer than any real hello carries (checked before anything
     /// of the hello is looked up, logged or echoed).
     #[error("hello field {field} is {len} long, at most {max} allowed")]
@@ -74,6 +77,7 @@ impl HandshakeError {
             HandshakeError::Certificate(_) => "certificate",
             HandshakeError::Proof(_) => "proof",
             HandshakeError::Timeout(_) => "timeout",
+            HandshakeError::CannotSign(_) => "internal",
         }
     }
 }
@@ -291,6 +295,25 @@ impl<'a> Acceptor<'a> {
         self.deadline
     }
 
+    /// The driver finished writing the ack at `now`: the dialer's proof is
+    /// due [`HANDSHAKE_TIMEOUT`] from here (a slow write does not eat into it).
+    pub fn answered(&mut self, now: Instant) {
+        if matches!(self.state, AcceptorState::AwaitProof { .. }) {
+            self.deadline = now + HANDSHAKE_TIMEOUT;
+        }
+    }
+
+    /// A frame that is not a control message (a slice) came where a
+    /// handshake message was due.
+    pub fn on_data_frame(&mut self) -> AcceptorStep {
+        let e = match self.state {
+            AcceptorState::AwaitProof { .. } => HandshakeError::NotProof,
+            _ => HandshakeError::NotHello,
+        };
+        self.state = AcceptorState::Finished;
+        AcceptorStep::Refuse(e)
+    }
+
     /// The awaited message did not come by the deadline.
     pub fn on_timeout(&mut self) -> AcceptorStep {
         let what = match self.state {
@@ -394,7 +417,7 @@ impl<'a> Acceptor<'a> {
             ack.nonce = c.nonce.clone();
             ack.signature = id
                 .sign(&transcript(Signer::Acceptor, hello, c.node, &ack.nonce))
-                .map_err(|e| HandshakeError::Certificate(format!("cannot sign our answer: {e}")))?;
+                .map_err(HandshakeError::CannotSign)?;
         }
         Ok(ack)
     }

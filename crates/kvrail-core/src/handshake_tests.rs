@@ -29,6 +29,8 @@ struct Setup {
     acceptor_id: Option<FakeIdentity>,
     tls_certificate_names: Option<String>,
     hello: pb::Hello,
+    /// The nonce the acceptor draws.
+    acceptor_nonce: Vec<u8>,
 }
 
 impl Setup {
@@ -38,6 +40,7 @@ impl Setup {
             acceptor_id: None,
             tls_certificate_names: None,
             hello: hello(),
+            acceptor_nonce: vec![0xa5; NONCE_BYTES],
         }
     }
 
@@ -74,7 +77,7 @@ impl Setup {
                     .as_ref()
                     .map(|_| &tls_check as &NameCheck),
                 credentials: self.acceptor_id.as_ref().map(|c| c as &dyn Credentials),
-                nonce: vec![0xa5; NONCE_BYTES],
+                nonce: self.acceptor_nonce.clone(),
                 incarnation: 99,
                 software: "test",
             },
@@ -245,12 +248,17 @@ fn a_dialer_without_the_key_of_its_certificate_is_refused_at_the_proof() {
 
 #[test]
 fn a_proof_replayed_into_another_connection_is_refused() {
-    // Record a good proof, then replay it where the acceptor drew another nonce.
+    // Record a good proof, then replay it where everything is the same but
+    // the acceptor drew another nonce.
     let good = Setup::authenticated().run();
     let proof = good.dialer.unwrap().proof.unwrap();
-    let mut hello_changed = Setup::authenticated();
-    hello_changed.hello.connection_index = 3;
-    let e = refused(hello_changed.run_tampered(&mut |b| {
+    let mut fresh_nonce = Setup::authenticated();
+    fresh_nonce.acceptor_nonce = vec![0x3c; NONCE_BYTES];
+    assert!(
+        fresh_nonce.run().acceptor.is_ok(),
+        "the same set-up, unreplayed"
+    );
+    let e = refused(fresh_nonce.run_tampered(&mut |b| {
         if let Body::HelloProof(p) = b {
             *p = proof.clone();
         }
@@ -273,14 +281,16 @@ fn the_dialer_refuses_answers_it_cannot_trust() {
         DialRefusal::Authentication(_)
     ));
     // A forged signature (the acceptor's key is not its certificate's).
+    // The same hello and dialer nonce as the run that made the ack.
     let ack = |change: fn(&mut pb::HelloAck)| {
         let now = Instant::now();
         let id = FakeIdentity::new("prefill");
-        let (dialer, _) = Dialer::start(hello(), Some(&id), vec![1; NONCE_BYTES], now);
+        let (dialer, _) = Dialer::start(hello(), Some(&id), vec![0x5a; NONCE_BYTES], now);
         let mut a = Setup::authenticated().run().dialer.unwrap().ack;
         change(&mut a);
         dialer.on_message(Body::HelloAck(a))
     };
+    assert!(ack(|_| {}).is_ok(), "the untouched ack is accepted");
     assert!(matches!(
         ack(|a| a.signature[0] ^= 1).unwrap_err(),
         DialRefusal::Authentication(_)
@@ -329,7 +339,10 @@ fn silence_ends_each_side_at_its_deadline() {
     let (_, sent) = Dialer::start(hello(), Some(&dialer_id), vec![1; NONCE_BYTES], later);
     let step = acceptor.on_message(Ok(Body::Hello(sent)), later);
     assert!(matches!(step, AcceptorStep::AnswerThenAwaitProof(_)));
-    assert_eq!(acceptor.deadline(), later + HANDSHAKE_TIMEOUT);
+    // A slow write of the ack: the proof's time starts once it is written.
+    let written = later + HANDSHAKE_TIMEOUT / 4;
+    acceptor.answered(written);
+    assert_eq!(acceptor.deadline(), written + HANDSHAKE_TIMEOUT);
     match acceptor.on_timeout() {
         AcceptorStep::Refuse(e) => {
             assert_eq!(e, HandshakeError::Timeout("tcp handshake proof"));
@@ -342,6 +355,28 @@ fn silence_ends_each_side_at_its_deadline() {
         acceptor.on_message(Ok(Body::HelloProof(pb::HelloProof::default())), later),
         AcceptorStep::Refuse(HandshakeError::Malformed(_))
     ));
+}
+
+#[test]
+fn a_data_frame_in_place_of_a_handshake_message_is_refused_as_such() {
+    let transports = vec!["tcp".to_string()];
+    let known = |_: &str| true;
+    let config = || AcceptorConfig {
+        node: "decode",
+        rail_count: 1,
+        transports: &transports,
+        is_known_peer: &known,
+        tls_name_check: None,
+        credentials: None,
+        nonce: Vec::new(),
+        incarnation: 1,
+        software: "test",
+    };
+    let mut acceptor = Acceptor::new(config(), Instant::now());
+    match acceptor.on_data_frame() {
+        AcceptorStep::Refuse(e) => assert_eq!(e.label(), "not_hello"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

@@ -606,6 +606,9 @@ pub struct CopyQueue {
     /// Scattered pieces go to the device in one `cuMemcpyBatchAsync` call
     /// where the driver has it (CUDA 12.8+), not one call per piece.
     batch: Option<BatchCopy>,
+    /// Set when a batched call failed: the driver has the entry point but not
+    /// for these copies; every copy goes one per piece from then on.
+    batch_failed: std::sync::atomic::AtomicBool,
 }
 
 /// `cuMemcpyBatchAsync` with the CUDA 12.8 signature (the driver hands that
@@ -692,6 +695,7 @@ impl CopyQueue {
             lanes: Vec::new(),
             next: std::sync::atomic::AtomicUsize::new(0),
             batch: if batch { batch_copy() } else { None },
+            batch_failed: std::sync::atomic::AtomicBool::new(false),
         };
         for i in 0..lanes.max(1) {
             // On failure the lanes made so far are torn down by the queue's drop.
@@ -707,7 +711,7 @@ impl CopyQueue {
 
     /// Whether scattered pieces go in one batched call.
     pub fn batches(&self) -> bool {
-        self.batch.is_some()
+        self.batch.is_some() && !self.batch_failed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Gathers `pieces` (offset, length) of `src` into the front of `buffer`, in
@@ -752,15 +756,27 @@ impl CopyQueue {
         let Some(tx) = guard.as_ref() else {
             return Err((CudaError::QueueStopped, buffer));
         };
-        let enqueued = match self.batch {
-            Some(batch) if pieces.len() > 1 => {
-                // SAFETY: as in `enqueue_each`: every piece lies inside `memory`
-                // and the pieces fit `buffer`; both outlive the copies.
-                unsafe { enqueue_batch(batch, direction, lane, memory.as_ref(), pieces, &buffer) }
-            }
+        let batch = self.batch.filter(|_| pieces.len() > 1 && self.batches());
+        let mut enqueued = match batch {
+            // SAFETY: as in `enqueue_each`: every piece lies inside `memory`
+            // and the pieces fit `buffer`; both outlive the copies.
+            Some(batch) => unsafe {
+                enqueue_batch(batch, direction, lane, memory.as_ref(), pieces, &buffer)
+            },
             // SAFETY: as above.
-            _ => unsafe { enqueue_each(direction, lane, memory.as_ref(), pieces, &buffer) },
+            None => unsafe { enqueue_each(direction, lane, memory.as_ref(), pieces, &buffer) },
         };
+        if batch.is_some() && enqueued.is_err() {
+            // The driver has the call but refused these copies: wait out what
+            // it may have enqueued, stop batching on this queue, and copy the
+            // pieces one by one as before batching existed.
+            // SAFETY: the stream is ours and alive.
+            let _ = unsafe { cu::stream::synchronize(lane.stream.0) };
+            self.batch_failed
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: as above.
+            enqueued = unsafe { enqueue_each(direction, lane, memory.as_ref(), pieces, &buffer) };
+        }
         if let Err(e) = enqueued {
             // Copies already enqueued may still be running: wait before the
             // buffer can be reused.

@@ -210,6 +210,11 @@ pub fn touch(buf: &[u8]) {
     }
 }
 
+/// Tests that make the guard contain faults run one at a time (they read the
+/// process-wide count).
+#[cfg(test)]
+pub(crate) static FAULTING_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +242,8 @@ mod tests {
     /// and reading its last byte afterwards faults no more.
     #[test]
     fn touch_reaches_every_page_of_an_unaligned_buffer() {
+        // The fault count is the process's: no other test may fault meanwhile.
+        let _alone = FAULTING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         install().unwrap();
         let path = std::env::temp_dir().join(format!("kvrail-touch-{}", std::process::id()));
         let region = crate::SharedRegion::create(&path, 4 * 4096).unwrap();

@@ -491,6 +491,9 @@ mod tests {
     /// poisoned.
     #[test]
     fn a_truncated_file_poisons_its_mapping_instead_of_killing_the_process() {
+        let _alone = guard::FAULTING_TESTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         guard::install().unwrap();
         let p = shm_file("truncate");
         std::fs::write(&p, vec![7u8; 64 << 10]).unwrap();

@@ -550,7 +550,7 @@ impl Shared {
             let step = match message {
                 Err(_) => acceptor.on_timeout(),
                 Ok(Ok(Frame::Control(body))) => acceptor.on_message(Ok(body), now),
-                Ok(Ok(_)) => acceptor.on_message(Err("a data frame".into()), now),
+                Ok(Ok(_)) => acceptor.on_data_frame(),
                 Ok(Err(e)) => acceptor.on_message(Err(e.to_string()), now),
             };
             let (mut ack, accepted) = match step {
@@ -578,6 +578,7 @@ impl Shared {
             if let Some(hello) = accepted {
                 break hello;
             }
+            acceptor.answered(tokio::time::Instant::now().into_std());
         };
         if hello.probe {
             // `kvrail doctor`: every check passed; nothing to attach.

@@ -12,6 +12,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <math.h>
 #include <linux/futex.h>
 #include <stdint.h>
 #include <string.h>
@@ -66,7 +67,9 @@ static inline void cpu_relax(void) {
 /* Appends the runs of `ids` (start, count pairs of u32) at slot offset *at;
  * counts them in *runs. Writes only below `limit`; past it, keeps counting. */
 static int put_runs(uint8_t *slot, Py_ssize_t limit, Py_ssize_t *at, PyObject *ids, Py_ssize_t *runs) {
-    PyObject *seq = PySequence_Fast(ids, "block ids must be a sequence");
+    /* A tuple (the object itself when it is one): a list's item array could
+     * be changed or freed by Python code an item's __index__ runs. */
+    PyObject *seq = PySequence_Tuple(ids);
     if (seq == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -110,7 +113,7 @@ static int put_runs(uint8_t *slot, Py_ssize_t limit, Py_ssize_t *at, PyObject *i
 }
 
 static int put_generations(uint8_t *slot, Py_ssize_t limit, Py_ssize_t *at, PyObject *gens, Py_ssize_t *count) {
-    PyObject *seq = PySequence_Fast(gens, "generations must be a sequence");
+    PyObject *seq = PySequence_Tuple(gens); /* as in put_runs */
     if (seq == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -141,14 +144,23 @@ static int put_generations(uint8_t *slot, Py_ssize_t limit, Py_ssize_t *at, PyOb
 static int put_side(PyObject *blocks, uint8_t *image, Py_ssize_t limit, Py_ssize_t *at, uint64_t *region,
                     uint32_t layers[2], Py_ssize_t *runs, int runs_pass) {
     static PyObject *s_region, *s_ids, *s_start, *s_count, *s_gens;
-    if (s_region == NULL) {
-        s_region = PyUnicode_InternFromString("region_id");
-        s_ids = PyUnicode_InternFromString("block_ids");
-        s_start = PyUnicode_InternFromString("layer_start");
-        s_count = PyUnicode_InternFromString("layer_count");
-        s_gens = PyUnicode_InternFromString("generations");
-        if (!s_region || !s_ids || !s_start || !s_count || !s_gens)
+    if (s_gens == NULL) { /* set last: all five are there once it is */
+        PyObject *r = PyUnicode_InternFromString("region_id"), *i = PyUnicode_InternFromString("block_ids"),
+                 *st = PyUnicode_InternFromString("layer_start"), *c = PyUnicode_InternFromString("layer_count"),
+                 *g = PyUnicode_InternFromString("generations");
+        if (!r || !i || !st || !c || !g) {
+            Py_XDECREF(r);
+            Py_XDECREF(i);
+            Py_XDECREF(st);
+            Py_XDECREF(c);
+            Py_XDECREF(g);
             return -1;
+        }
+        s_region = r;
+        s_ids = i;
+        s_start = st;
+        s_count = c;
+        s_gens = g;
     }
     PyObject *attr = PyObject_GetAttr(blocks, runs_pass ? s_ids : s_gens);
     if (attr == NULL)
@@ -363,6 +375,10 @@ static PyObject *spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     double seconds = PyFloat_AsDouble(args[1]);
     if (seconds == -1.0 && PyErr_Occurred())
         return NULL;
+    if (!isfinite(seconds) || seconds > 1.0) {
+        PyErr_SetString(PyExc_ValueError, "a spin lasts a finite time of at most 1 s");
+        return NULL;
+    }
     Py_buffer view;
     if (ring_view(args[0], &view, HEADER_BYTES) < 0)
         return NULL;
@@ -395,8 +411,14 @@ static PyObject *sleep_on_bell(PyObject *self, PyObject *const *args, Py_ssize_t
     double seconds = PyFloat_AsDouble(args[1]);
     if (seconds == -1.0 && PyErr_Occurred())
         return NULL;
+    if (!isfinite(seconds)) {
+        PyErr_SetString(PyExc_ValueError, "a sleep lasts a finite time");
+        return NULL;
+    }
     if (seconds < 0)
         seconds = 0;
+    if (seconds > 3600)
+        seconds = 3600;
     Py_buffer view;
     if (ring_view(args[0], &view, HEADER_BYTES) < 0)
         return NULL;
