@@ -83,6 +83,30 @@ pub fn binary(name: &str) -> PathBuf {
 /// A port free for both TCP and UDP right now (sidecars listen on both: TCP and
 /// QUIC share the rail's port number).
 pub fn free_port() -> u16 {
+    // Ports below the kernel's ephemeral range: one handed out there could be
+    // taken, before its sidecar binds it, as the local port of some other
+    // test's outgoing connection (the listener then fails to bind). Distinct
+    // per call within this process; checked free for TCP and UDP.
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    if ephemeral_low >= 4096 {
+        let low = ephemeral_low.saturating_sub(12_000).max(2048);
+        let span = ephemeral_low - low;
+        let start = std::process::id().wrapping_mul(7919) % span;
+        for _ in 0..span {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let port = (low + (start + n) % span) as u16;
+            if TcpListener::bind(("127.0.0.1", port)).is_ok()
+                && std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
+            {
+                return port;
+            }
+        }
+    }
     for _ in 0..100 {
         let tcp = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
         let port = tcp.local_addr().expect("local address").port();
@@ -206,9 +230,10 @@ impl Sidecar {
             }
             assert!(
                 Instant::now() < deadline,
-                "sidecar {} did not come up; see {}",
+                "sidecar {} did not come up; its log ({}) ends:\n{}",
                 self.node,
-                self.socket.with_extension("log").display()
+                self.socket.with_extension("log").display(),
+                self.log_tail(30)
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -219,6 +244,13 @@ impl Sidecar {
         std::fs::read(self.socket.with_extension("log"))
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_else(|e| format!("(no log: {e})"))
+    }
+
+    /// The last `lines` lines of the log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
     }
 }
 
