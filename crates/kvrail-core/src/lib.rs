@@ -10,6 +10,7 @@ pub mod error;
 pub mod handshake;
 pub mod layout;
 pub mod message;
+pub mod placement;
 pub mod plan;
 pub mod qp_setup;
 pub mod rail;
@@ -21,6 +22,7 @@ pub mod wire;
 
 pub use error::{FailureSide, LayoutError, PlanError, TransferError};
 pub use layout::RegionLayout;
+pub use placement::{Admission, Admitted, ConnPlacer, PlacementGate};
 pub use plan::{Access, BlockSelection, Plan, Segment, MAX_BLOCKS_PER_TRANSFER};
 pub use rail::{RailConfig, RailHealth, RailId, RailStats};
 pub use session::{

@@ -9,10 +9,25 @@ use rand::{Rng, SeedableRng};
 
 use crate::error::{FailureSide, TransferError};
 use crate::layout::RegionLayout;
+use crate::placement::{Admission, ConnPlacer};
 use crate::plan::BlockSelection;
 use crate::rail::{RailConfig, RailHealth};
 use crate::session::*;
-use crate::testkit::{deliver, sel, Item, Regions};
+use crate::testkit::{deliver, deliver_through_gates, sel, Item, Regions};
+
+thread_local! {
+    /// Whether pairs made on this thread place slices through gates.
+    static THROUGH_GATES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs a test once with slices placed by the session, once through gates.
+fn each_placement(test: fn()) {
+    for gates in [false, true] {
+        THROUGH_GATES.with(|g| g.set(gates));
+        test();
+    }
+    THROUGH_GATES.with(|g| g.set(false));
+}
 use crate::wire::{ErrorCode, SliceHeader};
 
 struct Side {
@@ -29,6 +44,10 @@ struct Pair {
     now: Instant,
     slices_per_conn: Vec<usize>,
     next_id: u64,
+    /// Some: receivers place through gates, one placer per connection and side.
+    placers: Option<Vec<[ConnPlacer; 2]>>,
+    /// Slices gates admitted (with `placers`).
+    admitted_by_gates: usize,
 }
 
 impl Pair {
@@ -47,6 +66,8 @@ impl Pair {
             now: Instant::now(),
             slices_per_conn: vec![0; conns],
             next_id: 1,
+            placers: THROUGH_GATES.with(|g| g.get()).then(Vec::new),
+            admitted_by_gates: 0,
         };
         for c in 0..conns {
             for s in &mut p.sides {
@@ -128,8 +149,26 @@ impl Pair {
         let (conn, dir) = busy[self.rng.random_range(0..busy.len())];
         let item = self.wires[conn][dir].pop_front().unwrap();
         self.now += Duration::from_micros(1);
+        let more_input = !self.wires[conn][dir].is_empty();
         let side = &mut self.sides[1 - dir];
-        deliver(&mut side.session, &mut side.regions, conn, item, self.now);
+        match &mut self.placers {
+            Some(placers) => {
+                if placers.len() <= conn {
+                    placers.resize_with(conn + 1, Default::default);
+                }
+                let placer = &mut placers[conn][1 - dir];
+                self.admitted_by_gates += usize::from(deliver_through_gates(
+                    &mut side.session,
+                    &mut side.regions,
+                    placer,
+                    conn,
+                    item,
+                    more_input,
+                    self.now,
+                ));
+            }
+            None => deliver(&mut side.session, &mut side.regions, conn, item, self.now),
+        }
         self.flush();
         true
     }
@@ -149,6 +188,14 @@ impl Pair {
         }
         self.wires[conn][0].clear();
         self.wires[conn][1].clear();
+        // A dead connection's reader merges what it placed in full when it
+        // stops, after the session has heard of the loss.
+        if let Some(placers) = self.placers.as_mut().and_then(|p| p.get_mut(conn)) {
+            for (side, placer) in self.sides.iter_mut().zip(placers.iter_mut()) {
+                side.session
+                    .merge_placed(conn, placer.take_placed(), self.now);
+            }
+        }
     }
 
     fn block(&self, side: usize, region: u64, layer: u32, plane: u32, block: u32) -> &[u8] {
@@ -232,8 +279,7 @@ fn assert_moved(
     );
 }
 
-#[test]
-fn push_moves_shuffled_blocks_and_nothing_else() {
+fn push_moves_shuffled_blocks_and_nothing_else_case() {
     for seed in 0..20 {
         let mut p = Pair::new(3, small_slices(), seed);
         p.add_region(0, 1, RegionLayout::dense(4, 2, 16, 300), true, false);
@@ -252,8 +298,7 @@ fn push_moves_shuffled_blocks_and_nothing_else() {
     }
 }
 
-#[test]
-fn pull_reads_exposed_blocks() {
+fn pull_reads_exposed_blocks_case() {
     let mut p = Pair::new(2, small_slices(), 7);
     p.add_region(0, 2, RegionLayout::dense(2, 2, 8, 512), false, false);
     p.add_region(1, 5, RegionLayout::dense(2, 2, 8, 512), true, true);
@@ -345,8 +390,7 @@ fn pull_from_an_unexposed_region_is_refused() {
     ));
 }
 
-#[test]
-fn a_lost_connection_is_survived_by_resending_on_the_others() {
+fn a_lost_connection_is_survived_by_resending_on_the_others_case() {
     for cut_at in [3, 10, 25, 60] {
         let mut p = Pair::new(3, small_slices(), cut_at);
         p.add_region(0, 1, RegionLayout::dense(2, 2, 32, 700), true, false);
@@ -364,8 +408,7 @@ fn a_lost_connection_is_survived_by_resending_on_the_others() {
     }
 }
 
-#[test]
-fn losing_every_connection_fails_both_sides() {
+fn losing_every_connection_fails_both_sides_case() {
     let mut p = Pair::new(2, small_slices(), 5);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
@@ -433,8 +476,7 @@ fn a_silent_peer_times_out() {
     assert_eq!(p.now - start, Duration::from_secs(5));
 }
 
-#[test]
-fn cancel_tells_the_peer_and_stops() {
+fn cancel_tells_the_peer_and_stops_case() {
     let mut p = Pair::new(2, small_slices(), 9);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
@@ -537,8 +579,7 @@ fn failure_waits_for_slices_still_being_placed() {
     ));
 }
 
-#[test]
-fn many_concurrent_transfers_both_ways_all_complete() {
+fn many_concurrent_transfers_both_ways_all_complete_case() {
     let mut p = Pair::new(4, small_slices(), 11);
     p.add_region(0, 1, RegionLayout::dense(2, 2, 64, 333), true, true);
     p.add_region(1, 2, RegionLayout::dense(2, 2, 64, 333), true, true);
@@ -552,6 +593,15 @@ fn many_concurrent_transfers_both_ways_all_complete() {
     p.drive();
     assert_eq!(p.done_kinds(0).len(), 16);
     assert_eq!(p.done_kinds(1).len(), 16);
+    if p.placers.is_some() {
+        // Every slice but each connection's first of each transfer.
+        assert!(
+            p.admitted_by_gates > p.slices_per_conn.iter().sum::<usize>() / 2,
+            "{} of {}",
+            p.admitted_by_gates,
+            p.slices_per_conn.iter().sum::<usize>()
+        );
+    }
     assert_eq!(
         p.sides[1].regions.0[&4].bytes,
         p.sides[0].regions.0[&1].bytes
@@ -632,8 +682,7 @@ fn a_pull_naming_released_blocks_is_refused_before_a_byte_moves() {
         .all(|&b| b != 0));
 }
 
-#[test]
-fn blocks_released_mid_transfer_fail_it_on_both_sides() {
+fn blocks_released_mid_transfer_fail_it_on_both_sides_case() {
     for (releasing_side, region) in [(1usize, 2u64), (0, 1)] {
         let mut p = Pair::new(2, small_slices(), 22);
         p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), false, false);
@@ -751,8 +800,7 @@ fn messages_beyond_the_queue_limit_are_refused_not_queued() {
 /// new ones replace them: the slices re-sent there were placed already. The
 /// receiver must acknowledge them again, and repeat the Complete that was lost,
 /// or the sender waits for ever.
-#[test]
-fn placed_slices_resent_after_lost_acks_are_acknowledged_again() {
+fn placed_slices_resent_after_lost_acks_are_acknowledged_again_case() {
     for (seed, cut_after) in (0..12).zip([2, 5, 9, 1000].into_iter().cycle()) {
         let mut p = Pair::new(2, small_slices(), seed);
         p.add_region(0, 1, RegionLayout::dense(2, 2, 32, 700), true, false);
@@ -805,4 +853,208 @@ fn placed_slices_resent_after_lost_acks_are_acknowledged_again() {
         );
         assert_moved(&p, (0, 1, &blocks), (1, 2, &dst), (0, 2));
     }
+}
+
+// Each of these runs with slices placed by the session and through gates.
+
+#[test]
+fn push_moves_shuffled_blocks_and_nothing_else() {
+    each_placement(push_moves_shuffled_blocks_and_nothing_else_case);
+}
+
+#[test]
+fn pull_reads_exposed_blocks() {
+    each_placement(pull_reads_exposed_blocks_case);
+}
+
+#[test]
+fn a_lost_connection_is_survived_by_resending_on_the_others() {
+    each_placement(a_lost_connection_is_survived_by_resending_on_the_others_case);
+}
+
+#[test]
+fn many_concurrent_transfers_both_ways_all_complete() {
+    each_placement(many_concurrent_transfers_both_ways_all_complete_case);
+}
+
+#[test]
+fn blocks_released_mid_transfer_fail_it_on_both_sides() {
+    each_placement(blocks_released_mid_transfer_fail_it_on_both_sides_case);
+}
+
+#[test]
+fn placed_slices_resent_after_lost_acks_are_acknowledged_again() {
+    each_placement(placed_slices_resent_after_lost_acks_are_acknowledged_again_case);
+}
+
+#[test]
+fn losing_every_connection_fails_both_sides() {
+    each_placement(losing_every_connection_fails_both_sides_case);
+}
+
+#[test]
+fn cancel_tells_the_peer_and_stops() {
+    each_placement(cancel_tells_the_peer_and_stops_case);
+}
+
+/// A pull of two 100-byte blocks with its gate learnt by a placer (side 0 receives).
+fn pull_with_gate() -> (Pair, u64, ConnPlacer) {
+    let mut p = Pair::new(1, small_slices(), 2);
+    p.add_region(0, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 100), true, true);
+    let id = p.pull(sel(2, (0, 1), &[0, 1]), sel(5, (0, 1), &[0, 1]));
+    let mut placer = ConnPlacer::default();
+    let gate = p.sides[0].session.placement_gate(id);
+    assert!(gate.is_some());
+    placer.learn(id, gate);
+    (p, id, placer)
+}
+
+fn slice(transfer_id: u64, offset: u64) -> SliceHeader {
+    SliceHeader {
+        transfer_id,
+        offset,
+    }
+}
+
+#[test]
+fn failure_waits_for_slices_admitted_through_a_gate() {
+    let (mut p, id, mut placer) = pull_with_gate();
+    let now = p.now;
+    let Admission::Place(first) = placer.admit(slice(id, 0), 100) else {
+        panic!("an open transfer's gate admits its slices")
+    };
+    assert_eq!(first.pieces, vec![(0, 100)]);
+    let a = &mut p.sides[0].session;
+    // The worker cancels while the payload is still being read into its blocks.
+    assert!(a.cancel(id, now));
+    assert!(a.still_placing(&[id]));
+    assert!(
+        a.poll_event().is_none(),
+        "must not report failure while memory is being written"
+    );
+    // Nothing more is admitted once the transfer fails.
+    assert!(matches!(
+        placer.admit(slice(id, 100), 100),
+        Admission::AskSession
+    ));
+    assert!(a.placement_gate(id).is_none());
+    placer.placed(first);
+    a.merge_placed(0, placer.take_placed(), now);
+    assert!(!a.still_placing(&[id]));
+    assert!(matches!(
+        a.poll_event(),
+        Some(Event::Failed {
+            error: TransferError::Cancelled,
+            ..
+        })
+    ));
+    assert_eq!(a.active_transfers(), 0);
+}
+
+#[test]
+fn an_abandoned_admission_settles_its_failing_transfer() {
+    let (mut p, id, mut placer) = pull_with_gate();
+    let now = p.now;
+    let Admission::Place(first) = placer.admit(slice(id, 100), 100) else {
+        panic!("admitted")
+    };
+    let a = &mut p.sides[0].session;
+    a.fail(id, ErrorCode::Internal, "test", now);
+    assert!(a.poll_event().is_none());
+    a.admitted_abandoned(first);
+    assert!(matches!(a.poll_event(), Some(Event::Failed { .. })));
+}
+
+#[test]
+fn a_placement_failure_fails_the_transfer_with_its_code() {
+    let (mut p, id, mut placer) = pull_with_gate();
+    let now = p.now;
+    let Admission::Place(first) = placer.admit(slice(id, 0), 100) else {
+        panic!("admitted")
+    };
+    let a = &mut p.sides[0].session;
+    a.admitted_failed(first, ErrorCode::RegionTruncated, "file truncated", now);
+    match a.poll_event() {
+        Some(Event::Failed { error, .. }) => assert_eq!(error.code(), "region_truncated"),
+        other => panic!("expected the failure, got {other:?}"),
+    }
+    // The peer is told.
+    p.flush();
+    assert!(p.wires[0][0]
+        .iter()
+        .any(|i| matches!(i, Item::Control(crate::wire::Body::Abort(_)))));
+}
+
+#[test]
+fn a_gate_admits_nothing_outside_its_transfer_and_the_session_aborts_it() {
+    let (mut p, id, mut placer) = pull_with_gate();
+    let now = p.now;
+    for (offset, len) in [(150, 100), (200, 1), (u64::MAX - 10, 100)] {
+        assert!(
+            matches!(placer.admit(slice(id, offset), len), Admission::AskSession),
+            "{offset}+{len}"
+        );
+    }
+    // The session decides: the transfer aborts, and nothing is admitted after.
+    let a = &mut p.sides[0].session;
+    assert_eq!(
+        a.accept_slice(0, slice(id, 150), 100, now),
+        SliceDisposition::Discard
+    );
+    assert!(matches!(
+        placer.admit(slice(id, 0), 100),
+        Admission::AskSession
+    ));
+    assert!(matches!(
+        a.poll_event(),
+        Some(Event::Failed {
+            error: TransferError::Local {
+                code: ErrorCode::Protocol,
+                ..
+            },
+            ..
+        })
+    ));
+    assert!(p.sides[0].regions.0[&2].bytes.iter().all(|b| *b == 0));
+}
+
+#[test]
+fn only_receivers_have_gates_and_merging_completes_them() {
+    let mut p = Pair::new(1, small_slices(), 4);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
+    let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
+    assert!(p.sides[0].session.placement_gate(id).is_none(), "a sender");
+    assert!(
+        p.sides[0].session.placement_gate(id + 1).is_none(),
+        "unknown"
+    );
+    // A receiver: every slice admitted and placed completes only once merged.
+    let (mut p, id, mut placer) = pull_with_gate();
+    let now = p.now;
+    for offset in [100, 0] {
+        let Admission::Place(s) = placer.admit(slice(id, offset), 100) else {
+            panic!("admitted")
+        };
+        placer.placed(s);
+    }
+    assert!(placer.should_merge(false));
+    assert!(!placer.should_merge(true), "two small slices wait for more");
+    let a = &mut p.sides[0].session;
+    assert!(a.poll_event().is_none());
+    a.merge_placed(0, placer.take_placed(), now);
+    assert!(matches!(
+        a.poll_event(),
+        Some(Event::Done {
+            kind: TransferKind::Pull,
+            bytes: 200,
+            ..
+        })
+    ));
+    // The gate closed with its transfer: a repeated slice goes to the session,
+    // which repeats its Complete.
+    assert!(matches!(
+        placer.admit(slice(id, 0), 100),
+        Admission::AskSession
+    ));
 }

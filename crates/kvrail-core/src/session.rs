@@ -12,10 +12,12 @@
 //! workers). It never touches sockets, memory or clocks.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{PlanError, TransferError};
 use crate::layout::RegionLayout;
+use crate::placement::{Admitted, OwnedGate, PlacementGate};
 use crate::plan::{Access, BlockSelection, Plan};
 use crate::rail::{Rail, RailConfig, RailHealth, RailId, RailSignal, RailStats};
 use crate::rangeset::RangeSet;
@@ -216,7 +218,7 @@ struct Transfer {
     kind: TransferKind,
     state: TransferState,
     selection: BlockSelection,
-    plan: Plan,
+    plan: Arc<Plan>,
     last_progress: Instant,
     // Sender side.
     next_offset: u64,
@@ -237,8 +239,11 @@ struct Transfer {
     passive: bool,
     // Both: bytes confirmed placed.
     placed: RangeSet,
-    // Receiver side: slices being read into memory right now.
+    // Receiver side: slices being read into memory right now, admitted by the
+    // session (`accept_slice`)...
     placing: u32,
+    /// ...or by the transfer's gate, without the session (see `placement`).
+    gate: Option<OwnedGate>,
     pending_failure: Option<TransferError>,
 }
 
@@ -255,7 +260,7 @@ impl Transfer {
             kind,
             state: TransferState::Queued,
             selection,
-            plan,
+            plan: Arc::new(plan),
             last_progress: now,
             next_offset: 0,
             resend: VecDeque::new(),
@@ -269,7 +274,21 @@ impl Transfer {
             passive: false,
             placed: RangeSet::default(),
             placing: 0,
+            gate: None,
             pending_failure: None,
+        }
+    }
+
+    /// Whether bytes are being written into this transfer's memory now (by
+    /// slices the session or the gate admitted, or our one-sided READs).
+    fn placing_now(&self) -> bool {
+        self.placing > 0 || self.gate.as_ref().is_some_and(|g| g.0.placing() > 0)
+    }
+
+    /// Admits no slice through the gate any more (the transfer is failing).
+    fn close_gate(&self) {
+        if let Some(g) = &self.gate {
+            g.0.close();
         }
     }
 
@@ -594,7 +613,7 @@ impl Session {
     /// memory (a failed one ends only once those land).
     pub fn still_placing(&self, ids: &[u64]) -> bool {
         ids.iter()
-            .any(|id| self.transfers.get(id).is_some_and(|t| t.placing > 0))
+            .any(|id| self.transfers.get(id).is_some_and(Transfer::placing_now))
     }
 
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
@@ -1117,6 +1136,23 @@ impl Session {
             return;
         };
         t.placing = t.placing.saturating_sub(1);
+        self.record_placed(conn, rail, one_sided, header, len, now);
+    }
+
+    /// Counts a slice's bytes placed, acknowledges it and settles its transfer.
+    fn record_placed(
+        &mut self,
+        conn: ConnId,
+        rail: Option<RailId>,
+        one_sided: bool,
+        header: SliceHeader,
+        len: u32,
+        now: Instant,
+    ) {
+        let id = header.transfer_id;
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
         if t.pending_failure.is_some() {
             self.settle_received(id, Some(conn));
             return;
@@ -1141,6 +1177,70 @@ impl Session {
             ));
         }
         self.settle_received(id, Some(conn));
+    }
+
+    /// The gate through which connections place `transfer_id`'s slices without
+    /// the session (see [`crate::placement`]); None if this side does not
+    /// receive that transfer's bytes, or no longer does.
+    pub fn placement_gate(&mut self, transfer_id: u64) -> Option<Arc<PlacementGate>> {
+        let t = self.transfers.get_mut(&transfer_id)?;
+        if t.kind.sends_data() || t.pending_failure.is_some() {
+            return None;
+        }
+        let region_id = t.selection.region_id;
+        let plan = t.plan.clone();
+        let gate = t.gate.get_or_insert_with(|| {
+            OwnedGate(Arc::new(PlacementGate::new(transfer_id, region_id, plan)))
+        });
+        Some(gate.0.clone())
+    }
+
+    /// Slices a connection placed through their gates since it last merged:
+    /// each is counted, acknowledged on `conn` as `slice_placed` does, and its
+    /// transfer settled.
+    pub fn merge_placed(&mut self, conn: ConnId, placed: Vec<Admitted>, now: Instant) {
+        let (rail, one_sided) = self
+            .conns
+            .get(conn)
+            .map_or((None, false), |c| (Some(c.rail), c.one_sided));
+        for slice in placed {
+            slice.gate.leave();
+            if self.admitted_by_this_session(&slice) {
+                self.record_placed(conn, rail, one_sided, slice.header, slice.len, now);
+            }
+        }
+    }
+
+    /// An admitted slice's payload could not be read in full (its connection
+    /// broke): its transfer may settle without it.
+    pub fn admitted_abandoned(&mut self, slice: Admitted) {
+        slice.gate.leave();
+        if self.admitted_by_this_session(&slice) {
+            self.settle_received(slice.header.transfer_id, None);
+        }
+    }
+
+    /// Placing an admitted slice failed on this side (the region's file was
+    /// truncated under it): its transfer fails with `code`, the peer is told.
+    pub fn admitted_failed(
+        &mut self,
+        slice: Admitted,
+        code: ErrorCode,
+        reason: &str,
+        now: Instant,
+    ) {
+        slice.gate.leave();
+        if self.admitted_by_this_session(&slice) {
+            self.fail(slice.header.transfer_id, code, reason, now);
+        }
+    }
+
+    /// Whether an admitted slice's gate is still that of its open transfer.
+    fn admitted_by_this_session(&self, slice: &Admitted) -> bool {
+        self.transfers
+            .get(&slice.header.transfer_id)
+            .and_then(|t| t.gate.as_ref())
+            .is_some_and(|g| Arc::ptr_eq(&g.0, &slice.gate))
     }
 
     /// A slice's payload has been read off its connection into a staging buffer,
@@ -1209,7 +1309,7 @@ impl Session {
         let Some(t) = self.transfers.get(&id) else {
             return;
         };
-        if t.placing > 0 || t.kind.sends_data() {
+        if t.placing_now() || t.kind.sends_data() {
             return;
         }
         if let Some(error) = t.pending_failure.clone() {
@@ -1506,7 +1606,8 @@ impl Session {
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
-        if t.placing > 0 {
+        t.close_gate();
+        if t.placing_now() {
             t.pending_failure = Some(error);
             return;
         }
@@ -1517,7 +1618,8 @@ impl Session {
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
-        if t.placing > 0 {
+        t.close_gate();
+        if t.placing_now() {
             t.pending_failure.get_or_insert(error);
             return;
         }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::layout::RegionLayout;
+use crate::placement::{Admission, ConnPlacer};
 use crate::plan::BlockSelection;
 use crate::session::{ConnId, RegionAccess, RegionDirectory, Session, SliceDisposition, Transmit};
 use crate::wire::{pb, Body, SliceHeader};
@@ -105,6 +106,52 @@ pub fn scatter(dst: &mut [u8], pieces: &[(u64, u64)], data: &[u8]) {
         cursor += l as usize;
     }
     assert_eq!(cursor, data.len());
+}
+
+/// As [`deliver`], the way the sidecar's readers place slices: through their
+/// transfer's gate, without the session, merged into it once the connection
+/// has no further input at hand (`more_input`) or enough wait; the session
+/// decides the rest (unknown, finished or failing transfers, slices outside one).
+/// True if the item was a slice its gate admitted.
+pub fn deliver_through_gates(
+    session: &mut Session,
+    regions: &mut Regions,
+    placer: &mut ConnPlacer,
+    conn: ConnId,
+    item: Item,
+    more_input: bool,
+    now: Instant,
+) -> bool {
+    let Item::Slice(header, data) = item else {
+        // Control in order after the slices before it.
+        session.merge_placed(conn, placer.take_placed(), now);
+        deliver(session, regions, conn, item, now);
+        return false;
+    };
+    let len = data.len() as u32;
+    let id = header.transfer_id;
+    let mut admission = placer.admit(header, len);
+    if matches!(admission, Admission::AskSession) && !placer.knows(id) {
+        placer.learn(id, session.placement_gate(id));
+        admission = placer.admit(header, len);
+    }
+    let admitted = match admission {
+        Admission::Place(slice) => {
+            let region = regions.0.get_mut(&slice.region_id()).unwrap();
+            scatter(&mut region.bytes, &slice.pieces, &data);
+            placer.placed(slice);
+            true
+        }
+        Admission::AskSession => {
+            session.merge_placed(conn, placer.take_placed(), now);
+            deliver(session, regions, conn, Item::Slice(header, data), now);
+            false
+        }
+    };
+    if placer.should_merge(more_input) {
+        session.merge_placed(conn, placer.take_placed(), now);
+    }
+    admitted
 }
 
 /// Hands an item that arrived on `conn` to `session`, as a driver does: control
