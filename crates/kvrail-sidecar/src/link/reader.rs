@@ -1,8 +1,22 @@
 //! A connection's reader task: frames off the wire, payload straight into the
 //! destination blocks, control messages into the session.
+//!
+//! Host-memory slices are admitted and placed through their transfer's gate
+//! (`kvrail_core::placement`), without the link's lock; what the reader placed,
+//! and control messages read back to back, go into the session together, in
+//! one lock: when enough wait, and always before the reader waits for the peer
+//! (so nothing it holds back can stall a sender that waits for it).
+
+use std::future::Future;
+use std::task::Poll;
+
+use kvrail_core::{Admission, Admitted, ConnPlacer};
 
 use super::gpu_staging::receive_staged;
 use super::*;
+
+/// Control messages read back to back that go into the session in one lock.
+const CONTROL_BATCH: usize = 64;
 
 pub(super) async fn reader_task(
     link: Arc<PeerLink>,
@@ -10,7 +24,8 @@ pub(super) async fn reader_task(
     counters: m::ConnCounters,
     mut reader: Box<dyn FrameReader>,
 ) {
-    let reason = match read_loop(&link, key.0, &counters, reader.as_mut()).await {
+    let mut held = Held::new(link.clone(), key.0);
+    let reason = match read_loop(&link, key.0, &counters, reader.as_mut(), &mut held).await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
             metrics::counter!(m::FRAMES_REJECTED, "reason" => wire_reason(&e)).increment(1);
@@ -18,6 +33,8 @@ pub(super) async fn reader_task(
         }
         Err(e) => e.to_string(),
     };
+    // Slices placed in full count; the one cut off is abandoned.
+    held.settle(false);
     link.connection_failed(key, &reason);
 }
 
@@ -32,81 +49,264 @@ pub(super) fn wire_reason(e: &wire::WireError) -> &'static str {
     }
 }
 
-pub(super) async fn read_loop(
+/// What a reader holds back from the session: slices placed through their
+/// gates, the one being read, control messages read back to back. Settled in
+/// one lock; also when the reader's task is stopped (dropped) mid-read, so
+/// that no transfer waits for ever on a slice its gate counted.
+struct Held {
+    link: Arc<PeerLink>,
+    conn: ConnId,
+    placer: ConnPlacer,
+    /// Admitted, payload being read now.
+    reading: Option<Admitted>,
+    controls: Vec<Body>,
+}
+
+impl Held {
+    fn new(link: Arc<PeerLink>, conn: ConnId) -> Self {
+        Self {
+            link,
+            conn,
+            placer: ConnPlacer::default(),
+            reading: None,
+            controls: Vec::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        !self.placer.has_placed() && self.reading.is_none() && self.controls.is_empty()
+    }
+
+    /// Hands everything held to the session, in the order it arrived (the
+    /// slices before the control messages after them). `last`: the
+    /// connection has no input at hand (its control replies may be written
+    /// at once, see `inline`).
+    fn settle(&mut self, last: bool) {
+        if self.is_empty() {
+            return;
+        }
+        let placed = self.placer.take_placed();
+        let reading = self.reading.take();
+        let controls = std::mem::take(&mut self.controls);
+        let conn = self.conn;
+        let env = self.link.env.upgrade();
+        let dir = env.as_ref().map(|env| env.directory());
+        inline::with_inline_control(last, || {
+            self.link.with_session(|s, now| {
+                s.merge_placed(conn, placed, now);
+                if let Some(slice) = reading {
+                    s.admitted_abandoned(slice);
+                }
+                if let Some(dir) = &dir {
+                    for body in controls {
+                        s.handle_control(conn, body, now, dir);
+                    }
+                }
+            })
+        });
+        self.link.rearm_timer();
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // The task was stopped between two polls (never inside the link's
+        // lock: a stopped task is dropped by the runtime, later).
+        self.settle(false);
+    }
+}
+
+/// Polls `fut` once: its output if it is ready now.
+async fn ready_now<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
+}
+
+async fn read_loop(
     link: &Arc<PeerLink>,
     conn: ConnId,
     counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
+    held: &mut Held,
 ) -> Result<(), TransportError> {
     loop {
         let Some(env) = link.env.upgrade() else {
             return Ok(());
         };
-        match read_frame(reader).await? {
-            Frame::Control(Body::RdmaConnect(req)) => link.on_rdma_connect(conn, req),
-            Frame::Control(Body::RdmaAccept(a)) => link.on_rdma_accept(a),
+        let frame = {
+            let mut next = std::pin::pin!(read_frame(reader));
+            if held.is_empty() {
+                next.await?
+            } else {
+                match ready_now(&mut next).await {
+                    Poll::Ready(frame) => frame?,
+                    Poll::Pending => {
+                        // Nothing more at hand: the session hears of what is held
+                        // before this reader waits for the peer.
+                        held.settle(true);
+                        next.await?
+                    }
+                }
+            }
+        };
+        match frame {
+            Frame::Control(Body::RdmaConnect(req)) => {
+                held.settle(false);
+                link.on_rdma_connect(conn, req)
+            }
+            Frame::Control(Body::RdmaAccept(a)) => {
+                held.settle(false);
+                link.on_rdma_accept(a)
+            }
             Frame::Control(body) => {
-                let dir = env.directory();
-                let last = !reader.input_pending();
-                inline::with_inline_control(last, || {
-                    link.with_session(|s, now| s.handle_control(conn, body, now, &dir))
-                });
-                link.rearm_timer();
+                held.controls.push(body);
+                if held.controls.len() >= CONTROL_BATCH {
+                    held.settle(false);
+                }
             }
             Frame::Data {
                 header,
                 payload_len,
-            } => match link.with_session(|s, now| s.accept_slice(conn, header, payload_len, now)) {
-                SliceDisposition::Place { region_id, pieces } => {
-                    let Some(region) = env.registry().get(region_id) else {
-                        reader.discard(u64::from(payload_len)).await?;
-                        link.with_session(|s, _| s.slice_abandoned(conn, header));
-                        continue;
-                    };
-                    let host = match &region.memory {
-                        RegionMemory::Host(host) => host,
-                        RegionMemory::Gpu(g) => {
-                            receive_staged(link, conn, header, payload_len, pieces, g, reader)
-                                .await?;
-                            continue;
-                        }
-                    };
-                    let read = match host.io_slices_mut(&pieces) {
-                        Ok(mut bufs) => reader.read_payload(&mut bufs).await,
-                        Err(e) => Err(std::io::Error::other(e)),
-                    };
-                    if let Err(e) = read {
-                        link.with_session(|s, _| s.slice_abandoned(conn, header));
-                        return Err(e.into());
-                    }
-                    let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
-                    if let Err(e) = host.check_intact(0, end) {
-                        // The worker shrank the file under us: the bytes went to
-                        // zero pages; this transfer fails, the connection goes on.
-                        let reason = e.to_string();
-                        link.with_session(|s, now| {
-                            s.placement_failed_with(
-                                conn,
-                                header,
-                                ErrorCode::RegionTruncated,
-                                &reason,
-                                now,
-                            )
-                        });
-                        continue;
-                    }
-                    counters.bytes_received.increment(u64::from(payload_len));
-                    counters.slices_received.increment(1);
-                    let last = !reader.input_pending();
-                    inline::with_inline_control(last, || {
-                        link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now))
+            } => {
+                if !held.controls.is_empty() {
+                    // An open may be among them: it goes in before its slices.
+                    held.settle(false);
+                }
+                let id = header.transfer_id;
+                let mut admission = held.placer.admit(header, payload_len);
+                if matches!(admission, Admission::AskSession) && !held.placer.knows(id) {
+                    // The first slice of a transfer on this connection: learn its
+                    // gate. GPU regions' slices are staged, and ask the session.
+                    let gate = link.with_session(|s, _| s.placement_gate(id)).filter(|g| {
+                        env.registry()
+                            .get(g.region_id())
+                            .is_some_and(|r| matches!(r.memory, RegionMemory::Host(_)))
                     });
+                    held.placer.learn(id, gate);
+                    admission = held.placer.admit(header, payload_len);
                 }
-                SliceDisposition::Discard => {
-                    debug!(peer = %link.peer, transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
-                    reader.discard(u64::from(payload_len)).await?;
+                match admission {
+                    Admission::Place(slice) => {
+                        place_admitted(&env, counters, reader, held, slice).await?;
+                    }
+                    Admission::AskSession => {
+                        held.settle(false);
+                        place_by_session(link, &env, conn, counters, reader, header, payload_len)
+                            .await?;
+                    }
                 }
-            },
+            }
         }
     }
+}
+
+/// Reads a slice its gate admitted into its host region; the session hears of
+/// it with the next batch.
+async fn place_admitted(
+    env: &Arc<dyn LinkEnv>,
+    counters: &m::ConnCounters,
+    reader: &mut dyn FrameReader,
+    held: &mut Held,
+    slice: Admitted,
+) -> Result<(), TransportError> {
+    let payload_len = slice.len;
+    let region = env.registry().get(slice.region_id());
+    held.reading = Some(slice);
+    let Some(slice) = held.reading.as_ref() else {
+        return Ok(());
+    };
+    let host = match region.as_deref().map(|r| &r.memory) {
+        Some(RegionMemory::Host(host)) => host,
+        // Unregistered since (its transfers fail), or not host memory: the
+        // payload is dropped and the slice abandoned.
+        _ => {
+            reader.discard(u64::from(payload_len)).await?;
+            held.settle(false);
+            return Ok(());
+        }
+    };
+    match host.io_slices_mut(&slice.pieces) {
+        Ok(mut bufs) => reader.read_payload(&mut bufs).await?,
+        Err(e) => return Err(std::io::Error::other(e).into()),
+    }
+    let end = slice.pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+    if let Err(e) = host.check_intact(0, end) {
+        // The worker shrank the file under us: the bytes went to zero pages;
+        // this transfer fails, the connection goes on.
+        let reason = e.to_string();
+        if let Some(slice) = held.reading.take() {
+            let placed = held.placer.take_placed();
+            let conn = held.conn;
+            held.link.with_session(|s, now| {
+                s.merge_placed(conn, placed, now);
+                s.admitted_failed(slice, ErrorCode::RegionTruncated, &reason, now);
+            });
+        }
+        return Ok(());
+    }
+    counters.bytes_received.increment(u64::from(payload_len));
+    counters.slices_received.increment(1);
+    if let Some(slice) = held.reading.take() {
+        held.placer.placed(slice);
+    }
+    if held.placer.should_merge(true) {
+        held.settle(false);
+    }
+    Ok(())
+}
+
+/// A slice the session places itself: of a GPU region, of a transfer this
+/// connection has no open gate for, or one the gate could not admit.
+async fn place_by_session(
+    link: &Arc<PeerLink>,
+    env: &Arc<dyn LinkEnv>,
+    conn: ConnId,
+    counters: &m::ConnCounters,
+    reader: &mut dyn FrameReader,
+    header: kvrail_core::wire::SliceHeader,
+    payload_len: u32,
+) -> Result<(), TransportError> {
+    match link.with_session(|s, now| s.accept_slice(conn, header, payload_len, now)) {
+        SliceDisposition::Place { region_id, pieces } => {
+            let Some(region) = env.registry().get(region_id) else {
+                reader.discard(u64::from(payload_len)).await?;
+                link.with_session(|s, _| s.slice_abandoned(conn, header));
+                return Ok(());
+            };
+            let host = match &region.memory {
+                RegionMemory::Host(host) => host,
+                RegionMemory::Gpu(g) => {
+                    return receive_staged(link, conn, header, payload_len, pieces, g, reader)
+                        .await;
+                }
+            };
+            let read = match host.io_slices_mut(&pieces) {
+                Ok(mut bufs) => reader.read_payload(&mut bufs).await,
+                Err(e) => Err(std::io::Error::other(e)),
+            };
+            if let Err(e) = read {
+                link.with_session(|s, _| s.slice_abandoned(conn, header));
+                return Err(e.into());
+            }
+            let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+            if let Err(e) = host.check_intact(0, end) {
+                // As in `place_admitted`.
+                let reason = e.to_string();
+                link.with_session(|s, now| {
+                    s.placement_failed_with(conn, header, ErrorCode::RegionTruncated, &reason, now)
+                });
+                return Ok(());
+            }
+            counters.bytes_received.increment(u64::from(payload_len));
+            counters.slices_received.increment(1);
+            let last = !reader.input_pending();
+            inline::with_inline_control(last, || {
+                link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now))
+            });
+        }
+        SliceDisposition::Discard => {
+            debug!(peer = %link.peer, transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
+            reader.discard(u64::from(payload_len)).await?;
+        }
+    }
+    Ok(())
 }
