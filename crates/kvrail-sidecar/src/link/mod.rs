@@ -110,6 +110,15 @@ struct LinkState {
 }
 
 impl LinkState {
+    /// Whether the next deadline is earlier than the one the timer sleeps until.
+    fn timer_needs_nudge(&self) -> bool {
+        match (self.next_deadline(), self.timer_armed) {
+            (Some(next), Some(armed)) => next < armed,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
+
     /// The session's and the queue-pair setups' next deadline.
     fn next_deadline(&self) -> Option<Instant> {
         let session = self.session.poll_timeout();
@@ -296,17 +305,25 @@ impl PeerLink {
     /// later than the one it sleeps until needs no wake-up (a task wake per
     /// transfer and per acknowledgement otherwise).
     pub fn rearm_timer(&self) {
-        let nudge = {
-            let st = self.lock();
-            match (st.next_deadline(), st.timer_armed) {
-                (Some(next), Some(armed)) => next < armed,
-                (Some(_), None) => true,
-                (None, _) => false,
-            }
+        let nudge = self.lock().timer_needs_nudge();
+        if nudge {
+            self.timer.notify_one();
+        }
+    }
+
+    /// As [`PeerLink::with_session`] followed by [`PeerLink::rearm_timer`],
+    /// in one lock.
+    pub fn with_session_and_timer<R>(&self, f: impl FnOnce(&mut Session, Instant) -> R) -> R {
+        let (r, nudge) = {
+            let mut st = self.lock();
+            let r = f(&mut st.session, Instant::now());
+            self.pump(&mut st);
+            (r, st.timer_needs_nudge())
         };
         if nudge {
             self.timer.notify_one();
         }
+        r
     }
 
     fn pump(&self, st: &mut LinkState) {

@@ -92,7 +92,7 @@ impl Held {
         let env = self.link.env.upgrade();
         let dir = env.as_ref().map(|env| env.directory());
         inline::with_inline_control(last, || {
-            self.link.with_session(|s, now| {
+            self.link.with_session_and_timer(|s, now| {
                 s.merge_placed(conn, placed, now);
                 if let Some(slice) = reading {
                     s.admitted_abandoned(slice);
@@ -104,7 +104,6 @@ impl Held {
                 }
             })
         });
-        self.link.rearm_timer();
     }
 }
 
