@@ -310,6 +310,25 @@ fn the_dialer_refuses_answers_it_cannot_trust() {
     );
 }
 
+/// An acceptor of node "decode" on one rail, offering TCP to any peer, with
+/// no identity and no TLS.
+fn plain_acceptor_config<'a>(
+    transports: &'a [String],
+    known: &'a (dyn Fn(&str) -> bool + Sync),
+) -> AcceptorConfig<'a> {
+    AcceptorConfig {
+        node: "decode",
+        rail_count: 1,
+        transports,
+        is_known_peer: known,
+        tls_name_check: None,
+        credentials: None,
+        nonce: Vec::new(),
+        incarnation: 1,
+        software: "test",
+    }
+}
+
 #[test]
 fn silence_ends_each_side_at_its_deadline() {
     let now = Instant::now();
@@ -320,15 +339,10 @@ fn silence_ends_each_side_at_its_deadline() {
     let id = FakeIdentity::new("decode");
     let mut acceptor = Acceptor::new(
         AcceptorConfig {
-            node: "decode",
             rail_count: 2,
-            transports: &transports,
-            is_known_peer: &known,
-            tls_name_check: None,
             credentials: Some(&id),
             nonce: vec![0; NONCE_BYTES],
-            incarnation: 1,
-            software: "test",
+            ..plain_acceptor_config(&transports, &known)
         },
         now,
     );
@@ -361,18 +375,7 @@ fn silence_ends_each_side_at_its_deadline() {
 fn a_data_frame_in_place_of_a_handshake_message_is_refused_as_such() {
     let transports = vec!["tcp".to_string()];
     let known = |_: &str| true;
-    let config = || AcceptorConfig {
-        node: "decode",
-        rail_count: 1,
-        transports: &transports,
-        is_known_peer: &known,
-        tls_name_check: None,
-        credentials: None,
-        nonce: Vec::new(),
-        incarnation: 1,
-        software: "test",
-    };
-    let mut acceptor = Acceptor::new(config(), Instant::now());
+    let mut acceptor = Acceptor::new(plain_acceptor_config(&transports, &known), Instant::now());
     match acceptor.on_data_frame() {
         AcceptorStep::Refuse(e) => assert_eq!(e.label(), "not_hello"),
         other => panic!("{other:?}"),
@@ -384,20 +387,7 @@ fn an_undecodable_message_is_refused_as_malformed() {
     let now = Instant::now();
     let transports = vec!["tcp".to_string()];
     let known = |_: &str| true;
-    let mut acceptor = Acceptor::new(
-        AcceptorConfig {
-            node: "decode",
-            rail_count: 1,
-            transports: &transports,
-            is_known_peer: &known,
-            tls_name_check: None,
-            credentials: None,
-            nonce: Vec::new(),
-            incarnation: 1,
-            software: "test",
-        },
-        now,
-    );
+    let mut acceptor = Acceptor::new(plain_acceptor_config(&transports, &known), now);
     match acceptor.on_message(Err("bad varint".into()), now) {
         AcceptorStep::Refuse(e) => assert_eq!(e.label(), "malformed"),
         other => panic!("{other:?}"),

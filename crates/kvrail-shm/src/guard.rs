@@ -77,6 +77,24 @@ pub fn install() -> std::io::Result<()> {
 }
 
 /// Whether [`install`] succeeded in this process.
+/// For tests of the truncation paths: a guarded region of `len` bytes in a
+/// fresh file named after `tag`, whose file is then cut to nothing and
+/// unlinked, as a worker that shrinks its file under the sidecar does. Every
+/// page of it faults (and reads as the guard's zero page) from now on.
+#[doc(hidden)]
+pub fn truncated_region(tag: &str, len: u64) -> std::io::Result<crate::SharedRegion> {
+    install()?;
+    let path = std::env::temp_dir().join(format!("kvrail-{tag}-{}", std::process::id()));
+    let region = crate::SharedRegion::create(&path, len).map_err(std::io::Error::other)?;
+    let cut = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|f| f.set_len(0));
+    let _ = std::fs::remove_file(&path);
+    cut?;
+    Ok(region)
+}
+
 pub fn installed() -> bool {
     INSTALLED.load(Ordering::Acquire)
 }
@@ -244,18 +262,9 @@ mod tests {
     fn touch_reaches_every_page_of_an_unaligned_buffer() {
         // The fault count is the process's: no other test may fault meanwhile.
         let _alone = FAULTING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
-        install().unwrap();
-        let path = std::env::temp_dir().join(format!("kvrail-touch-{}", std::process::id()));
-        let region = crate::SharedRegion::create(&path, 4 * 4096).unwrap();
-        assert!(region.is_guarded());
         // The file shrinks under the mapping: every page now faults.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
-        let _ = std::fs::remove_file(&path);
+        let region = truncated_region("touch", 4 * 4096).unwrap();
+        assert!(region.is_guarded());
         let before = contained_faults();
         touch(region.slice(100, 4096).unwrap()); // pages 0 and 1
         assert!(region.is_poisoned());

@@ -402,17 +402,8 @@ mod tests {
     /// and the connection ended.
     #[tokio::test]
     async fn a_read_into_a_truncated_mapping_completes_over_zero_pages() {
-        kvrail_shm::guard::install().unwrap();
-        let path = std::env::temp_dir().join(format!("kvrail-tcp-trunc-{}", std::process::id()));
-        let region = kvrail_shm::SharedRegion::create(&path, 8 * 4096).unwrap();
+        let region = kvrail_shm::guard::truncated_region("tcp-trunc", 8 * 4096).unwrap();
         assert!(region.is_guarded());
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
-        let _ = std::fs::remove_file(&path);
         let (mut reader, _keep, mut client) = loopback_reader(0).await;
         let payload: Vec<u8> = (0..3 * 4096 + 5).map(|b| (b % 251) as u8 + 1).collect();
         let trailer = b"next frame".to_vec();
