@@ -14,6 +14,7 @@ use crate::plan::BlockSelection;
 use crate::rail::{RailConfig, RailHealth};
 use crate::session::*;
 use crate::testkit::{deliver, deliver_through_gates, sel, Item, Regions};
+use crate::wire::{ErrorCode, SliceHeader};
 
 thread_local! {
     /// Whether pairs made on this thread place slices through gates.
@@ -28,7 +29,6 @@ fn each_placement(test: fn()) {
     }
     THROUGH_GATES.with(|g| g.set(false));
 }
-use crate::wire::{ErrorCode, SliceHeader};
 
 struct Side {
     session: Session,
@@ -179,6 +179,9 @@ impl Pair {
             steps += 1;
             assert!(steps < 1_000_000, "pair did not go idle");
         }
+        if self.placers.is_some() && self.slices_per_conn.iter().sum::<usize>() > 0 {
+            assert!(self.admitted_by_gates > 0, "no slice went through a gate");
+        }
     }
 
     fn kill(&mut self, conn: usize) {
@@ -193,7 +196,7 @@ impl Pair {
         if let Some(placers) = self.placers.as_mut().and_then(|p| p.get_mut(conn)) {
             for (side, placer) in self.sides.iter_mut().zip(placers.iter_mut()) {
                 side.session
-                    .merge_placed(conn, placer.take_placed(), self.now);
+                    .merge_placed(Some(conn), placer.take_placed(), self.now);
             }
         }
     }
@@ -940,7 +943,7 @@ fn failure_waits_for_slices_admitted_through_a_gate() {
     ));
     assert!(a.placement_gate(id).is_none());
     placer.placed(first);
-    a.merge_placed(0, placer.take_placed(), now);
+    a.merge_placed(Some(0), placer.take_placed(), now);
     assert!(!a.still_placing(&[id]));
     assert!(matches!(
         a.poll_event(),
@@ -1016,7 +1019,53 @@ fn a_gate_admits_nothing_outside_its_transfer_and_the_session_aborts_it() {
             ..
         })
     ));
-    assert!(p.sides[0].regions.0[&2].bytes.iter().all(|b| *b == 0));
+}
+
+/// A duplicate (re-sent after a failover) admitted on one connection while the
+/// last new bytes are merged from another: the transfer is complete, but it
+/// must not end while the duplicate is still being written into its blocks.
+#[test]
+fn a_complete_transfer_ends_only_after_a_duplicate_being_written() {
+    let (mut p, id, mut first) = pull_with_gate();
+    let now = p.now;
+    let a = &mut p.sides[0].session;
+    let mut second = ConnPlacer::default();
+    second.learn(id, a.placement_gate(id));
+    let admit = |placer: &mut ConnPlacer, offset| match placer.admit(slice(id, offset), 100) {
+        Admission::Place(s) => s,
+        other => panic!("{other:?}"),
+    };
+    let s = admit(&mut first, 0);
+    first.placed(s);
+    a.merge_placed(Some(0), first.take_placed(), now);
+    let s = admit(&mut second, 100);
+    second.placed(s);
+    let duplicate = admit(&mut first, 0);
+    a.merge_placed(Some(0), second.take_placed(), now);
+    assert!(
+        a.poll_event().is_none(),
+        "done while a duplicate is being written"
+    );
+    assert!(a.still_placing(&[id]));
+    // Nothing more is admitted: the session answers repeats from now on.
+    assert!(matches!(
+        first.admit(slice(id, 100), 100),
+        Admission::AskSession
+    ));
+    assert_eq!(
+        a.accept_slice(0, slice(id, 100), 100, now),
+        SliceDisposition::Discard
+    );
+    first.placed(duplicate);
+    a.merge_placed(Some(0), first.take_placed(), now);
+    assert!(matches!(
+        a.poll_event(),
+        Some(Event::Done {
+            kind: TransferKind::Pull,
+            ..
+        })
+    ));
+    assert_eq!(a.active_transfers(), 0);
 }
 
 #[test]
@@ -1042,7 +1091,7 @@ fn only_receivers_have_gates_and_merging_completes_them() {
     assert!(!placer.should_merge(true), "two small slices wait for more");
     let a = &mut p.sides[0].session;
     assert!(a.poll_event().is_none());
-    a.merge_placed(0, placer.take_placed(), now);
+    a.merge_placed(Some(0), placer.take_placed(), now);
     assert!(matches!(
         a.poll_event(),
         Some(Event::Done {

@@ -28,7 +28,7 @@ pub const MERGE_SLICES: usize = 16;
 /// ...or once they hold this many bytes (well under a connection's window, so
 /// that holding their acknowledgements back never stalls the sender).
 pub const MERGE_BYTES: u64 = 2 << 20;
-/// Transfers one connection remembers the gate (or the absence of one) of.
+/// How many transfers' gates (or their absence) one connection caches.
 const KNOWN_GATES: usize = 256;
 
 /// The state bit of a gate that admits nothing more.

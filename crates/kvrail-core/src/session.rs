@@ -1136,13 +1136,13 @@ impl Session {
             return;
         };
         t.placing = t.placing.saturating_sub(1);
-        self.record_placed(conn, rail, one_sided, header, len, now);
+        self.record_placed(Some(conn), rail, one_sided, header, len, now);
     }
 
     /// Counts a slice's bytes placed, acknowledges it and settles its transfer.
     fn record_placed(
         &mut self,
-        conn: ConnId,
+        conn: Option<ConnId>,
         rail: Option<RailId>,
         one_sided: bool,
         header: SliceHeader,
@@ -1154,7 +1154,7 @@ impl Session {
             return;
         };
         if t.pending_failure.is_some() {
-            self.settle_received(id, Some(conn));
+            self.settle_received(id, conn);
             return;
         }
         let start = header.offset;
@@ -1168,7 +1168,7 @@ impl Session {
         // One-sided senders learn of placement from their own completions.
         if !complete && !one_sided {
             self.control.push_back((
-                Some(conn),
+                conn,
                 crate::wire::message(Body::SliceAck(pb::SliceAck {
                     transfer_id: id,
                     offset: start,
@@ -1176,7 +1176,7 @@ impl Session {
                 })),
             ));
         }
-        self.settle_received(id, Some(conn));
+        self.settle_received(id, conn);
     }
 
     /// The gate through which connections place `transfer_id`'s slices without
@@ -1196,12 +1196,12 @@ impl Session {
     }
 
     /// Slices a connection placed through their gates since it last merged:
-    /// each is counted, acknowledged on `conn` as `slice_placed` does, and its
-    /// transfer settled.
-    pub fn merge_placed(&mut self, conn: ConnId, placed: Vec<Admitted>, now: Instant) {
-        let (rail, one_sided) = self
-            .conns
-            .get(conn)
+    /// each is counted, acknowledged as `slice_placed` does, and its transfer
+    /// settled. `conn`: the connection they came on, None if its slot has
+    /// since gone to another (the acknowledgements then go on any).
+    pub fn merge_placed(&mut self, conn: Option<ConnId>, placed: Vec<Admitted>, now: Instant) {
+        let (rail, one_sided) = conn
+            .and_then(|c| self.conns.get(c))
             .map_or((None, false), |c| (Some(c.rail), c.one_sided));
         for slice in placed {
             slice.gate.leave();
@@ -1309,14 +1309,23 @@ impl Session {
         let Some(t) = self.transfers.get(&id) else {
             return;
         };
-        if t.placing_now() || t.kind.sends_data() {
+        if t.kind.sends_data() {
             return;
         }
         if let Some(error) = t.pending_failure.clone() {
-            self.finish_failed(id, error);
+            if !t.placing_now() {
+                self.finish_failed(id, error);
+            }
             return;
         }
         if !t.placed.is_complete(t.plan.total_bytes()) {
+            return;
+        }
+        // Every byte is in. The gate admits no more (a duplicate re-sent after
+        // a failover would be written while the worker reuses the blocks), and
+        // one still being written ends this transfer when it is merged.
+        let gate_busy = t.gate.as_ref().is_some_and(|g| g.0.close() > 0);
+        if t.placing > 0 || gate_busy {
             return;
         }
         let Some(mut t) = self.transfers.remove(&id) else {

@@ -124,7 +124,7 @@ pub fn deliver_through_gates(
 ) -> bool {
     let Item::Slice(header, data) = item else {
         // Control in order after the slices before it.
-        session.merge_placed(conn, placer.take_placed(), now);
+        session.merge_placed(Some(conn), placer.take_placed(), now);
         deliver(session, regions, conn, item, now);
         return false;
     };
@@ -143,13 +143,13 @@ pub fn deliver_through_gates(
             true
         }
         Admission::AskSession => {
-            session.merge_placed(conn, placer.take_placed(), now);
+            session.merge_placed(Some(conn), placer.take_placed(), now);
             deliver(session, regions, conn, Item::Slice(header, data), now);
             false
         }
     };
     if placer.should_merge(more_input) {
-        session.merge_placed(conn, placer.take_placed(), now);
+        session.merge_placed(Some(conn), placer.take_placed(), now);
     }
     admitted
 }

@@ -312,11 +312,20 @@ impl PeerLink {
     }
 
     /// As [`PeerLink::with_session`] followed by [`PeerLink::rearm_timer`],
-    /// in one lock.
-    pub fn with_session_and_timer<R>(&self, f: impl FnOnce(&mut Session, Instant) -> R) -> R {
+    /// in one lock, for what connection `key` read: `f` is given its slot, or
+    /// None if the slot has gone to another connection since.
+    fn with_session_from<R>(
+        &self,
+        (conn, generation): ConnKey,
+        f: impl FnOnce(&mut Session, Option<ConnId>, Instant) -> R,
+    ) -> R {
         let (r, nudge) = {
             let mut st = self.lock();
-            let r = f(&mut st.session, Instant::now());
+            let ours = st
+                .conns
+                .get(conn)
+                .is_some_and(|h| h.generation == generation);
+            let r = f(&mut st.session, ours.then_some(conn), Instant::now());
             self.pump(&mut st);
             (r, st.timer_needs_nudge())
         };

@@ -24,7 +24,7 @@ pub(super) async fn reader_task(
     counters: m::ConnCounters,
     mut reader: Box<dyn FrameReader>,
 ) {
-    let mut held = Held::new(link.clone(), key.0);
+    let mut held = Held::new(link.clone(), key);
     let reason = match read_loop(&link, key.0, &counters, reader.as_mut(), &mut held).await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
@@ -55,7 +55,9 @@ pub(super) fn wire_reason(e: &wire::WireError) -> &'static str {
 /// that no transfer waits for ever on a slice its gate counted.
 struct Held {
     link: Arc<PeerLink>,
-    conn: ConnId,
+    /// The connection's slot and generation: a task dropped late must not
+    /// credit its slices to the connection that took the slot since.
+    key: ConnKey,
     placer: ConnPlacer,
     /// Admitted, payload being read now.
     reading: Option<Admitted>,
@@ -63,10 +65,10 @@ struct Held {
 }
 
 impl Held {
-    fn new(link: Arc<PeerLink>, conn: ConnId) -> Self {
+    fn new(link: Arc<PeerLink>, key: ConnKey) -> Self {
         Self {
             link,
-            conn,
+            key,
             placer: ConnPlacer::default(),
             reading: None,
             controls: Vec::new(),
@@ -88,16 +90,16 @@ impl Held {
         let placed = self.placer.take_placed();
         let reading = self.reading.take();
         let controls = std::mem::take(&mut self.controls);
-        let conn = self.conn;
         let env = self.link.env.upgrade();
         let dir = env.as_ref().map(|env| env.directory());
         inline::with_inline_control(last, || {
-            self.link.with_session_and_timer(|s, now| {
+            self.link.with_session_from(self.key, |s, conn, now| {
                 s.merge_placed(conn, placed, now);
                 if let Some(slice) = reading {
                     s.admitted_abandoned(slice);
                 }
-                if let Some(dir) = &dir {
+                // A stale slot's control messages are dropped with it.
+                if let (Some(conn), Some(dir)) = (conn, &dir) {
                     for body in controls {
                         s.handle_control(conn, body, now, dir);
                     }
@@ -105,13 +107,23 @@ impl Held {
             })
         });
     }
+
+    /// Hands only the placed slices to the session (a slice is being read).
+    fn settle_placed(&mut self) {
+        let placed = self.placer.take_placed();
+        self.link
+            .with_session_from(self.key, |s, conn, now| s.merge_placed(conn, placed, now));
+    }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
         // The task was stopped between two polls (never inside the link's
-        // lock: a stopped task is dropped by the runtime, later).
-        self.settle(false);
+        // lock: a stopped task is dropped by the runtime, later). Outside a
+        // runtime (shut down) there is nobody left to tell.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.settle(false);
+        }
     }
 }
 
@@ -175,7 +187,12 @@ async fn read_loop(
                 if matches!(admission, Admission::AskSession) && !held.placer.knows(id) {
                     // The first slice of a transfer on this connection: learn its
                     // gate. GPU regions' slices are staged, and ask the session.
-                    let gate = link.with_session(|s, _| s.placement_gate(id)).filter(|g| {
+                    let placed = held.placer.take_placed();
+                    let gate = link.with_session_from(held.key, |s, conn, now| {
+                        s.merge_placed(conn, placed, now);
+                        s.placement_gate(id)
+                    });
+                    let gate = gate.filter(|g| {
                         env.registry()
                             .get(g.region_id())
                             .is_some_and(|r| matches!(r.memory, RegionMemory::Host(_)))
@@ -208,34 +225,45 @@ async fn place_admitted(
     slice: Admitted,
 ) -> Result<(), TransportError> {
     let payload_len = slice.len;
+    let transfer_id = slice.header.transfer_id;
     let region = env.registry().get(slice.region_id());
+    // Owned, so that what is held can be settled while the payload is read.
+    let pieces = slice.pieces.clone();
+    // From here on the slice is settled however this ends (see `Held`).
     held.reading = Some(slice);
-    let Some(slice) = held.reading.as_ref() else {
-        return Ok(());
-    };
     let host = match region.as_deref().map(|r| &r.memory) {
         Some(RegionMemory::Host(host)) => host,
-        // Unregistered since (its transfers fail), or not host memory: the
-        // payload is dropped and the slice abandoned.
+        // Unregistered since (its transfers fail), or no longer host memory:
+        // the payload is dropped, the slice abandoned, and the session
+        // decides this transfer's later slices.
         _ => {
+            held.placer.learn(transfer_id, None);
             reader.discard(u64::from(payload_len)).await?;
             held.settle(false);
             return Ok(());
         }
     };
-    match host.io_slices_mut(&slice.pieces) {
-        Ok(mut bufs) => reader.read_payload(&mut bufs).await?,
-        Err(e) => return Err(std::io::Error::other(e).into()),
+    {
+        let mut bufs = host.io_slices_mut(&pieces).map_err(std::io::Error::other)?;
+        let mut read = std::pin::pin!(reader.read_payload(&mut bufs));
+        if !held.placer.has_placed() {
+            read.await?;
+        } else if let Poll::Ready(r) = ready_now(&mut read).await {
+            r?;
+        } else {
+            // Slices already placed do not wait behind this one's payload.
+            held.settle_placed();
+            read.await?;
+        }
     }
-    let end = slice.pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+    let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
     if let Err(e) = host.check_intact(0, end) {
         // The worker shrank the file under us: the bytes went to zero pages;
         // this transfer fails, the connection goes on.
         let reason = e.to_string();
         if let Some(slice) = held.reading.take() {
             let placed = held.placer.take_placed();
-            let conn = held.conn;
-            held.link.with_session(|s, now| {
+            held.link.with_session_from(held.key, |s, conn, now| {
                 s.merge_placed(conn, placed, now);
                 s.admitted_failed(slice, ErrorCode::RegionTruncated, &reason, now);
             });
