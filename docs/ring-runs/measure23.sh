@@ -7,7 +7,7 @@ for c in ${CONNS:-8 16}; do
   timeout 120 $S/new/loadgen bench --only iperf3 --connections $c --transport tcp > raw/iperf-$c.json 2>raw/iperf-$c.err; echo "iperf3 $c rc $?"; grep -E "^iperf3" raw/iperf-$c.err | cut -c1-150
   for v in ${ORDER:-old new old new}; do
     i=$((i+1))
-    timeout 150 $S/$v/loadgen bench --only single,scattered,vllm --sizes 256M --ops push,pull --connections $c --transport tcp > raw/b$i-$v-$c.json 2>raw/b$i-$v-$c.err; echo "$v $c rc $? ($SECONDS s)"
+    timeout 150 $S/$v/loadgen bench --only ${ONLY:-single,scattered,vllm} --sizes 256M --ops push,pull --connections $c --transport tcp > raw/b$i-$v-$c.json 2>raw/b$i-$v-$c.err; echo "$v $c rc $? ($SECONDS s)"
     grep -E "^(single|scattered|vllm)" raw/b$i-$v-$c.err | cut -c1-140
   done
 done
