@@ -227,3 +227,78 @@ impl ConnPlacer {
         std::mem::take(&mut self.placed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::RegionLayout;
+    use crate::plan::{Access, BlockSelection};
+
+    /// A placer that knows one open gate over `blocks` blocks of `block_bytes`.
+    fn placer(blocks: u32, block_bytes: u64) -> (ConnPlacer, Arc<PlacementGate>) {
+        let layout = RegionLayout::dense(1, 1, blocks, block_bytes);
+        let selection = BlockSelection {
+            region_id: 3,
+            layer_start: 0,
+            layer_count: 1,
+            block_ids: (0..blocks).collect(),
+            generations: Vec::new(),
+        };
+        let plan = Plan::build(&layout, &selection, Access::Write).unwrap();
+        let gate = Arc::new(PlacementGate::new(7, 3, Arc::new(plan)));
+        let mut placer = ConnPlacer::default();
+        placer.learn(7, Some(gate.clone()));
+        (placer, gate)
+    }
+
+    fn place(placer: &mut ConnPlacer, offset: u64, len: u32) {
+        let header = SliceHeader {
+            transfer_id: 7,
+            offset,
+        };
+        match placer.admit(header, len) {
+            Admission::Place(s) => placer.placed(s),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_batch_merges_at_its_slice_and_byte_limits_or_when_input_runs_dry() {
+        // Small slices: the count decides.
+        let (mut small, gate) = placer(64, 1024);
+        for i in 0..MERGE_SLICES as u64 - 1 {
+            place(&mut small, i * 1024, 1024);
+            assert!(!small.should_merge(true), "after {} slices", i + 1);
+            assert!(small.should_merge(false), "nothing more at hand");
+        }
+        place(&mut small, 15 * 1024, 1024);
+        assert!(small.should_merge(true));
+        assert_eq!(gate.placing(), MERGE_SLICES as u64);
+        assert_eq!(small.take_placed().len(), MERGE_SLICES);
+        assert!(!small.should_merge(false), "nothing left to merge");
+        // Large slices: the bytes decide.
+        let (mut large, _) = placer(4, 1 << 20);
+        place(&mut large, 0, 1 << 20);
+        assert!(!large.should_merge(true));
+        place(&mut large, 1 << 20, 1 << 20);
+        assert!(large.should_merge(true), "2 MiB wait");
+    }
+
+    #[test]
+    fn a_closed_gate_admits_nothing_and_counts_what_it_admitted() {
+        let (mut placer, gate) = placer(4, 100);
+        place(&mut placer, 0, 100);
+        assert_eq!(gate.close(), 1);
+        assert!(gate.is_closed());
+        let header = SliceHeader {
+            transfer_id: 7,
+            offset: 100,
+        };
+        assert!(matches!(placer.admit(header, 100), Admission::AskSession));
+        assert!(placer.knows(7), "remembered as the session's to decide");
+        for slice in placer.take_placed() {
+            slice.gate.leave();
+        }
+        assert_eq!(gate.placing(), 0);
+    }
+}
