@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::error::{FailureSide, TransferError};
 use crate::layout::RegionLayout;
-use crate::placement::{Admission, ConnPlacer};
+use crate::placement::{Admission, Admitted, ConnPlacer};
 use crate::plan::BlockSelection;
 use crate::rail::{RailConfig, RailHealth};
 use crate::session::*;
@@ -920,13 +920,19 @@ fn slice(transfer_id: u64, offset: u64) -> SliceHeader {
     }
 }
 
+/// The 100-byte slice at `offset`, which the placer's open gate must admit.
+fn admit(placer: &mut ConnPlacer, transfer_id: u64, offset: u64) -> Admitted {
+    match placer.admit(slice(transfer_id, offset), 100) {
+        Admission::Place(s) => s,
+        other => panic!("an open gate refused the slice at {offset}: {other:?}"),
+    }
+}
+
 #[test]
 fn failure_waits_for_slices_admitted_through_a_gate() {
     let (mut p, id, mut placer) = pull_with_gate();
     let now = p.now;
-    let Admission::Place(first) = placer.admit(slice(id, 0), 100) else {
-        panic!("an open transfer's gate admits its slices")
-    };
+    let first = admit(&mut placer, id, 0);
     assert_eq!(first.pieces, vec![(0, 100)]);
     let a = &mut p.sides[0].session;
     // The worker cancels while the payload is still being read into its blocks.
@@ -959,9 +965,7 @@ fn failure_waits_for_slices_admitted_through_a_gate() {
 fn an_abandoned_admission_settles_its_failing_transfer() {
     let (mut p, id, mut placer) = pull_with_gate();
     let now = p.now;
-    let Admission::Place(first) = placer.admit(slice(id, 100), 100) else {
-        panic!("admitted")
-    };
+    let first = admit(&mut placer, id, 100);
     let a = &mut p.sides[0].session;
     a.fail(id, ErrorCode::Internal, "test", now);
     assert!(a.poll_event().is_none());
@@ -973,9 +977,7 @@ fn an_abandoned_admission_settles_its_failing_transfer() {
 fn a_placement_failure_fails_the_transfer_with_its_code() {
     let (mut p, id, mut placer) = pull_with_gate();
     let now = p.now;
-    let Admission::Place(first) = placer.admit(slice(id, 0), 100) else {
-        panic!("admitted")
-    };
+    let first = admit(&mut placer, id, 0);
     let a = &mut p.sides[0].session;
     a.admitted_failed(first, ErrorCode::RegionTruncated, "file truncated", now);
     match a.poll_event() {
@@ -1031,16 +1033,12 @@ fn a_complete_transfer_ends_only_after_a_duplicate_being_written() {
     let a = &mut p.sides[0].session;
     let mut second = ConnPlacer::default();
     second.learn(id, a.placement_gate(id));
-    let admit = |placer: &mut ConnPlacer, offset| match placer.admit(slice(id, offset), 100) {
-        Admission::Place(s) => s,
-        other => panic!("{other:?}"),
-    };
-    let s = admit(&mut first, 0);
+    let s = admit(&mut first, id, 0);
     first.placed(s);
     a.merge_placed(Some(0), first.take_placed(), now);
-    let s = admit(&mut second, 100);
+    let s = admit(&mut second, id, 100);
     second.placed(s);
-    let duplicate = admit(&mut first, 0);
+    let duplicate = admit(&mut first, id, 0);
     a.merge_placed(Some(0), second.take_placed(), now);
     assert!(
         a.poll_event().is_none(),
@@ -1082,9 +1080,7 @@ fn only_receivers_have_gates_and_merging_completes_them() {
     let (mut p, id, mut placer) = pull_with_gate();
     let now = p.now;
     for offset in [100, 0] {
-        let Admission::Place(s) = placer.admit(slice(id, offset), 100) else {
-            panic!("admitted")
-        };
+        let s = admit(&mut placer, id, offset);
         placer.placed(s);
     }
     assert!(placer.should_merge(false));
