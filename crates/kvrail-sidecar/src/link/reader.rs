@@ -215,6 +215,14 @@ async fn read_loop(
     }
 }
 
+/// Why the bytes just read into `pieces` of `host` did not land: the worker
+/// shrank the file under the mapping, so they went to zero pages (the
+/// transfer fails, the connection goes on).
+fn truncation(host: &kvrail_shm::SharedRegion, pieces: &[(u64, u64)]) -> Option<String> {
+    let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+    host.check_intact(0, end).err().map(|e| e.to_string())
+}
+
 /// Reads a slice its gate admitted into its host region; the session hears of
 /// it with the next batch.
 async fn place_admitted(
@@ -256,11 +264,7 @@ async fn place_admitted(
             read.await?;
         }
     }
-    let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
-    if let Err(e) = host.check_intact(0, end) {
-        // The worker shrank the file under us: the bytes went to zero pages;
-        // this transfer fails, the connection goes on.
-        let reason = e.to_string();
+    if let Some(reason) = truncation(host, &pieces) {
         if let Some(slice) = held.reading.take() {
             let placed = held.placer.take_placed();
             held.link.with_session_from(held.key, |s, conn, now| {
@@ -314,10 +318,7 @@ async fn place_by_session(
                 link.with_session(|s, _| s.slice_abandoned(conn, header));
                 return Err(e.into());
             }
-            let end = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
-            if let Err(e) = host.check_intact(0, end) {
-                // As in `place_admitted`.
-                let reason = e.to_string();
+            if let Some(reason) = truncation(host, &pieces) {
                 link.with_session(|s, now| {
                     s.placement_failed_with(conn, header, ErrorCode::RegionTruncated, &reason, now)
                 });
