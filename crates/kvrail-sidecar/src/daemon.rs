@@ -18,6 +18,7 @@ use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport};
 use tokio::sync::Mutex as AsyncMutex;
 use tracing::{debug, info, warn};
 
+use crate::busy_poll::BusyPoll;
 use crate::config::{Config, PeerConfig};
 use crate::gpu::GpuDevices;
 use crate::link::{DialInfo, LinkEnv, PeerLink, ProbeFuture};
@@ -67,6 +68,8 @@ pub struct Shared {
     pub refusal_log: RateLimitedLog,
     /// Random per start of this process (never 0): sent in every handshake.
     pub incarnation: u64,
+    /// Keeps a runtime worker polling while traffic is recent.
+    pub busy_poll: Arc<BusyPoll>,
 }
 
 /// Why blocks cannot be released.
@@ -894,6 +897,10 @@ impl LinkEnv for Shared {
 
     fn inline_control_writes(&self) -> bool {
         self.config.inline_control_writes
+    }
+
+    fn on_traffic(&self, bytes: u64) {
+        self.busy_poll.touch(bytes);
     }
 
     fn on_event(&self, peer: &str, event: Event) {

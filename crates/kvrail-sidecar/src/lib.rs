@@ -5,6 +5,7 @@
 //! peer's API -> peer worker. This crate only wires those parts together.
 
 pub mod api;
+pub mod busy_poll;
 pub mod config;
 pub mod daemon;
 pub mod dial;
@@ -100,6 +101,10 @@ pub struct ServeArgs {
     /// (default 65536; 0: every transfer one-sided).
     #[arg(long)]
     pub rdma_eager_max_bytes: Option<u64>,
+    /// After traffic, one runtime worker polls the sockets this long instead
+    /// of sleeping (default: 1000 with 4 CPUs or fewer, else 0 = off).
+    #[arg(long)]
+    pub runtime_busy_poll_us: Option<u64>,
     /// Ring threads hand every frame to the connection's writer task (see
     /// `ring_inline_writes` in the configuration; for comparison).
     #[arg(long)]
@@ -188,6 +193,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.rdma_eager_max_bytes {
             c.rdma_eager_max_bytes = v;
+        }
+        if let Some(v) = self.runtime_busy_poll_us {
+            c.runtime_busy_poll_us = Some(v);
         }
         if self.no_ring_inline_writes {
             c.ring_inline_writes = false;

@@ -17,6 +17,7 @@ use tokio::sync::Mutex as AsyncMutex;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use crate::busy_poll::BusyPoll;
 use crate::config::Config;
 use crate::daemon::{PeerSlot, Shared, MAX_CONCURRENT_HANDSHAKES};
 use crate::gpu::GpuDevices;
@@ -103,6 +104,7 @@ impl Daemon {
             watched_workers: DashMap::new(),
             refusal_log: RateLimitedLog::new(5),
             next_transfer: AtomicU64::new(0),
+            busy_poll: BusyPoll::new(config.runtime_busy_poll()),
         });
         if let Some(addr) = config.metrics_addr {
             m::install(addr).await?;
@@ -127,6 +129,9 @@ impl Daemon {
                 )));
             }
             listen.extend(bound);
+        }
+        if shared.busy_poll.enabled() {
+            tasks.push(tokio::spawn(shared.busy_poll.clone().run()));
         }
         let api = crate::api::serve(shared.clone(), &config.socket).await?;
         tasks.push(api);

@@ -296,6 +296,8 @@ impl RingService {
             self.request_close(CloseReason::SidecarStopping);
             return;
         };
+        // The peer's answer will come to a runtime worker: keep one awake.
+        shared.busy_poll.touch(0);
         let push = s.op == RingOp::Push;
         let (local, remote) = if push {
             (s.source, s.destination)

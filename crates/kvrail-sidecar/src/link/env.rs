@@ -26,6 +26,9 @@ pub trait LinkEnv: Send + Sync + 'static {
     /// Whether runtime tasks write a connection's control frames themselves
     /// when its writer is idle (see `inline`).
     fn inline_control_writes(&self) -> bool;
+    /// A frame of `bytes` payload came or went: the runtime may stay awake
+    /// for the next (`busy_poll`).
+    fn on_traffic(&self, bytes: u64);
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).

@@ -159,6 +159,10 @@ async fn read_loop(
                 }
             }
         };
+        env.on_traffic(match &frame {
+            Frame::Data { payload_len, .. } => u64::from(*payload_len),
+            Frame::Control(_) => 0,
+        });
         match frame {
             Frame::Control(Body::RdmaConnect(req)) => {
                 held.settle(false);

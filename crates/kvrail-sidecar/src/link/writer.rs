@@ -110,6 +110,9 @@ pub(super) async fn writer_task(
                 if r.is_ok() && slices > 0 {
                     counters.bytes_sent.increment(payload);
                     counters.slices_sent.increment(slices);
+                    if let Some(env) = link.env.upgrade() {
+                        env.on_traffic(payload);
+                    }
                 }
                 batch.clear();
                 r
