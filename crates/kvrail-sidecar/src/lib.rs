@@ -102,7 +102,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub rdma_eager_max_bytes: Option<u64>,
     /// After traffic, one runtime worker polls the sockets this long instead
-    /// of sleeping (default: 1000 with 4 CPUs or fewer, else 0 = off).
+    /// of sleeping (default 0 = off; 1000 helps small pushes on 2-core machines).
     #[arg(long)]
     pub runtime_busy_poll_us: Option<u64>,
     /// Ring threads hand every frame to the connection's writer task (see
