@@ -118,11 +118,11 @@ async fn a_pull_never_reads_blocks_the_prefill_released() {
     pair.decode.signal("CONT");
     match released {
         Ok((_, failed)) => assert_eq!(failed, 1, "the serving side must fail the open pull"),
-        // The writer was still reading the blocks into a socket the stopped
-        // peer does not drain (whether the outstanding window fits in the
-        // loopback buffers is the kernel's call): the pull failed all the
-        // same, the worker is told not to reuse the blocks yet, and releasing
-        // again waits for the copy to stop, now that the peer reads again.
+        // Bytes of the blocks were still being copied after 5 s (likely a
+        // writer mid-write into a socket the stopped peer does not drain; not
+        // measured): the pull failed all the same, the worker is told not to
+        // reuse the blocks yet, and releasing again waits for the copy to
+        // stop, now that the peer reads again.
         Err(ClientError::Rejected(s))
             if s.code() == tonic::Code::Unavailable
                 && s.message().contains("transfers failed")

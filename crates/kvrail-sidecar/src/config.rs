@@ -53,8 +53,7 @@ pub struct Config {
     /// After traffic, one runtime worker keeps polling the sockets this long
     /// instead of sleeping (see `busy_poll`); 0 or unset: off. 1000 on a
     /// 2-core machine: 4 KiB push p50 ~108 -> ~76 us; no gain on 16 cores.
-    /// Not the default yet: with it on, an end-to-end test (a release while a
-    /// pull to a stopped peer runs) failed in 2 of 4 runs, not yet understood.
+    /// Not the default: see docs/ring-format.md (a review's open questions).
     pub runtime_busy_poll_us: Option<u64>,
     /// How long a worker ring's thread spins for the next submission before
     /// it sleeps on the ring's futex, fixed. Unset: it follows the worker's
