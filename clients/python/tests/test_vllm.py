@@ -48,6 +48,11 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, A
         return json.load(r)
 
 
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def _metric(base: str, name: str) -> float:
     text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     for line in text.splitlines():
@@ -266,8 +271,17 @@ def test_an_aborted_transfer_is_cancelled_and_frees_its_blocks(vllm_pair: Disagg
     sidecar.send_signal(signal.SIGSTOP)
     started = time.monotonic()
     try:
-        with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
-            _post(f"{vllm_pair.decode.url}/v1/completions", decode_body, timeout=3)
+        try:
+            got = _post(f"{vllm_pair.decode.url}/v1/completions", decode_body, timeout=3)
+        except (TimeoutError, urllib.error.URLError, OSError):
+            pass
+        else:
+            raise AssertionError(
+                f"the decode answered while the prefill sidecar was stopped: {got}\n"
+                f"its kv_transfer_params: {decode_body.get('kv_transfer_params')}\n"
+                f"decode engine log:\n{_tail(vllm_pair.decode.log_path)}\n"
+                f"decode sidecar log:\n{_tail(vllm_pair.pair.decode.log_path)}"
+            )
         if mark is not None:
             # The connector cancels the pull (its notification says so).
             deadline = time.monotonic() + 60

@@ -697,6 +697,15 @@ fn blocks_released_mid_transfer_fail_it_on_both_sides_case() {
         }
         let now = p.now;
         let side = &mut p.sides[releasing_side];
+        // The serving side knows which connections carry the pull's slices
+        // (those a stuck writer would hold); the receiving side sends none.
+        let carrying = side.session.connections_carrying(&[id, id + 1000]);
+        if releasing_side == 1 {
+            assert!(!carrying.is_empty(), "slices of the pull are on the wire");
+            assert!(carrying.windows(2).all(|w| w[0] < w[1]), "{carrying:?}");
+        } else {
+            assert!(carrying.is_empty(), "{carrying:?}");
+        }
         side.regions.release(region, &[40]);
         assert_eq!(
             side.session
@@ -1102,4 +1111,79 @@ fn only_receivers_have_gates_and_merging_completes_them() {
         placer.admit(slice(id, 0), 100),
         Admission::AskSession
     ));
+}
+
+/// Blocks released while every rail is down: the serving side fails the pull at
+/// once and tells the puller when a connection returns, so the puller hears
+/// "blocks released" instead of timing out on a transfer nobody serves.
+#[test]
+fn a_release_with_every_rail_down_reaches_the_peer_when_one_returns() {
+    let mut p = Pair::new(1, small_slices(), 31);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), false, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), true, true);
+    let blocks: Vec<u32> = (0..64).collect();
+    let id = p.pull(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+    for _ in 0..12 {
+        p.step();
+    }
+    p.kill(0);
+    assert_eq!(p.sides[1].session.alive_connections(), 0);
+    let now = p.now;
+    p.sides[1].regions.release(2, &[40]);
+    assert_eq!(
+        p.sides[1]
+            .session
+            .blocks_released(2, &[40], "block 40 released by the worker", now),
+        vec![id]
+    );
+    for side in &mut p.sides {
+        side.session.add_connection(0, now).unwrap();
+    }
+    p.wires.push([VecDeque::new(), VecDeque::new()]);
+    p.slices_per_conn.push(0);
+    p.drive();
+    let f = p.failures(0);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].code(), "blocks_released", "{f:?}");
+    assert_eq!(f[0].side(), FailureSide::Peer, "{f:?}");
+    assert_eq!(p.sides[0].session.active_transfers(), 0);
+}
+
+/// A pull's open dies with its connection, unread (`deliver_first` false) or
+/// after the peer read it and began serving (true): the reader sends it again
+/// on a survivor, the peer serves once, and the pull completes instead of
+/// waiting out its timeout.
+#[test]
+fn a_pull_whose_open_died_with_its_connection_completes() {
+    for deliver_first in [false, true] {
+        let mut p = Pair::new(2, small_slices(), 41);
+        p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), false, false);
+        p.add_region(1, 2, RegionLayout::dense(1, 1, 16, 1000), true, true);
+        let blocks: Vec<u32> = (0..16).collect();
+        p.pull(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+        p.flush();
+        let conn = (0..p.wires.len())
+            .find(|&c| {
+                p.wires[c][0]
+                    .iter()
+                    .any(|i| matches!(i, Item::Control(crate::wire::Body::PullOpen(_))))
+            })
+            .expect("the open is on a wire");
+        if deliver_first {
+            let item = p.wires[conn][0].pop_front().unwrap();
+            let side = &mut p.sides[1];
+            deliver(&mut side.session, &mut side.regions, conn, item, p.now);
+            assert_eq!(p.sides[1].session.active_transfers(), 1, "serving");
+        }
+        p.kill(conn);
+        p.drive();
+        assert_eq!(
+            p.done_kinds(0),
+            vec![TransferKind::Pull],
+            "deliver first {deliver_first}: {:?}",
+            p.failures(0)
+        );
+        assert_eq!(p.failures(1), vec![], "deliver first {deliver_first}");
+        assert_moved(&p, (1, 2, &blocks), (0, 1, &blocks), (0, 1));
+    }
 }

@@ -227,6 +227,9 @@ struct Transfer {
     in_flight: Vec<(ConnId, u64, u64, Instant)>,
     announced: u64,
     open_msg: Option<PeerMessage>,
+    /// A pull: the connection its open went out on. An open lost with its
+    /// connection is sent again.
+    pull_open_on: Option<ConnId>,
     /// Small transfers stay on one rail.
     pinned_rail: Option<RailId>,
     /// The peer's blocks (for one-sided grants).
@@ -267,6 +270,7 @@ impl Transfer {
             in_flight: Vec::new(),
             announced: 0,
             open_msg: None,
+            pull_open_on: None,
             pinned_rail: None,
             remote_selection: BlockSelection::default(),
             awaiting_grant: false,
@@ -609,6 +613,19 @@ impl Session {
             .collect()
     }
 
+    /// The connections that carry unacknowledged slices of these transfers (a
+    /// writer may still be reading their payload out of our memory), each once.
+    pub fn connections_carrying(&self, ids: &[u64]) -> Vec<ConnId> {
+        let mut conns: Vec<ConnId> = ids
+            .iter()
+            .filter_map(|id| self.transfers.get(id))
+            .flat_map(|t| t.in_flight.iter().map(|&(conn, ..)| conn))
+            .collect();
+        conns.sort_unstable();
+        conns.dedup();
+        conns
+    }
+
     /// Whether any of these transfers still has a slice being placed into our
     /// memory (a failed one ends only once those land).
     pub fn still_placing(&self, ids: &[u64]) -> bool {
@@ -849,6 +866,34 @@ impl Session {
             return;
         }
         if let Some(t) = self.transfers.get_mut(&id) {
+            if t.kind == TransferKind::PullServe
+                && t.request_id == open.request_id
+                && selection_of(open.source.as_ref()) == t.selection
+                && (open.one_sided || !t.passive)
+            {
+                // The reader sent its open again, not knowing whether its
+                // connection died before we read the first one: serving
+                // already. Our grant may have died with it: granted again.
+                if open.one_sided {
+                    let selection = t.selection.clone();
+                    if let Ok((_, region)) = accept_plan(
+                        &selection,
+                        open.block_bytes,
+                        open.total_bytes,
+                        Access::Read,
+                        regions,
+                    ) {
+                        let keys = if t.passive {
+                            region.keys.clone()
+                        } else {
+                            Vec::new()
+                        };
+                        self.control
+                            .push_back((Some(conn), grant_message(id, &region, keys)));
+                    }
+                }
+                return;
+            }
             if t.kind == TransferKind::PullServe && t.passive && !open.one_sided {
                 // The reader lost its one-sided paths: send everything after all
                 // (it discards what it already has).
@@ -1377,8 +1422,15 @@ impl Session {
         }
         let bit = 1u64 << conn;
         let mut reads_stopped = Vec::new();
+        let mut lost_opens = Vec::new();
         for (&id, t) in self.transfers.iter_mut() {
             t.announced &= !bit;
+            if t.pull_open_on == Some(conn) {
+                // The peer may never have read it (it died in this connection's
+                // buffers); a peer that did ignores the copy.
+                t.pull_open_on = None;
+                lost_opens.extend(t.open_msg.clone());
+            }
             let mut i = 0;
             while i < t.in_flight.len() {
                 if t.in_flight[i].0 == conn {
@@ -1396,6 +1448,9 @@ impl Session {
         }
         for id in reads_stopped {
             self.settle_received(id, None);
+        }
+        for open in lost_opens {
+            self.control.push_back((None, open));
         }
         if let Some(header) = placing {
             self.abandon_placement(header);
@@ -1597,16 +1652,16 @@ impl Session {
         error: TransferError,
         _now: Instant,
     ) {
-        if self.alive_connections() > 0 {
-            self.control.push_back((
-                None,
-                crate::wire::message(Body::Abort(pb::Abort {
-                    transfer_id: id,
-                    code: code as i32,
-                    message: message.to_string(),
-                })),
-            ));
-        }
+        // Queued even with every rail down: it goes out when one returns, so
+        // the peer hears why instead of timing out on a transfer nobody serves.
+        self.control.push_back((
+            None,
+            crate::wire::message(Body::Abort(pb::Abort {
+                transfer_id: id,
+                code: code as i32,
+                message: message.to_string(),
+            })),
+        ));
         self.fail_locally(id, error);
     }
 
@@ -1658,6 +1713,11 @@ impl Session {
                 .filter(|c| self.conns.get(*c).is_some_and(|c| c.alive && !c.one_sided))
                 .or_else(|| self.any_alive())
             {
+                if let Some(Body::PullOpen(open)) = &msg.body {
+                    if let Some(t) = self.transfers.get_mut(&open.transfer_id) {
+                        t.pull_open_on = Some(conn);
+                    }
+                }
                 return Some(Transmit::Control { conn, msg });
             }
         }

@@ -239,13 +239,37 @@ impl PeerLink {
             .iter()
             .filter_map(|&id| self.held.views(id))
             .collect();
-        let failed = self.with_session(|s, now| s.blocks_released(region_id, blocks, why, now));
+        let (failed, carrying, stall) = self.with_session(|s, now| {
+            let carrying = s.connections_carrying(&naming);
+            let stall = s.config().rails.stall_timeout;
+            (
+                s.blocks_released(region_id, blocks, why, now),
+                carrying,
+                stall,
+            )
+        });
         self.rearm_timer();
         let deadline = tokio::time::Instant::now() + limit;
+        // A writer holds a view only while its write is in the kernel's hands;
+        // one still holding it after the stall limit (or half the worker's wait,
+        // if shorter) writes to a peer that does not read (stopped, or its
+        // window shut). Nothing of the failed transfer
+        // may be sent any more, and the frame cannot be cut short, so those
+        // connections go (the session re-plans what else they carried).
+        let cut_at = tokio::time::Instant::now() + stall.min(limit / 2);
+        let mut cut = false;
         for v in views {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if !v.released(left).await {
-                return (failed.len(), false);
+            loop {
+                let until = if cut { deadline } else { cut_at };
+                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                if v.released(left).await {
+                    break;
+                }
+                if cut || tokio::time::Instant::now() >= deadline {
+                    return (failed.len(), false);
+                }
+                cut = true;
+                self.cut_stuck_connections(&carrying);
             }
         }
         // A slice being placed finishes within one memcpy of a slice; there is
@@ -257,6 +281,24 @@ impl PeerLink {
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
         (failed.len(), true)
+    }
+
+    /// Stops connections whose writers hold a released transfer's payload in a
+    /// write the peer does not drain (see `release_blocks`).
+    fn cut_stuck_connections(&self, conns: &[ConnId]) {
+        let live: Vec<(ConnId, u64)> = {
+            let st = self.lock();
+            conns
+                .iter()
+                .filter_map(|&c| st.conns.get(c).map(|h| (c, h.generation)))
+                .collect()
+        };
+        for key in live {
+            self.connection_failed(
+                key,
+                "a write of released blocks did not drain (the peer is not reading)",
+            );
+        }
     }
 
     /// Runs `f` on the session, then sends what it queued and reports its events.
