@@ -51,10 +51,10 @@ pub struct Config {
     /// Poll completion queues this long before sleeping on the completion channel.
     pub rdma_busy_poll_us: u64,
     /// After traffic, one runtime worker keeps polling the sockets this long
-    /// instead of sleeping (see `busy_poll`); 0 or unset: off. 1000 on a
+    /// instead of sleeping (see `busy_poll`); 0 (the default): off. 1000 on a
     /// 2-core machine: 4 KiB push p50 ~108 -> ~76 us; no gain on 16 cores.
     /// Not the default: see docs/ring-format.md (a review's open questions).
-    pub runtime_busy_poll_us: Option<u64>,
+    pub runtime_busy_poll_us: u64,
     /// How long a worker ring's thread spins for the next submission before
     /// it sleeps on the ring's futex, fixed. Unset: it follows the worker's
     /// pace (twice its recent gap between submissions, 50 to 500 us; see
@@ -143,7 +143,7 @@ impl Default for Config {
             rdma_gid_index: None,
             rdma_qps_per_rail: 2,
             rdma_busy_poll_us: 0,
-            runtime_busy_poll_us: None,
+            runtime_busy_poll_us: 0,
             ring_spin_us: None,
             ring_inline_writes: true,
             inline_control_writes: true,
@@ -209,7 +209,7 @@ impl Config {
     /// How long a runtime worker keeps polling after traffic (see
     /// [`Config::runtime_busy_poll_us`]).
     pub fn runtime_busy_poll(&self) -> std::time::Duration {
-        std::time::Duration::from_micros(self.runtime_busy_poll_us.unwrap_or(0))
+        std::time::Duration::from_micros(self.runtime_busy_poll_us)
     }
 
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
@@ -318,7 +318,7 @@ impl Config {
         if self.quic_max_udp_payload < 1200 {
             return bad("quic_max_udp_payload must be at least 1200");
         }
-        if self.runtime_busy_poll_us.is_some_and(|us| us > 1_000_000) {
+        if self.runtime_busy_poll_us > 1_000_000 {
             return bad("runtime_busy_poll_us must be at most 1000000 (1 s)");
         }
         if self.window_bytes < self.slice_bytes {
@@ -462,13 +462,13 @@ mod tests {
         assert!(e.contains("quic_receive_sockets"), "{e}");
         // The runtime's busy poll: as configured (0 = off), at most a second.
         let polled = Config {
-            runtime_busy_poll_us: Some(0),
+            runtime_busy_poll_us: 0,
             ..many.clone()
         };
         polled.validate().unwrap();
         assert!(polled.runtime_busy_poll().is_zero());
         let e = Config {
-            runtime_busy_poll_us: Some(2_000_000),
+            runtime_busy_poll_us: 2_000_000,
             ..many
         }
         .validate()

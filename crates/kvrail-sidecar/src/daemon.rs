@@ -903,6 +903,10 @@ impl LinkEnv for Shared {
         self.busy_poll.touch(bytes);
     }
 
+    fn counts_traffic(&self) -> bool {
+        self.busy_poll.enabled()
+    }
+
     fn on_event(&self, peer: &str, event: Event) {
         Shared::on_event(self, peer, event);
     }

@@ -195,7 +195,7 @@ impl ServeArgs {
             c.rdma_eager_max_bytes = v;
         }
         if let Some(v) = self.runtime_busy_poll_us {
-            c.runtime_busy_poll_us = Some(v);
+            c.runtime_busy_poll_us = v;
         }
         if self.no_ring_inline_writes {
             c.ring_inline_writes = false;

@@ -130,11 +130,20 @@ impl Daemon {
             }
             listen.extend(bound);
         }
+        let api = match crate::api::serve(shared.clone(), &config.socket).await {
+            Ok(api) => api,
+            Err(e) => {
+                // Not serving after all: the listeners stop with the error.
+                for t in &tasks {
+                    t.abort();
+                }
+                return Err(e);
+            }
+        };
+        tasks.push(api);
         if shared.busy_poll.enabled() {
             tasks.push(tokio::spawn(shared.busy_poll.clone().run()));
         }
-        let api = crate::api::serve(shared.clone(), &config.socket).await?;
-        tasks.push(api);
         info!(node = %config.node, socket = %config.socket.display(), ?listen, transports = ?shared.offered_transports(), "kvrail sidecar ready");
         Ok(Daemon {
             shared,

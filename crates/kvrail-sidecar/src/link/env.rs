@@ -29,6 +29,8 @@ pub trait LinkEnv: Send + Sync + 'static {
     /// A frame of `bytes` payload came or went: the runtime may stay awake
     /// for the next (`busy_poll`).
     fn on_traffic(&self, bytes: u64);
+    /// Whether `on_traffic` does anything (the runtime's busy poll is on).
+    fn counts_traffic(&self) -> bool;
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).

@@ -15,7 +15,10 @@ pub(super) async fn writer_task(
     let mut queue: VecDeque<Queued> = VecDeque::new();
     let mut staging = 0usize;
     let mut batch: Vec<Outgoing> = Vec::with_capacity(WRITE_BATCH_FRAMES);
-    let stage_depth = link.env.upgrade().map_or(1, |e| e.gpu_stage_depth());
+    let (stage_depth, counts_traffic) = link
+        .env
+        .upgrade()
+        .map_or((1, false), |e| (e.gpu_stage_depth(), e.counts_traffic()));
     // Frames taken off the channel since the queue last ran dry.
     let mut taken = 0u64;
     loop {
@@ -110,8 +113,10 @@ pub(super) async fn writer_task(
                 if r.is_ok() && slices > 0 {
                     counters.bytes_sent.increment(payload);
                     counters.slices_sent.increment(slices);
-                    if let Some(env) = link.env.upgrade() {
-                        env.on_traffic(payload);
+                    if counts_traffic {
+                        if let Some(env) = link.env.upgrade() {
+                            env.on_traffic(payload);
+                        }
                     }
                 }
                 batch.clear();
