@@ -484,3 +484,97 @@ fn a_grant_smaller_than_its_layout_fails_the_transfer() {
     assert_eq!(f.counts, (0, 0, 0), "nothing was written");
     assert!(f.failure(1, 8).is_some(), "the receiver heard of it");
 }
+
+/// A one-sided push's or pull's open (or the grant answering it) dies with the
+/// stream connection that carried it: the opener sends the open again on the
+/// other rail, the peer grants again (serving once), and the transfer
+/// completes one-sided instead of waiting out its timeout.
+#[test]
+fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
+    for (push, lose_grant) in [(true, false), (true, true), (false, false), (false, true)] {
+        let mut f = Fabric::new(2, true);
+        setup(&mut f, if push { 0 } else { 1 });
+        let (sb, db) = blocks();
+        let req = if push {
+            f.transfer(7, sel(1, (0, 16), &sb), sel(2, (0, 16), &db))
+        } else {
+            f.transfer(7, sel(2, (0, 16), &db), sel(1, (0, 16), &sb))
+        };
+        if push {
+            f.sides[0].session.start_push(req, f.now).unwrap();
+        } else {
+            f.sides[0].session.start_pull(req, f.now).unwrap();
+        }
+        f.flush();
+        let conn = (0..QP_BASE)
+            .find(|&c| !f.control[c][0].is_empty())
+            .expect("the open is on a wire");
+        if lose_grant {
+            // The peer reads the open; its grant goes back on the same connection.
+            let item = f.control[conn][0].pop_front().unwrap();
+            let to = &mut f.sides[1];
+            deliver(&mut to.session, &mut to.regions, conn, item, f.now);
+            f.flush();
+            assert_eq!(f.grants, 1);
+        }
+        f.control[conn][0].clear();
+        f.control[conn][1].clear();
+        for s in &mut f.sides {
+            s.session
+                .connection_lost(conn, "test cut the connection", f.now);
+        }
+        f.run();
+        let case = format!("push {push}, grant lost {lose_grant}");
+        assert!(
+            f.done(0, 7) && f.done(1, 7),
+            "{case}: {:?}",
+            f.sides[0].events
+        );
+        assert!(
+            f.failure(0, 7).is_none() && f.failure(1, 7).is_none(),
+            "{case}"
+        );
+        assert_eq!(f.counts.0, 0, "{case}: no two-sided slice");
+        assert_eq!(f.out_of_bounds, 0, "{case}");
+        if push {
+            verify(&f, (0, 1, &sb), (1, 2, &db));
+        } else {
+            verify(&f, (1, 1, &sb), (0, 2, &db));
+        }
+    }
+}
+
+/// A peer repeating a one-sided open without reading our answers gets one
+/// grant queued, not one per copy.
+#[test]
+fn repeated_opens_queue_one_grant() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    let (sb, db) = blocks();
+    let req = f.transfer(7, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    f.flush();
+    let conn = (0..QP_BASE)
+        .find(|&c| !f.control[c][0].is_empty())
+        .expect("the open is on a wire");
+    let open = f.control[conn][0].pop_front().unwrap();
+    let open_copy = match &open {
+        crate::testkit::Item::Control(b) => crate::testkit::Item::Control(b.clone()),
+        _ => panic!("the open is a control message"),
+    };
+    let to = &mut f.sides[1];
+    deliver(&mut to.session, &mut to.regions, conn, open, f.now);
+    f.flush();
+    assert_eq!(f.grants, 1);
+    // The same open again, as the pusher would send it after a cut.
+    let crate::testkit::Item::Control(body) = open_copy else {
+        panic!("not a control item");
+    };
+    for _ in 0..50 {
+        let to = &mut f.sides[1];
+        to.session
+            .handle_control(conn, body.clone(), f.now, &to.regions);
+    }
+    f.flush();
+    assert_eq!(f.grants, 2, "one more grant for fifty copies");
+}

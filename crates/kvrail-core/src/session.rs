@@ -227,9 +227,9 @@ struct Transfer {
     in_flight: Vec<(ConnId, u64, u64, Instant)>,
     announced: u64,
     open_msg: Option<PeerMessage>,
-    /// A pull: the connection its open went out on. An open lost with its
-    /// connection is sent again.
-    pull_open_on: Option<ConnId>,
+    /// A pull's, or a one-sided push's, open: the connection it went out on
+    /// as a control message. An open lost with its connection is sent again.
+    open_on: Option<ConnId>,
     /// Small transfers stay on one rail.
     pinned_rail: Option<RailId>,
     /// The peer's blocks (for one-sided grants).
@@ -270,7 +270,7 @@ impl Transfer {
             in_flight: Vec::new(),
             announced: 0,
             open_msg: None,
-            pull_open_on: None,
+            open_on: None,
             pinned_rail: None,
             remote_selection: BlockSelection::default(),
             awaiting_grant: false,
@@ -823,7 +823,27 @@ impl Session {
             return;
         }
         // The sender repeats the announcement on each connection it uses.
-        if self.transfers.contains_key(&id) || self.rejected.contains(&id) {
+        if let Some(t) = self.transfers.get(&id) {
+            if open.one_sided
+                && t.kind == TransferKind::PushReceive
+                && t.request_id == open.request_id
+                && selection_of(open.destination.as_ref()) == t.selection
+            {
+                // A one-sided open sent again: our grant may have died with
+                // the connection that carried the first.
+                if let Ok((_, region)) = accept_plan(
+                    &t.selection.clone(),
+                    open.block_bytes,
+                    open.total_bytes,
+                    Access::Write,
+                    regions,
+                ) {
+                    self.grant_again(conn, id, &region, region.keys.clone());
+                }
+            }
+            return;
+        }
+        if self.rejected.contains(&id) {
             return;
         }
         let selection = selection_of(open.destination.as_ref());
@@ -851,6 +871,25 @@ impl Session {
                 );
             }
             Err((code, message)) => self.reject(conn, id, code, message),
+        }
+    }
+
+    /// Answers an open sent again with our grant, unless one is still queued:
+    /// a peer repeating opens without reading gets no more than one back.
+    fn grant_again(
+        &mut self,
+        conn: ConnId,
+        id: u64,
+        region: &RegionAccess,
+        keys: Vec<pb::MemoryKey>,
+    ) {
+        let queued = self
+            .control
+            .iter()
+            .any(|(_, m)| matches!(&m.body, Some(Body::Grant(g)) if g.transfer_id == id));
+        if !queued {
+            self.control
+                .push_back((Some(conn), grant_message(id, region, keys)));
         }
     }
 
@@ -888,8 +927,7 @@ impl Session {
                         } else {
                             Vec::new()
                         };
-                        self.control
-                            .push_back((Some(conn), grant_message(id, &region, keys)));
+                        self.grant_again(conn, id, &region, keys);
                     }
                 }
                 return;
@@ -948,6 +986,7 @@ impl Session {
             return;
         }
         t.awaiting_grant = false;
+        t.open_on = None;
         t.last_progress = now;
         if g.keys.is_empty() {
             // Declined: the bytes travel as two-sided slices.
@@ -1425,10 +1464,10 @@ impl Session {
         let mut lost_opens = Vec::new();
         for (&id, t) in self.transfers.iter_mut() {
             t.announced &= !bit;
-            if t.pull_open_on == Some(conn) {
+            if t.open_on == Some(conn) {
                 // The peer may never have read it (it died in this connection's
-                // buffers); a peer that did ignores the copy.
-                t.pull_open_on = None;
+                // buffers); a peer that did ignores the copy (and grants again).
+                t.open_on = None;
                 lost_opens.extend(t.open_msg.clone());
             }
             let mut i = 0;
@@ -1713,10 +1752,13 @@ impl Session {
                 .filter(|c| self.conns.get(*c).is_some_and(|c| c.alive && !c.one_sided))
                 .or_else(|| self.any_alive())
             {
-                if let Some(Body::PullOpen(open)) = &msg.body {
-                    if let Some(t) = self.transfers.get_mut(&open.transfer_id) {
-                        t.pull_open_on = Some(conn);
-                    }
+                let opened = match &msg.body {
+                    Some(Body::PullOpen(open)) => Some(open.transfer_id),
+                    Some(Body::PushOpen(open)) => Some(open.transfer_id),
+                    _ => None,
+                };
+                if let Some(t) = opened.and_then(|id| self.transfers.get_mut(&id)) {
+                    t.open_on = Some(conn);
                 }
                 return Some(Transmit::Control { conn, msg });
             }
