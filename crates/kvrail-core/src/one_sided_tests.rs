@@ -544,10 +544,10 @@ fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
     }
 }
 
-/// A peer repeating a one-sided open without reading our answers gets one
-/// grant queued, not one per copy.
+/// A peer repeating a one-sided open gets a few grants back at most, not one
+/// per copy.
 #[test]
-fn repeated_opens_queue_one_grant() {
+fn repeated_opens_get_a_bounded_number_of_grants() {
     let mut f = Fabric::new(2, true);
     setup(&mut f, 0);
     let (sb, db) = blocks();
@@ -574,7 +574,44 @@ fn repeated_opens_queue_one_grant() {
         let to = &mut f.sides[1];
         to.session
             .handle_control(conn, body.clone(), f.now, &to.regions);
+        f.flush();
     }
+    assert_eq!(
+        f.grants,
+        1 + usize::from(MAX_REGRANTS),
+        "fifty copies of the open"
+    );
+}
+
+/// A one-sided pull lost its queue pairs and asked the server to send instead;
+/// that (two-sided) open then died with its connection: the copy sent again
+/// asks for the same, and the pull completes over the surviving stream.
+#[test]
+fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    f.exchange_control();
+    f.kill_qp(0);
+    f.kill_qp(1);
     f.flush();
-    assert_eq!(f.grants, 2, "one more grant for fifty copies");
+    let conn = (0..QP_BASE)
+        .find(|&c| {
+            f.control[c][0].iter().any(|i| {
+                matches!(i, crate::testkit::Item::Control(crate::wire::Body::PullOpen(o)) if !o.one_sided)
+            })
+        })
+        .expect("the two-sided open is on a wire");
+    f.control[conn][0].clear();
+    f.control[conn][1].clear();
+    for s in &mut f.sides {
+        s.session
+            .connection_lost(conn, "test cut the connection", f.now);
+    }
+    f.run();
+    assert!(f.done(0, 9) && f.done(1, 9), "{:?}", f.sides[0].events);
+    assert_eq!(f.out_of_bounds, 0);
+    verify(&f, (1, 1, &sb), (0, 2, &db));
 }

@@ -1147,6 +1147,60 @@ fn a_release_with_every_rail_down_reaches_the_peer_when_one_returns() {
     assert_eq!(f[0].code(), "blocks_released", "{f:?}");
     assert_eq!(f[0].side(), FailureSide::Peer, "{f:?}");
     assert_eq!(p.sides[0].session.active_transfers(), 0);
+    assert_eq!(
+        p.sides[1].session.active_transfers(),
+        0,
+        "nothing served anew"
+    );
+}
+
+/// The serving side ended a pull (its blocks were released) and the abort was
+/// lost with the slices in flight; the reader, having heard nothing, sends its
+/// open again after a cut: it gets the same abort back, and nothing of the
+/// released blocks is served anew.
+#[test]
+fn a_late_open_of_a_pull_the_server_ended_gets_its_abort_again() {
+    let mut p = Pair::new(2, small_slices(), 43);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), false, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 16, 1000), true, true);
+    let blocks: Vec<u32> = (0..16).collect();
+    let id = p.pull(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+    p.flush();
+    let conn = (0..p.wires.len())
+        .find(|&c| !p.wires[c][0].is_empty())
+        .expect("the open is on a wire");
+    let open = p.wires[conn][0].pop_front().unwrap();
+    let side = &mut p.sides[1];
+    deliver(&mut side.session, &mut side.regions, conn, open, p.now);
+    let now = p.now;
+    p.sides[1].regions.release(2, &[5]);
+    assert_eq!(
+        p.sides[1]
+            .session
+            .blocks_released(2, &[5], "block 5 released by the worker", now),
+        vec![id]
+    );
+    // Everything the server sent (slices, the abort) is lost.
+    p.flush();
+    for w in &mut p.wires {
+        w[1].clear();
+    }
+    p.kill(conn);
+    p.drive();
+    let f = p.failures(0);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].code(), "blocks_released", "{f:?}");
+    assert!(f[0].to_string().contains("block 5"), "{f:?}");
+    assert_eq!(
+        p.sides[1].session.active_transfers(),
+        0,
+        "nothing served anew"
+    );
+    assert!(p.done_kinds(1).is_empty(), "{:?}", p.done_kinds(1));
+    assert!(
+        p.sides[0].regions.0[&1].bytes.iter().all(|&b| b == 0),
+        "no byte of the released pull landed"
+    );
 }
 
 /// A pull's open dies with its connection, unread (`deliver_first` false) or

@@ -228,8 +228,11 @@ struct Transfer {
     announced: u64,
     open_msg: Option<PeerMessage>,
     /// A pull's, or a one-sided push's, open: the connection it went out on
-    /// as a control message. An open lost with its connection is sent again.
+    /// as a control message, until the peer answers (a grant, a first slice).
+    /// An open lost with its connection is sent again.
     open_on: Option<ConnId>,
+    /// Grants sent again for copies of this transfer's open (bounded).
+    regrants: u8,
     /// Small transfers stay on one rail.
     pinned_rail: Option<RailId>,
     /// The peer's blocks (for one-sided grants).
@@ -271,6 +274,7 @@ impl Transfer {
             announced: 0,
             open_msg: None,
             open_on: None,
+            regrants: 0,
             pinned_rail: None,
             remote_selection: BlockSelection::default(),
             awaiting_grant: false,
@@ -361,6 +365,10 @@ pub struct Session {
     events: VecDeque<Event>,
     /// Transfers this side refused: repeated announcements stay quiet.
     rejected: RecentIds,
+    /// Transfers an open created here that this side ended or refused, and
+    /// why: a late copy of the open is answered with that abort again, never
+    /// served anew.
+    ended: RecentEnds,
     /// Transfers this side received in full. A repeated announcement or slice
     /// of one means the sender never got the Complete (it went down with a
     /// connection): it is answered with Complete again.
@@ -394,6 +402,39 @@ impl RecentIds {
     }
 }
 
+/// The last [`RECENT_MEMORY`] transfers ended here, with the abort that told
+/// the peer.
+#[derive(Debug, Default)]
+struct RecentEnds {
+    why: std::collections::HashMap<u64, (ErrorCode, String)>,
+    order: VecDeque<u64>,
+}
+
+impl RecentEnds {
+    fn insert(&mut self, id: u64, code: ErrorCode, message: &str) {
+        if self.why.insert(id, (code, message.to_string())).is_none() {
+            self.order.push_back(id);
+            if self.order.len() > RECENT_MEMORY {
+                if let Some(old) = self.order.pop_front() {
+                    self.why.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn abort_for(&self, id: u64) -> Option<PeerMessage> {
+        let (code, message) = self.why.get(&id)?;
+        Some(crate::wire::message(Body::Abort(pb::Abort {
+            transfer_id: id,
+            code: *code as i32,
+            message: message.clone(),
+        })))
+    }
+}
+
+/// Grants one transfer may send again for repeated opens.
+pub(crate) const MAX_REGRANTS: u8 = 4;
+
 impl Session {
     pub fn new(config: SessionConfig) -> Self {
         Self {
@@ -406,6 +447,7 @@ impl Session {
             control: VecDeque::new(),
             events: VecDeque::new(),
             rejected: RecentIds::default(),
+            ended: RecentEnds::default(),
             received: RecentIds::default(),
         }
     }
@@ -598,6 +640,21 @@ impl Session {
             );
         }
         hit
+    }
+
+    /// Tells the peer again that these transfers (ended here) failed: their
+    /// first abort went down with a connection that was cut.
+    pub fn abort_again(&mut self, ids: &[u64], code: ErrorCode, message: &str) {
+        for &id in ids {
+            self.control.push_back((
+                None,
+                crate::wire::message(Body::Abort(pb::Abort {
+                    transfer_id: id,
+                    code: code as i32,
+                    message: message.to_string(),
+                })),
+            ));
+        }
     }
 
     /// The open transfers that name any of `blocks` of our region `region_id`.
@@ -800,6 +857,9 @@ impl Session {
 
     fn reject(&mut self, conn: ConnId, transfer_id: u64, code: ErrorCode, message: String) {
         self.remember_rejected(transfer_id);
+        if !self.transfers.contains_key(&transfer_id) {
+            self.ended.insert(transfer_id, code, &message);
+        }
         self.control.push_back((
             Some(conn),
             crate::wire::message(Body::Abort(pb::Abort {
@@ -820,6 +880,10 @@ impl Session {
         let id = open.transfer_id;
         if self.received.contains(&id) {
             self.repeat_complete(conn, id);
+            return;
+        }
+        if let Some(abort) = self.ended.abort_for(id) {
+            self.control.push_back((Some(conn), abort));
             return;
         }
         // The sender repeats the announcement on each connection it uses.
@@ -874,8 +938,8 @@ impl Session {
         }
     }
 
-    /// Answers an open sent again with our grant, unless one is still queued:
-    /// a peer repeating opens without reading gets no more than one back.
+    /// Answers an open sent again with our grant, a few times per transfer at
+    /// most: a peer repeating an open gets no more back.
     fn grant_again(
         &mut self,
         conn: ConnId,
@@ -883,11 +947,11 @@ impl Session {
         region: &RegionAccess,
         keys: Vec<pb::MemoryKey>,
     ) {
-        let queued = self
-            .control
-            .iter()
-            .any(|(_, m)| matches!(&m.body, Some(Body::Grant(g)) if g.transfer_id == id));
-        if !queued {
+        let Some(t) = self.transfers.get_mut(&id) else {
+            return;
+        };
+        if t.regrants < MAX_REGRANTS {
+            t.regrants += 1;
             self.control
                 .push_back((Some(conn), grant_message(id, region, keys)));
         }
@@ -901,6 +965,10 @@ impl Session {
         regions: &dyn RegionDirectory,
     ) {
         let id = open.transfer_id;
+        if let Some(abort) = self.ended.abort_for(id) {
+            self.control.push_back((Some(conn), abort));
+            return;
+        }
         if self.rejected.contains(&id) {
             return;
         }
@@ -1176,6 +1244,7 @@ impl Session {
         match t.plan.pieces(header.offset, u64::from(len)) {
             Ok(pieces) => {
                 let pieces = pieces.collect();
+                t.open_on = None;
                 t.placing += 1;
                 t.last_progress = now;
                 if let Some(c) = self.conns.get_mut(conn) {
@@ -1271,6 +1340,8 @@ impl Session {
         if t.kind.sends_data() || t.pending_failure.is_some() {
             return None;
         }
+        // The peer is serving: its open arrived.
+        t.open_on = None;
         let region_id = t.selection.region_id;
         let plan = t.plan.clone();
         let gate = t.gate.get_or_insert_with(|| {
@@ -1691,6 +1762,13 @@ impl Session {
         error: TransferError,
         _now: Instant,
     ) {
+        if self
+            .transfers
+            .get(&id)
+            .is_some_and(|t| matches!(t.kind, TransferKind::PullServe | TransferKind::PushReceive))
+        {
+            self.ended.insert(id, code, message);
+        }
         // Queued even with every rail down: it goes out when one returns, so
         // the peer hears why instead of timing out on a transfer nobody serves.
         self.control.push_back((
@@ -1757,7 +1835,12 @@ impl Session {
                     Some(Body::PushOpen(open)) => Some(open.transfer_id),
                     _ => None,
                 };
-                if let Some(t) = opened.and_then(|id| self.transfers.get_mut(&id)) {
+                if let Some(id) = opened {
+                    // An open re-queued for a transfer that has since ended
+                    // stays unsent.
+                    let Some(t) = self.transfers.get_mut(&id) else {
+                        continue;
+                    };
                     t.open_on = Some(conn);
                 }
                 return Some(Transmit::Control { conn, msg });
@@ -1823,7 +1906,7 @@ impl Session {
                     t.announced |= bit;
                     return Some(Transmit::Control {
                         conn,
-                        msg: open.clone(),
+                        msg: announced_two_sided(open),
                     });
                 }
             }
@@ -1922,7 +2005,10 @@ impl Session {
             {
                 let mut open = open.clone();
                 open.one_sided = false;
-                fallen.push(crate::wire::message(Body::PullOpen(open)));
+                let open = crate::wire::message(Body::PullOpen(open));
+                // A copy re-sent after a cut asks for the same.
+                t.open_msg = Some(open.clone());
+                fallen.push(open);
             }
         }
         for msg in fallen {
@@ -2065,6 +2151,20 @@ fn one_sided_rails(conns: &[Conn], rails: &[Rail], keys: &[pb::MemoryKey]) -> u6
         }
     }
     mask
+}
+
+/// A push's open as announced before its two-sided slices: a push granted
+/// one-sided that now travels two-sided (its queue pairs went) does not ask
+/// the receiver for a grant again on every connection.
+fn announced_two_sided(open: &PeerMessage) -> PeerMessage {
+    match &open.body {
+        Some(Body::PushOpen(o)) if o.one_sided => {
+            let mut o = o.clone();
+            o.one_sided = false;
+            crate::wire::message(Body::PushOpen(o))
+        }
+        _ => open.clone(),
+    }
 }
 
 fn grant_message(transfer_id: u64, region: &RegionAccess, keys: Vec<pb::MemoryKey>) -> PeerMessage {

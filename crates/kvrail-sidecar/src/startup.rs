@@ -112,28 +112,31 @@ impl Daemon {
         }
         let mut tasks = Vec::new();
         let mut listen = Vec::new();
-        for addr in &config.listen {
-            // Every transport on the rail's address and one port number (TCP and UDP),
-            // the first one's when the port was left to the system.
-            let mut bound: Option<SocketAddr> = None;
-            for transport in &transports {
-                let at = bound.unwrap_or(*addr);
-                let listener = transport.listen(at).await.map_err(|e| {
-                    anyhow::anyhow!("cannot listen on {at} ({}): {e}", transport.name())
-                })?;
-                bound.get_or_insert(listener.local_addr()?);
-                tasks.push(tokio::spawn(accept_loop(
-                    shared.clone(),
-                    transport.name(),
-                    listener,
-                )));
+        let serving = async {
+            for addr in &config.listen {
+                // Every transport on the rail's address and one port number (TCP
+                // and UDP), the first one's when the port was left to the system.
+                let mut bound: Option<SocketAddr> = None;
+                for transport in &transports {
+                    let at = bound.unwrap_or(*addr);
+                    let listener = transport.listen(at).await.map_err(|e| {
+                        anyhow::anyhow!("cannot listen on {at} ({}): {e}", transport.name())
+                    })?;
+                    bound.get_or_insert(listener.local_addr()?);
+                    tasks.push(tokio::spawn(accept_loop(
+                        shared.clone(),
+                        transport.name(),
+                        listener,
+                    )));
+                }
+                listen.extend(bound);
             }
-            listen.extend(bound);
-        }
-        let api = match crate::api::serve(shared.clone(), &config.socket).await {
+            crate::api::serve(shared.clone(), &config.socket).await
+        };
+        let api = match serving.await {
             Ok(api) => api,
             Err(e) => {
-                // Not serving after all: the listeners stop with the error.
+                // Not serving after all: the listeners already up stop too.
                 for t in &tasks {
                     t.abort();
                 }

@@ -239,15 +239,22 @@ impl PeerLink {
             .iter()
             .filter_map(|&id| self.held.views(id))
             .collect();
-        let (failed, carrying, stall) = self.with_session(|s, now| {
-            let carrying = s.connections_carrying(&naming);
-            let stall = s.config().rails.stall_timeout;
-            (
-                s.blocks_released(region_id, blocks, why, now),
-                carrying,
-                stall,
-            )
-        });
+        let (failed, carrying, stall) = {
+            let mut st = self.lock();
+            // With their generations: a slot reused later is not this connection.
+            let carrying: Vec<(ConnId, u64)> = st
+                .session
+                .connections_carrying(&naming)
+                .into_iter()
+                .filter_map(|c| st.conns.get(c).map(|h| (c, h.generation)))
+                .collect();
+            let stall = st.session.config().rails.stall_timeout;
+            let failed = st
+                .session
+                .blocks_released(region_id, blocks, why, Instant::now());
+            self.pump(&mut st);
+            (failed, carrying, stall)
+        };
         self.rearm_timer();
         let deadline = tokio::time::Instant::now() + limit;
         // A writer holds a view only while its write is in the kernel's hands;
@@ -270,6 +277,8 @@ impl PeerLink {
                 }
                 cut = true;
                 self.cut_stuck_connections(&carrying);
+                // The aborts may have been queued behind the stuck writes.
+                self.with_session(|s, _| s.abort_again(&failed, ErrorCode::BlocksReleased, why));
             }
         }
         // A slice being placed finishes within one memcpy of a slice; there is
@@ -285,15 +294,8 @@ impl PeerLink {
 
     /// Stops connections whose writers hold a released transfer's payload in a
     /// write the peer does not drain (see `release_blocks`).
-    fn cut_stuck_connections(&self, conns: &[ConnId]) {
-        let live: Vec<(ConnId, u64)> = {
-            let st = self.lock();
-            conns
-                .iter()
-                .filter_map(|&c| st.conns.get(c).map(|h| (c, h.generation)))
-                .collect()
-        };
-        for key in live {
+    fn cut_stuck_connections(&self, conns: &[(ConnId, u64)]) {
+        for &key in conns {
             self.connection_failed(
                 key,
                 "a write of released blocks did not drain (the peer is not reading)",
