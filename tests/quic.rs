@@ -175,15 +175,21 @@ async fn refused_by_decode(mut n: Nodes, reason: &str) {
         assert!(Instant::now() < deadline, "{}", n.pair.decode.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let text = scrape(n.pair.decode.metrics.unwrap());
-    assert!(
-        metric_sum(
+    // (Counted before it is logged; polled all the same, as a scrape is a
+    // separate connection.)
+    loop {
+        let text = scrape(n.pair.decode.metrics.unwrap());
+        let refused = metric_sum(
             &text,
             "kvrail_handshakes_refused_total",
-            &[&format!("reason=\"{reason}\"")]
-        ) >= 1.0,
-        "{text}"
-    );
+            &[&format!("reason=\"{reason}\"")],
+        );
+        if refused >= 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // No data exchanged: the destination is untouched.
     assert!(verify(&n.d_kv, 3, 0..4, &dst).is_err());
     let mut region = vec![0u8; n.d_kv.memory.len() as usize];

@@ -623,10 +623,11 @@ impl Shared {
         // Bounded: a refusal says at most this much, however long the peer's
         // fields were, and a flood of refusals logs a few lines a second.
         let reason: String = reason.chars().take(MAX_REFUSAL_CHARS).collect();
+        // Counted before it is logged: whoever reads the log finds the count.
+        metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => label).increment(1);
         if let Some(suppressed) = self.refusal_log.admit() {
             warn!(%from, suppressed, "refused peer handshake: {reason}");
         }
-        metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => label).increment(1);
         let abort = wire::message(Body::Abort(pb::Abort {
             transfer_id: 0,
             code: ErrorCode::Protocol as i32,

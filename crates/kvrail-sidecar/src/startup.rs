@@ -202,8 +202,8 @@ async fn accept_loop(
             }
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
                 // A TLS handshake failed: a peer without a certificate of our CA.
-                warn!(transport, "refused peer handshake: {e}");
                 metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "tls").increment(1);
+                warn!(transport, "refused peer handshake: {e}");
             }
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {
                 warn!(transport, "peer connection dropped during setup: {e}");
