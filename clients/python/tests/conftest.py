@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -48,6 +49,28 @@ def free_port() -> int:
                     continue
             return port
     raise RuntimeError("no free port")
+
+
+def wait_stopped(pid: int, timeout: float = 20.0) -> None:
+    """Waits until every thread of ``pid`` is in the stopped state (or gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return
+        states = []
+        for t in tasks:
+            try:
+                stat = Path(f"/proc/{pid}/task/{t}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            # The state follows the parenthesised command name.
+            states.append(stat.rsplit(") ", 1)[1][:1])
+        if all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.005)
 
 
 class Sidecar:
@@ -111,6 +134,18 @@ class Sidecar:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 total += float(line.split()[-1])
         return total
+
+    def pause(self) -> None:
+        """SIGSTOP, returning once every thread of the process is stopped:
+        kill(2) only queues the signal, and a request sent right after could
+        still be served (seen: a pull completed after the signal was sent)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 
 import numpy as np
@@ -127,7 +126,7 @@ def test_sidecar_restart_mid_request_raises_and_recovers(pair):
         p.wait(p.push("warm", "decode", Blocks(sid, [0]), Blocks(did, [0])), timeout=20)
         assert dn.get(timeout=20).kind == kvrail.PUSH_RECEIVED
         # Frozen, the decode sidecar accepts nothing; the push is in flight when it dies.
-        pair.decode.proc.send_signal(signal.SIGSTOP)
+        pair.decode.pause()
         t = p.push("r-mid", "decode", Blocks(sid, list(range(32)), 0, 4), Blocks(did, list(range(32)), 0, 4))
         pair.decode.kill()
         with pytest.raises(kvrail.TransferFailed) as failed:

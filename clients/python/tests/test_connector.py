@@ -5,7 +5,6 @@ and in push mode, aborts, and bad input."""
 from __future__ import annotations
 
 import json
-import signal
 from types import SimpleNamespace
 
 import numpy as np
@@ -74,7 +73,7 @@ def test_decode_abort_mid_pull_cancels_before_blocks_are_reused(pair):
     d.finish(warm)
     params = p.prefill(Request("req-4", list(range(PROMPT)), {"do_remote_decode": True}), seed=3)
     req = Request("req-4", list(range(PROMPT)), params)
-    pair.prefill.proc.send_signal(signal.SIGSTOP)  # the pull cannot finish
+    pair.prefill.pause()  # the pull cannot finish
     try:
         d.admit_remote(req)
         d.step()  # the pull starts
@@ -84,7 +83,7 @@ def test_decode_abort_mid_pull_cancels_before_blocks_are_reused(pair):
         d.run_until(lambda: "req-4" in d.finished_recving, timeout=30)
         assert d.worker.get_block_ids_with_load_errors() == set()  # cancelled, not failed
     finally:
-        pair.prefill.proc.send_signal(signal.SIGCONT)
+        pair.prefill.resume()
     # Nobody read the prefill blocks: freed after the connector's timeout.
     p.run_until(lambda: "req-4" in p.finished_sending, timeout=30)
 

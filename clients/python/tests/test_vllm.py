@@ -264,11 +264,11 @@ def test_an_aborted_transfer_is_cancelled_and_frees_its_blocks(vllm_pair: Disagg
         # The prefill half never comes: the decode waits for pushed layers.
         _, decode_body = push_requests(body, vllm_pair.pair.prefill.node, vllm_pair.prefill.worker_id)
         mark = None
-    sidecar = vllm_pair.pair.prefill.proc
-    assert sidecar is not None
+    sidecar = vllm_pair.pair.prefill
     # The prefill sidecar stops answering: the decode's pull (or grant) hangs
     # mid-transfer until the client gives up, which aborts the request inside vLLM.
-    sidecar.send_signal(signal.SIGSTOP)
+    # (Waiting until it is stopped: without the wait, its pull was once served.)
+    sidecar.pause()
     started = time.monotonic()
     try:
         try:
@@ -296,7 +296,7 @@ def test_an_aborted_transfer_is_cancelled_and_frees_its_blocks(vllm_pair: Disagg
             assert time.monotonic() < started + TIMEOUT_S, "the aborted request's blocks were not freed"
             time.sleep(0.2)
     finally:
-        sidecar.send_signal(signal.SIGCONT)
+        sidecar.resume()
     # The decode engine goes on serving, and the next hand-off works.
     again = long_prompt("after the abort", 10)
     assert vllm_pair.disaggregated(again) == vllm_pair.reference(again)
