@@ -257,6 +257,16 @@ impl Fabric {
         }
     }
 
+    /// Both ends of stream connection `conn` break; what its wires held is lost.
+    fn cut_stream(&mut self, conn: usize) {
+        self.control[conn][0].clear();
+        self.control[conn][1].clear();
+        for s in &mut self.sides {
+            s.session
+                .connection_lost(conn, "test cut the connection", self.now);
+        }
+    }
+
     fn done(&self, side: usize, id: u64) -> bool {
         self.sides[side]
             .events
@@ -517,12 +527,7 @@ fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
             f.flush();
             assert_eq!(f.grants, 1);
         }
-        f.control[conn][0].clear();
-        f.control[conn][1].clear();
-        for s in &mut f.sides {
-            s.session
-                .connection_lost(conn, "test cut the connection", f.now);
-        }
+        f.cut_stream(conn);
         f.run();
         let case = format!("push {push}, grant lost {lose_grant}");
         assert!(
@@ -604,12 +609,7 @@ fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
             })
         })
         .expect("the two-sided open is on a wire");
-    f.control[conn][0].clear();
-    f.control[conn][1].clear();
-    for s in &mut f.sides {
-        s.session
-            .connection_lost(conn, "test cut the connection", f.now);
-    }
+    f.cut_stream(conn);
     f.run();
     assert!(f.done(0, 9) && f.done(1, 9), "{:?}", f.sides[0].events);
     assert_eq!(f.out_of_bounds, 0);

@@ -11,7 +11,7 @@
 //! [`Transmit`]s (what to write on which connection) and [`Event`]s (what to tell
 //! workers). It never touches sockets, memory or clocks.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -368,67 +368,60 @@ pub struct Session {
     /// Transfers an open created here that this side ended or refused, and
     /// why: a late copy of the open is answered with that abort again, never
     /// served anew.
-    ended: RecentEnds,
+    ended: Recent<(ErrorCode, String)>,
     /// Transfers this side received in full. A repeated announcement or slice
     /// of one means the sender never got the Complete (it went down with a
     /// connection): it is answered with Complete again.
     received: RecentIds,
 }
 
-/// How many transfer ids [`RecentIds`] keeps.
+/// How many transfer ids a [`Recent`] memory keeps.
 const RECENT_MEMORY: usize = 4096;
 
-/// A bounded memory of transfer ids; the oldest are forgotten first.
-#[derive(Debug, Default)]
-struct RecentIds {
-    set: HashSet<u64>,
+/// A bounded memory of transfer ids, each with a value; the oldest are
+/// forgotten first.
+#[derive(Debug)]
+struct Recent<V> {
+    items: HashMap<u64, V>,
     order: VecDeque<u64>,
 }
 
-impl RecentIds {
-    fn insert(&mut self, id: u64) {
-        if self.set.insert(id) {
+impl<V> Default for Recent<V> {
+    fn default() -> Self {
+        Self {
+            items: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<V> Recent<V> {
+    fn remember(&mut self, id: u64, value: V) {
+        if self.items.insert(id, value).is_none() {
             self.order.push_back(id);
             if self.order.len() > RECENT_MEMORY {
                 if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
+                    self.items.remove(&old);
                 }
             }
         }
+    }
+
+    fn get(&self, id: u64) -> Option<&V> {
+        self.items.get(&id)
     }
 
     fn contains(&self, id: &u64) -> bool {
-        self.set.contains(id)
+        self.items.contains_key(id)
     }
 }
 
-/// The last [`RECENT_MEMORY`] transfers ended here, with the abort that told
-/// the peer.
-#[derive(Debug, Default)]
-struct RecentEnds {
-    why: std::collections::HashMap<u64, (ErrorCode, String)>,
-    order: VecDeque<u64>,
-}
+/// Transfer ids alone.
+type RecentIds = Recent<()>;
 
-impl RecentEnds {
-    fn insert(&mut self, id: u64, code: ErrorCode, message: &str) {
-        if self.why.insert(id, (code, message.to_string())).is_none() {
-            self.order.push_back(id);
-            if self.order.len() > RECENT_MEMORY {
-                if let Some(old) = self.order.pop_front() {
-                    self.why.remove(&old);
-                }
-            }
-        }
-    }
-
-    fn abort_for(&self, id: u64) -> Option<PeerMessage> {
-        let (code, message) = self.why.get(&id)?;
-        Some(crate::wire::message(Body::Abort(pb::Abort {
-            transfer_id: id,
-            code: *code as i32,
-            message: message.clone(),
-        })))
+impl RecentIds {
+    fn insert(&mut self, id: u64) {
+        self.remember(id, ());
     }
 }
 
@@ -447,7 +440,7 @@ impl Session {
             control: VecDeque::new(),
             events: VecDeque::new(),
             rejected: RecentIds::default(),
-            ended: RecentEnds::default(),
+            ended: Recent::default(),
             received: RecentIds::default(),
         }
     }
@@ -646,14 +639,8 @@ impl Session {
     /// first abort went down with a connection that was cut.
     pub fn abort_again(&mut self, ids: &[u64], code: ErrorCode, message: &str) {
         for &id in ids {
-            self.control.push_back((
-                None,
-                crate::wire::message(Body::Abort(pb::Abort {
-                    transfer_id: id,
-                    code: code as i32,
-                    message: message.to_string(),
-                })),
-            ));
+            self.control
+                .push_back((None, abort_message(id, code, message.to_string())));
         }
     }
 
@@ -858,16 +845,21 @@ impl Session {
     fn reject(&mut self, conn: ConnId, transfer_id: u64, code: ErrorCode, message: String) {
         self.remember_rejected(transfer_id);
         if !self.transfers.contains_key(&transfer_id) {
-            self.ended.insert(transfer_id, code, &message);
+            self.ended.remember(transfer_id, (code, message.clone()));
         }
-        self.control.push_back((
-            Some(conn),
-            crate::wire::message(Body::Abort(pb::Abort {
-                transfer_id,
-                code: code as i32,
-                message,
-            })),
-        ));
+        self.control
+            .push_back((Some(conn), abort_message(transfer_id, code, message)));
+    }
+
+    /// Answers a late copy of an open this side ended (or refused) with the
+    /// same abort; false if it did not end that transfer.
+    fn answered_as_ended(&mut self, conn: ConnId, id: u64) -> bool {
+        let Some((code, message)) = self.ended.get(id).cloned() else {
+            return false;
+        };
+        self.control
+            .push_back((Some(conn), abort_message(id, code, message)));
+        true
     }
 
     fn on_push_open(
@@ -882,8 +874,7 @@ impl Session {
             self.repeat_complete(conn, id);
             return;
         }
-        if let Some(abort) = self.ended.abort_for(id) {
-            self.control.push_back((Some(conn), abort));
+        if self.answered_as_ended(conn, id) {
             return;
         }
         // The sender repeats the announcement on each connection it uses.
@@ -895,15 +886,7 @@ impl Session {
             {
                 // A one-sided open sent again: our grant may have died with
                 // the connection that carried the first.
-                if let Ok((_, region)) = accept_plan(
-                    &t.selection.clone(),
-                    open.block_bytes,
-                    open.total_bytes,
-                    Access::Write,
-                    regions,
-                ) {
-                    self.grant_again(conn, id, &region, region.keys.clone());
-                }
+                self.grant_again(conn, id, open.block_bytes, open.total_bytes, regions);
             }
             return;
         }
@@ -939,22 +922,38 @@ impl Session {
     }
 
     /// Answers an open sent again with our grant, a few times per transfer at
-    /// most: a peer repeating an open gets no more back.
+    /// most: a peer repeating an open gets no more back. A serve that
+    /// declined one-sided access declines again.
     fn grant_again(
         &mut self,
         conn: ConnId,
         id: u64,
-        region: &RegionAccess,
-        keys: Vec<pb::MemoryKey>,
+        block_bytes: u64,
+        total_bytes: u64,
+        regions: &dyn RegionDirectory,
     ) {
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
-        if t.regrants < MAX_REGRANTS {
-            t.regrants += 1;
-            self.control
-                .push_back((Some(conn), grant_message(id, region, keys)));
+        if t.regrants >= MAX_REGRANTS {
+            return;
         }
+        let access = match t.kind {
+            TransferKind::PushReceive => Access::Write,
+            _ => Access::Read,
+        };
+        let Ok((_, region)) = accept_plan(&t.selection, block_bytes, total_bytes, access, regions)
+        else {
+            return;
+        };
+        let keys = if t.kind == TransferKind::PullServe && !t.passive {
+            Vec::new()
+        } else {
+            region.keys.clone()
+        };
+        t.regrants += 1;
+        self.control
+            .push_back((Some(conn), grant_message(id, &region, keys)));
     }
 
     fn on_pull_open(
@@ -965,8 +964,7 @@ impl Session {
         regions: &dyn RegionDirectory,
     ) {
         let id = open.transfer_id;
-        if let Some(abort) = self.ended.abort_for(id) {
-            self.control.push_back((Some(conn), abort));
+        if self.answered_as_ended(conn, id) {
             return;
         }
         if self.rejected.contains(&id) {
@@ -982,21 +980,7 @@ impl Session {
                 // connection died before we read the first one: serving
                 // already. Our grant may have died with it: granted again.
                 if open.one_sided {
-                    let selection = t.selection.clone();
-                    if let Ok((_, region)) = accept_plan(
-                        &selection,
-                        open.block_bytes,
-                        open.total_bytes,
-                        Access::Read,
-                        regions,
-                    ) {
-                        let keys = if t.passive {
-                            region.keys.clone()
-                        } else {
-                            Vec::new()
-                        };
-                        self.grant_again(conn, id, &region, keys);
-                    }
+                    self.grant_again(conn, id, open.block_bytes, open.total_bytes, regions);
                 }
                 return;
             }
@@ -1767,18 +1751,12 @@ impl Session {
             .get(&id)
             .is_some_and(|t| matches!(t.kind, TransferKind::PullServe | TransferKind::PushReceive))
         {
-            self.ended.insert(id, code, message);
+            self.ended.remember(id, (code, message.to_string()));
         }
         // Queued even with every rail down: it goes out when one returns, so
         // the peer hears why instead of timing out on a transfer nobody serves.
-        self.control.push_back((
-            None,
-            crate::wire::message(Body::Abort(pb::Abort {
-                transfer_id: id,
-                code: code as i32,
-                message: message.to_string(),
-            })),
-        ));
+        self.control
+            .push_back((None, abort_message(id, code, message.to_string())));
         self.fail_locally(id, error);
     }
 
@@ -2165,6 +2143,14 @@ fn announced_two_sided(open: &PeerMessage) -> PeerMessage {
         }
         _ => open.clone(),
     }
+}
+
+fn abort_message(transfer_id: u64, code: ErrorCode, message: String) -> PeerMessage {
+    crate::wire::message(Body::Abort(pb::Abort {
+        transfer_id,
+        code: code as i32,
+        message,
+    }))
 }
 
 fn grant_message(transfer_id: u64, region: &RegionAccess, keys: Vec<pb::MemoryKey>) -> PeerMessage {

@@ -258,11 +258,11 @@ impl PeerLink {
         self.rearm_timer();
         let deadline = tokio::time::Instant::now() + limit;
         // A writer holds a view only while its write is in the kernel's hands;
-        // one still holding it after the stall limit (or half the worker's wait,
-        // if shorter) writes to a peer that does not read (stopped, or its
-        // window shut). Nothing of the failed transfer
-        // may be sent any more, and the frame cannot be cut short, so those
-        // connections go (the session re-plans what else they carried).
+        // one still holding it after the stall limit (or half the worker's
+        // wait, if shorter) writes to a peer that does not read (stopped, or
+        // its window shut). Nothing of the failed transfer may be sent any
+        // more, and the frame cannot be cut short, so those connections go
+        // (the session re-plans what else they carried).
         let cut_at = tokio::time::Instant::now() + stall.min(limit / 2);
         let mut cut = false;
         for v in views {
