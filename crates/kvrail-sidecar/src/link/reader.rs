@@ -84,8 +84,20 @@ impl Held {
     /// connection has no input at hand (its control replies may be written
     /// at once, see `inline`).
     fn settle(&mut self, last: bool) {
-        if self.is_empty() {
-            return;
+        self.settle_then_gate(last, None);
+    }
+
+    /// As `settle`, then, in the same lock, the placement gate of transfer
+    /// `gate_of` (a slice's first on this connection, whose open may be among
+    /// the control messages: one lock instead of two per small transfer).
+    /// `None` when nothing was asked or the session has no gate for it.
+    fn settle_then_gate(
+        &mut self,
+        last: bool,
+        gate_of: Option<u64>,
+    ) -> Option<Arc<kvrail_core::PlacementGate>> {
+        if self.is_empty() && gate_of.is_none() {
+            return None;
         }
         let placed = self.placer.take_placed();
         let reading = self.reading.take();
@@ -104,8 +116,9 @@ impl Held {
                         s.handle_control(conn, body, now, dir);
                     }
                 }
+                gate_of.and_then(|id| s.placement_gate(id))
             })
-        });
+        })
     }
 
     /// Hands only the placed slices to the session (a slice is being read).
@@ -159,6 +172,7 @@ async fn read_loop(
                 }
             }
         };
+        crate::trace_points::mark(crate::trace_points::FRAME_READ);
         env.on_traffic(match &frame {
             Frame::Data { payload_len, .. } => u64::from(*payload_len),
             Frame::Control(_) => 0,
@@ -182,26 +196,37 @@ async fn read_loop(
                 header,
                 payload_len,
             } => {
+                crate::trace_points::mark(crate::trace_points::SLICE_HEADER);
+                let id = header.transfer_id;
+                // The first slice of a transfer on this connection learns its
+                // gate, in the lock that hands over an open read before it.
+                let first = !held.placer.knows(id);
+                let mut gate_asked = None;
                 if !held.controls.is_empty() {
                     // An open may be among them: it goes in before its slices.
-                    held.settle(false);
+                    gate_asked = Some(held.settle_then_gate(false, first.then_some(id)));
                 }
-                let id = header.transfer_id;
+                crate::trace_points::mark(crate::trace_points::SLICE_OPEN_SETTLED);
                 let mut admission = held.placer.admit(header, payload_len);
-                if matches!(admission, Admission::AskSession) && !held.placer.knows(id) {
-                    // The first slice of a transfer on this connection: learn its
-                    // gate. GPU regions' slices are staged, and ask the session.
-                    let placed = held.placer.take_placed();
-                    let gate = link.with_session_from(held.key, |s, conn, now| {
-                        s.merge_placed(conn, placed, now);
-                        s.placement_gate(id)
-                    });
+                if matches!(admission, Admission::AskSession) && first {
+                    // GPU regions' slices are staged, and ask the session.
+                    let gate = match gate_asked {
+                        Some(gate) => gate,
+                        None => {
+                            let placed = held.placer.take_placed();
+                            link.with_session_from(held.key, |s, conn, now| {
+                                s.merge_placed(conn, placed, now);
+                                s.placement_gate(id)
+                            })
+                        }
+                    };
                     let gate = gate.filter(|g| {
                         env.registry()
                             .get(g.region_id())
                             .is_some_and(|r| matches!(r.memory, RegionMemory::Host(_)))
                     });
                     held.placer.learn(id, gate);
+                    crate::trace_points::mark(crate::trace_points::SLICE_GATE_LEARNED);
                     admission = held.placer.admit(header, payload_len);
                 }
                 match admission {
@@ -256,6 +281,7 @@ async fn place_admitted(
         }
     };
     {
+        crate::trace_points::mark(crate::trace_points::SLICE_PAYLOAD_START);
         let mut bufs = host.io_slices_mut(&pieces).map_err(std::io::Error::other)?;
         let mut read = std::pin::pin!(reader.read_payload(&mut bufs));
         if !held.placer.has_placed() {
@@ -268,6 +294,7 @@ async fn place_admitted(
             read.await?;
         }
     }
+    crate::trace_points::mark(crate::trace_points::SLICE_PAYLOAD_READ);
     if let Some(reason) = truncation(host, &pieces) {
         if let Some(slice) = held.reading.take() {
             let placed = held.placer.take_placed();
@@ -283,6 +310,7 @@ async fn place_admitted(
     if let Some(slice) = held.reading.take() {
         held.placer.placed(slice);
     }
+    crate::trace_points::mark(crate::trace_points::SLICE_CHECKED);
     if held.placer.should_merge(true) {
         held.settle(false);
     }
