@@ -56,6 +56,12 @@ pub struct BenchArgs {
     /// default, alternated in rounds; one alone to profile it).
     #[arg(long, value_delimiter = ',', default_value = "grpc,ring", value_parser = ["grpc", "ring"])]
     pub latency_paths: Vec<String>,
+    /// Push sizes the latency bench measures (one alone to profile it).
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M", value_parser = parse_latency_size)]
+    pub latency_sizes: Vec<u64>,
+    /// Layer counts of the layer-wise ring bench (0 skips it).
+    #[arg(long, value_delimiter = ',', default_value = "32,80")]
+    pub latency_layers: Vec<u32>,
     /// Bytes moved per measurement, at least (small sizes repeat until they reach it);
     /// default 1G over TCP, 256M over RDMA (Soft-RoCE is slow).
     #[arg(long, value_parser = parse_size)]
@@ -617,6 +623,7 @@ fn ring_push_samples(
     for i in 0..count {
         let req = format!("ring-lat-{}", first_request + i as u64);
         let start = Instant::now();
+        kvrail_sidecar::trace_points::mark(kvrail_sidecar::trace_points::BENCH_SUBMIT);
         p.submit_push(
             &req,
             "decode",
@@ -633,6 +640,7 @@ fn ring_push_samples(
                 .wait(Duration::from_secs(10))?
                 .context("no ring completion within 10 s")?;
             if c.request_id == req {
+                kvrail_sidecar::trace_points::mark(kvrail_sidecar::trace_points::BENCH_NOTIFIED);
                 if c.kind != K::PushReceived {
                     bail!("ring latency push failed: {c:?}");
                 }
@@ -754,6 +762,7 @@ async fn latency(
     bench: &mut Bench,
     ib_write_lat: Option<crate::perftest::WriteLatency>,
 ) -> anyhow::Result<()> {
+    kvrail_sidecar::trace_points::start_from_env();
     let layout = dense_layout(1, 1, 1024, 4096);
     let regions = bench.register(layout).await?;
     // The same memory registered again for the ring workers, whose
@@ -783,7 +792,8 @@ async fn latency(
     let (grpc_measured, ring_measured) = (measured("grpc"), measured("ring"));
     let mut lat = Latencies::default();
     let mut in_sidecar = Latencies::default();
-    for (size, label) in [(4096u64, "4 KiB"), (64 << 10, "64 KiB"), (1 << 20, "1 MiB")] {
+    for size in bench.args.latency_sizes.clone() {
+        let label = format!("{} KiB", size / 1024);
         let nblocks = (size / 4096) as u32;
         let mut grpc = Latencies::default();
         let mut ring = Latencies::default();
@@ -867,7 +877,8 @@ async fn latency(
         .collect();
         eprintln!("latency    push {label:>6}: {}", parts.join(" | "));
     }
-    for layers in [32u32, 80].into_iter().filter(|_| ring_measured) {
+    let layer_counts = bench.args.latency_layers.clone();
+    for layers in layer_counts.into_iter().filter(|&l| l > 0 && ring_measured) {
         let (p, d) = (p_ring.clone(), d_ring.clone());
         let first_request = bench.next_request;
         bench.next_request += 1000;
@@ -888,6 +899,7 @@ async fn latency(
         println!("{v}");
         bench.results.push(v);
     }
+    kvrail_sidecar::trace_points::write();
     drop(p_ring);
     drop(d_ring);
     bench.p.unregister_region(ring_regions.0).await?;
@@ -1514,6 +1526,17 @@ async fn run_parts(
         rdma_counters(bench)?;
     }
     Ok(())
+}
+
+/// A latency push size: whole 4 KiB blocks of the bench's 4 MiB region.
+fn parse_latency_size(s: &str) -> Result<u64, String> {
+    let size = parse_size(s)?;
+    if size == 0 || size % 4096 != 0 || size > 4 << 20 {
+        return Err(format!(
+            "{s}: a latency size is a multiple of 4 KiB up to 4 MiB"
+        ));
+    }
+    Ok(size)
 }
 
 #[cfg(test)]

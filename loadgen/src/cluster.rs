@@ -83,8 +83,11 @@ impl SidecarProcess {
 impl Drop for SidecarProcess {
     fn drop(&mut self) {
         let _ = self.signal("CONT");
-        if std::env::var_os("KVRAIL_PROFILE").is_some() && self.signal("TERM").is_ok() {
-            // A profiling sidecar writes its profile as it shuts down.
+        let profiling = ["KVRAIL_PROFILE", "KVRAIL_TRACE"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some());
+        if profiling && self.signal("TERM").is_ok() {
+            // A profiling sidecar writes its profile or trace as it shuts down.
             let deadline = Instant::now() + Duration::from_secs(10);
             while self.is_running() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));

@@ -652,6 +652,7 @@ impl Shared {
 
     /// Routes a session event to the transfer table and the right worker.
     pub fn on_event(&self, peer: &str, event: Event) {
+        crate::trace_points::mark(crate::trace_points::TRANSFER_END);
         // A transfer whose region's file was truncated under the mapping did
         // not really move its bytes: it fails, whatever the protocol concluded.
         let event = match event {

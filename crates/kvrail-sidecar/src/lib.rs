@@ -24,6 +24,7 @@ pub mod rdma;
 pub mod regions;
 pub mod startup;
 pub mod submit;
+pub mod trace_points;
 pub mod transfers;
 pub mod worker_ring;
 
@@ -236,6 +237,7 @@ impl ServeArgs {
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     #[cfg(feature = "profile")]
     let profile = profile::start_from_env();
+    trace_points::start_from_env();
     let config = args.to_config()?;
     let daemon = Daemon::start(config).await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -248,6 +250,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(p) = &profile {
         p.write();
     }
+    trace_points::write();
     daemon.shutdown();
     Ok(())
 }

@@ -116,6 +116,7 @@ pub async fn start_transfer(
         local_sel.layer_count,
     )?;
 
+    crate::trace_points::mark(crate::trace_points::START_CHECKED);
     let id = shared.next_transfer_id();
     shared
         .transfers
@@ -136,6 +137,7 @@ pub async fn start_transfer(
             return Err(Status::unavailable(e.to_string()).into());
         }
     };
+    crate::trace_points::mark(crate::trace_points::START_LINK_FOUND);
     let total = plan.total_bytes();
     let status = TransferStatus {
         transfer_id: id,
@@ -152,6 +154,7 @@ pub async fn start_transfer(
         status: tokio::sync::watch::channel(status).0,
         link: Arc::downgrade(&link),
     }));
+    crate::trace_points::mark(crate::trace_points::START_RECORDED);
     let req = LocalTransfer {
         transfer_id: id,
         request_id: request_id.to_string(),
@@ -162,6 +165,7 @@ pub async fn start_transfer(
     let kind = if push { "push" } else { "pull" };
     metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);
     let started = link.with_session(|s, now| {
+        crate::trace_points::mark(crate::trace_points::START_LOCKED);
         // Checked under the session lock, so a concurrent ReleaseBlocks
         // either is seen here or finds the transfer (Shared::release_blocks).
         region.check_generations(&req.local).map_err(|why| {
@@ -170,12 +174,13 @@ pub async fn start_transfer(
                 Status::failed_precondition(format!("blocks_released: {why}")),
             )
         })?;
-        if push {
+        let r = if push {
             s.start_push(req, now)
         } else {
             s.start_pull(req, now)
-        }
-        .map_err(|e| {
+        };
+        crate::trace_points::mark(crate::trace_points::START_SESSION_DONE);
+        r.map_err(|e| {
             (
                 "internal",
                 Status::internal(format!("plan rejected after validation: {e}")),

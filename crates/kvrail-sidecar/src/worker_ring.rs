@@ -263,6 +263,7 @@ impl RingService {
                 match self.ring.next() {
                     Next::Empty => break,
                     Next::Submission(s) => {
+                        crate::trace_points::mark(crate::trace_points::RING_SUBMISSION);
                         if !found {
                             found = true;
                             spin.note_submissions(Instant::now());
@@ -370,10 +371,14 @@ impl RingService {
     /// Publishes a completion in order: behind any backlog, else straight
     /// into the CQ.
     fn publish(&self, c: Completion) {
+        crate::trace_points::mark(crate::trace_points::RING_COMPLETION);
         let mut backlog = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
         if backlog.is_empty() {
             match self.ring.complete(&c) {
-                Ok(true) => return,
+                Ok(true) => {
+                    crate::trace_points::mark(crate::trace_points::RING_COMPLETION_WRITTEN);
+                    return;
+                }
                 Ok(false) => {}
                 Err(_) => {
                     drop(backlog);

@@ -110,7 +110,9 @@ impl StreamSink {
         let bufs_len: usize = bufs.iter().map(|b| b.len()).sum();
         // Any failure (the socket full, a fault on a truncated file, a broken
         // connection) leaves it to the writer task, which handles each.
+        crate::trace_points::mark(crate::trace_points::INLINE_WRITE);
         let written: usize = inline.try_write_vectored(&bufs).unwrap_or_default();
+        crate::trace_points::mark(crate::trace_points::INLINE_WRITTEN);
         if written == 0 {
             drop(bufs);
             return self.queue_all(frames);

@@ -403,6 +403,7 @@ impl PeerLink {
         let gather =
             ring_inline || (inline::inline_control_allowed_here() && env.inline_control_writes());
         let mut inline_frames: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
+        crate::trace_points::mark(crate::trace_points::PUMP_TRANSMIT);
         while let Some(t) = st.session.poll_transmit(now) {
             if let Transmit::Slice {
                 conn,
@@ -474,6 +475,7 @@ impl PeerLink {
                 let _ = sink.queue(out);
             }
         }
+        crate::trace_points::mark(crate::trace_points::PUMP_GATHERED);
         for (conn, frames) in inline_frames {
             if let Some(Sink::Stream(sink)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
                 if ring_inline || frames.iter().all(|f| matches!(f, Outgoing::Control(_))) {

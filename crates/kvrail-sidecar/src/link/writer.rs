@@ -28,6 +28,7 @@ pub(super) async fn writer_task(
             queued.fetch_sub(taken, std::sync::atomic::Ordering::AcqRel);
             taken = 0;
             let Some(first) = rx.recv().await else { return };
+            crate::trace_points::mark(crate::trace_points::WRITER_WOKE);
             taken += 1;
             staging += link.admit(first, &mut queue);
         }
@@ -105,7 +106,9 @@ pub(super) async fn writer_task(
                         }
                     }
                 }
+                crate::trace_points::mark(crate::trace_points::WRITER_WRITE);
                 let r = write_batch(writer.as_mut(), &batch).await;
+                crate::trace_points::mark(crate::trace_points::WRITER_WRITTEN);
                 let slices = batch
                     .iter()
                     .filter(|o| matches!(o, Outgoing::Slice { .. }))

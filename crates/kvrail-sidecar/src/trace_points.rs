@@ -1,0 +1,108 @@
+//! Timestamps at named points of the data path (the `profile` feature), for
+//! finding where a small push's microseconds go across processes: with
+//! `KVRAIL_TRACE=PATH`, each process records `(point, wall-clock ns)`
+//! and writes `PATH.PID.trace` (one `point ns` per line) at shutdown.
+//! Without the feature every mark compiles to nothing.
+//! `docs/ring-runs/trace_stages.py` turns a run's files into per-stage
+//! medians (docs/ring-format.md).
+
+// The points, numbered as they appear in the trace files.
+/// A ring's thread took a submission off the ring.
+pub const RING_SUBMISSION: u8 = 1;
+/// A ring's thread writes frames inline, and has written them.
+pub const INLINE_WRITE: u8 = 2;
+pub const INLINE_WRITTEN: u8 = 3;
+/// A reader has a frame (header, and a control message's body).
+pub const FRAME_READ: u8 = 10;
+/// A transfer's end reaches the daemon (`Shared::on_event`).
+pub const TRANSFER_END: u8 = 11;
+/// A completion goes into a worker's ring, and is written (its bell rung).
+pub const RING_COMPLETION: u8 = 12;
+pub const RING_COMPLETION_WRITTEN: u8 = 13;
+/// loadgen's latency bench: a push submitted, its notification read.
+pub const BENCH_SUBMIT: u8 = 20;
+pub const BENCH_NOTIFIED: u8 = 21;
+/// `start_transfer`: validated and planned, the link found, the transfer
+/// recorded, the link locked, the session's start done.
+pub const START_CHECKED: u8 = 30;
+pub const START_LINK_FOUND: u8 = 31;
+pub const START_RECORDED: u8 = 32;
+pub const START_LOCKED: u8 = 33;
+pub const START_SESSION_DONE: u8 = 34;
+/// The link's pump polls the session's frames, and has gathered them.
+pub const PUMP_TRANSMIT: u8 = 35;
+pub const PUMP_GATHERED: u8 = 36;
+/// A reader has a data frame's header; the open before it is settled; the
+/// transfer's gate is learnt; the payload read starts, ends, is checked.
+pub const SLICE_HEADER: u8 = 40;
+pub const SLICE_OPEN_SETTLED: u8 = 41;
+pub const SLICE_GATE_LEARNED: u8 = 42;
+pub const SLICE_PAYLOAD_READ: u8 = 43;
+pub const SLICE_CHECKED: u8 = 44;
+pub const SLICE_PAYLOAD_START: u8 = 45;
+/// A writer task woke for queued frames, starts a write, has written it.
+pub const WRITER_WOKE: u8 = 60;
+pub const WRITER_WRITE: u8 = 61;
+pub const WRITER_WRITTEN: u8 = 62;
+
+#[cfg(feature = "profile")]
+mod imp {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+    const CAPACITY: usize = 1 << 20;
+    static ON: AtomicBool = AtomicBool::new(false);
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    static MARKS: [AtomicU64; CAPACITY] = [const { AtomicU64::new(0) }; CAPACITY];
+
+    pub fn start_from_env() {
+        ON.store(
+            std::env::var_os("KVRAIL_TRACE").is_some(),
+            Ordering::Relaxed,
+        );
+    }
+
+    #[inline]
+    pub fn mark(point: u8) {
+        if !ON.load(Ordering::Relaxed) {
+            return;
+        }
+        let i = NEXT.fetch_add(1, Ordering::Relaxed);
+        if i < CAPACITY {
+            // The wall clock: the same in every process of the machine.
+            let ns = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            MARKS[i].store(
+                (u64::from(point) << 56) | (ns & ((1 << 56) - 1)),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    pub fn write() {
+        let Some(path) = std::env::var_os("KVRAIL_TRACE") else {
+            return;
+        };
+        let out = format!("{}.{}.trace", path.to_string_lossy(), std::process::id());
+        let n = NEXT.load(Ordering::Relaxed).min(CAPACITY);
+        let mut text = String::with_capacity(n * 20);
+        for m in &MARKS[..n] {
+            let v = m.load(Ordering::Relaxed);
+            text.push_str(&format!("{} {}\n", v >> 56, v & ((1 << 56) - 1)));
+        }
+        if let Ok(mut f) = std::fs::File::create(&out) {
+            let _ = f.write_all(text.as_bytes());
+        }
+    }
+}
+
+#[cfg(not(feature = "profile"))]
+mod imp {
+    pub fn start_from_env() {}
+    #[inline(always)]
+    pub fn mark(_point: u8) {}
+    pub fn write() {}
+}
+
+pub use imp::{mark, start_from_env, write};
