@@ -45,6 +45,22 @@ pub const WRITER_WOKE: u8 = 60;
 pub const WRITER_WRITE: u8 = 61;
 pub const WRITER_WRITTEN: u8 = 62;
 
+/// Time sums (`account`), written beside the marks as `PATH.PID.sums`, one
+/// `slot count nanoseconds` per line: a writer task waiting for its next
+/// frames, for a staged slice's device copy, writing host frames, writing
+/// staged ones; a reader reading a staged payload, taking a staging buffer;
+/// a received slice's host-to-device copy (submission to completion seen)
+/// and its submission call alone.
+pub const SUM_WRITER_IDLE: usize = 0;
+pub const SUM_WRITER_COPY_WAIT: usize = 1;
+pub const SUM_WRITER_WRITE: usize = 2;
+pub const SUM_READER_STAGED_READ: usize = 3;
+pub const SUM_READER_POOL_TAKE: usize = 4;
+pub const SUM_TO_DEVICE: usize = 5;
+pub const SUM_WRITER_STAGED_WRITE: usize = 6;
+pub const SUM_TO_DEVICE_SUBMIT: usize = 7;
+const SUMS: usize = 8;
+
 #[cfg(feature = "profile")]
 mod imp {
     use std::io::Write;
@@ -80,10 +96,34 @@ mod imp {
         }
     }
 
+    static SUM_NS: [AtomicU64; super::SUMS] = [const { AtomicU64::new(0) }; super::SUMS];
+    static SUM_COUNT: [AtomicU64; super::SUMS] = [const { AtomicU64::new(0) }; super::SUMS];
+
+    #[inline]
+    pub fn account(slot: usize, spent: std::time::Duration) {
+        if ON.load(Ordering::Relaxed) && slot < super::SUMS {
+            SUM_NS[slot].fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
+            SUM_COUNT[slot].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     pub fn write() {
         let Some(path) = std::env::var_os("KVRAIL_TRACE") else {
             return;
         };
+        let sums: String = (0..super::SUMS)
+            .map(|i| {
+                format!(
+                    "{i} {} {}\n",
+                    SUM_COUNT[i].load(Ordering::Relaxed),
+                    SUM_NS[i].load(Ordering::Relaxed)
+                )
+            })
+            .collect();
+        let _ = std::fs::write(
+            format!("{}.{}.sums", path.to_string_lossy(), std::process::id()),
+            sums,
+        );
         let out = format!("{}.{}.trace", path.to_string_lossy(), std::process::id());
         let n = NEXT.load(Ordering::Relaxed).min(CAPACITY);
         let mut text = String::with_capacity(n * 20);
@@ -102,7 +142,9 @@ mod imp {
     pub fn start_from_env() {}
     #[inline(always)]
     pub fn mark(_point: u8) {}
+    #[inline(always)]
+    pub fn account(_slot: usize, _spent: std::time::Duration) {}
     pub fn write() {}
 }
 
-pub use imp::{mark, start_from_env, write};
+pub use imp::{account, mark, start_from_env, write};

@@ -159,7 +159,10 @@ pub(super) async fn receive_staged(
     reader: &mut dyn FrameReader,
 ) -> Result<(), TransportError> {
     let len = payload_len as usize;
-    let mut buffer = match g.device.pool.take() {
+    let taking = std::time::Instant::now();
+    let taken = g.device.pool.take();
+    crate::trace_points::account(crate::trace_points::SUM_READER_POOL_TAKE, taking.elapsed());
+    let mut buffer = match taken {
         Ok(b) if b.len() >= len => b,
         taken => {
             let reason = match taken {
@@ -175,9 +178,12 @@ pub(super) async fn receive_staged(
             return Ok(());
         }
     };
+    let reading = std::time::Instant::now();
     let read = reader
         .read_payload(&mut [std::io::IoSliceMut::new(&mut buffer.as_mut_slice()[..len])])
         .await;
+    crate::trace_points::account(crate::trace_points::SUM_READER_STAGED_READ, reading.elapsed());
+    let submitted = std::time::Instant::now();
     if let Err(e) = read {
         g.device.pool.give(buffer);
         link.with_session(|s, _| s.slice_abandoned(conn, header));
@@ -185,16 +191,23 @@ pub(super) async fn receive_staged(
     }
     // The bytes are off the connection: its loss no longer concerns this slice.
     link.with_session(|s, _| s.slice_read(conn, header));
-    match g
+    let submitting = std::time::Instant::now();
+    let submitted_copy = g
         .device
         .to_device
-        .to_device(g.memory.clone(), &pieces, buffer)
-    {
+        .to_device(g.memory.clone(), &pieces, buffer);
+    crate::trace_points::account(crate::trace_points::SUM_TO_DEVICE_SUBMIT, submitting.elapsed());
+    match submitted_copy {
         Ok(copy) => {
             let link = link.clone();
             let device = g.device.clone();
             tokio::spawn(async move {
-                let outcome = match copy.await {
+                let done = copy.await;
+                crate::trace_points::account(
+                    crate::trace_points::SUM_TO_DEVICE,
+                    submitted.elapsed(),
+                );
+                let outcome = match done {
                     Ok(CopyDone { buffer, result }) => {
                         device.pool.give(buffer);
                         result.map_err(|e| e.to_string())

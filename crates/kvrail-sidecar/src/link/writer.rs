@@ -27,7 +27,9 @@ pub(super) async fn writer_task(
             // is already queued (see `inline`).
             queued.fetch_sub(taken, std::sync::atomic::Ordering::AcqRel);
             taken = 0;
+            let idle = std::time::Instant::now();
             let Some(first) = rx.recv().await else { return };
+            crate::trace_points::account(crate::trace_points::SUM_WRITER_IDLE, idle.elapsed());
             crate::trace_points::mark(crate::trace_points::WRITER_WOKE);
             taken += 1;
             staging += link.admit(first, &mut queue);
@@ -55,7 +57,13 @@ pub(super) async fn writer_task(
                 ..
             }) => {
                 staging -= 1;
-                let mut staged = vec![(header, transfer_id, len, copy.await)];
+                let waited = std::time::Instant::now();
+                let done = copy.await;
+                crate::trace_points::account(
+                    crate::trace_points::SUM_WRITER_COPY_WAIT,
+                    waited.elapsed(),
+                );
+                let mut staged = vec![(header, transfer_id, len, done)];
                 // Slices behind it whose copies are done already share the write.
                 while let Some(Queued::Staging { copy, .. }) = queue.front_mut() {
                     let Ok(done) = copy.try_recv() else { break };
@@ -70,7 +78,12 @@ pub(super) async fn writer_task(
                         staged.push((header, transfer_id, len, Ok(done)));
                     }
                 }
+                let writing = std::time::Instant::now();
                 let sent = link.send_staged(writer.as_mut(), staged, &device).await;
+                crate::trace_points::account(
+                    crate::trace_points::SUM_WRITER_STAGED_WRITE,
+                    writing.elapsed(),
+                );
                 if let Ok(bytes) = &sent {
                     if bytes.slices > 0 {
                         counters.bytes_sent.increment(bytes.bytes);
@@ -107,7 +120,9 @@ pub(super) async fn writer_task(
                     }
                 }
                 crate::trace_points::mark(crate::trace_points::WRITER_WRITE);
+                let writing = std::time::Instant::now();
                 let r = write_batch(writer.as_mut(), &batch).await;
+                crate::trace_points::account(crate::trace_points::SUM_WRITER_WRITE, writing.elapsed());
                 crate::trace_points::mark(crate::trace_points::WRITER_WRITTEN);
                 let slices = batch
                     .iter()
