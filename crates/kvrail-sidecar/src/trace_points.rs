@@ -59,6 +59,7 @@ pub const SUM_READER_POOL_TAKE: usize = 4;
 pub const SUM_TO_DEVICE: usize = 5;
 pub const SUM_WRITER_STAGED_WRITE: usize = 6;
 pub const SUM_TO_DEVICE_SUBMIT: usize = 7;
+#[cfg(feature = "profile")]
 const SUMS: usize = 8;
 
 #[cfg(feature = "profile")]
