@@ -93,6 +93,7 @@ impl Fabric {
             local_layout: self.sides[0].regions.0[&local.region_id].layout,
             local,
             remote,
+            staged: false,
         }
     }
 

@@ -43,6 +43,8 @@ struct Pair {
     rng: StdRng,
     now: Instant,
     slices_per_conn: Vec<usize>,
+    /// Payload length of every slice sent, per direction (0: A->B).
+    slice_lens: [Vec<usize>; 2],
     next_id: u64,
     /// Some: receivers place through gates, one placer per connection and side.
     placers: Option<Vec<[ConnPlacer; 2]>>,
@@ -65,6 +67,7 @@ impl Pair {
             rng: StdRng::seed_from_u64(seed),
             now: Instant::now(),
             slices_per_conn: vec![0; conns],
+            slice_lens: [Vec::new(), Vec::new()],
             next_id: 1,
             placers: THROUGH_GATES.with(|g| g.get()).then(Vec::new),
             admitted_by_gates: 0,
@@ -94,7 +97,8 @@ impl Pair {
         local: BlockSelection,
         remote: BlockSelection,
     ) -> LocalTransfer {
-        let layout = self.sides[side].regions.0[&local.region_id].layout;
+        let region = &self.sides[side].regions.0[&local.region_id];
+        let (layout, staged) = (region.layout, region.staged);
         let id = self.next_id;
         self.next_id += 1;
         LocalTransfer {
@@ -103,6 +107,7 @@ impl Pair {
             local,
             local_layout: layout,
             remote,
+            staged,
         }
     }
 
@@ -125,8 +130,9 @@ impl Pair {
         for dir in 0..2 {
             while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
                 let (conn, item) = self.sides[dir].regions.wire_item(t);
-                if let Item::Slice(..) = item {
+                if let Item::Slice(_, payload) = &item {
                     self.slices_per_conn[conn] += 1;
+                    self.slice_lens[dir].push(payload.len());
                 }
                 self.wires[conn][dir].push_back(item);
             }
@@ -310,6 +316,49 @@ fn pull_reads_exposed_blocks_case() {
     assert_eq!(p.done_kinds(0), vec![TransferKind::Pull]);
     assert_eq!(p.done_kinds(1), vec![TransferKind::PullServe]);
     assert_moved(&p, (1, 5, &[1, 2, 3]), (0, 2, &[6, 4, 2]), (0, 2));
+}
+
+/// Transfers of staged (GPU) memory go out in `staged_slice_bytes` slices,
+/// host ones in `slice_bytes`, whichever side asked: the pusher cuts its
+/// staged source, a server its staged source for a pull.
+#[test]
+fn staged_memory_moves_in_its_own_larger_slices() {
+    let config = SessionConfig {
+        staged_slice_bytes: 4000,
+        window_bytes: 16000,
+        ..small_slices()
+    };
+    let blocks: Vec<u32> = (0..16).collect();
+    for staged in [false, true] {
+        // A push from side 0's region 1, and a pull of side 1's region 3.
+        let mut p = Pair::new(2, config.clone(), 5);
+        p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), true, false);
+        p.add_region(1, 2, RegionLayout::dense(1, 1, 16, 1000), false, false);
+        p.add_region(1, 3, RegionLayout::dense(1, 1, 16, 1000), true, true);
+        p.add_region(0, 4, RegionLayout::dense(1, 1, 16, 1000), false, false);
+        p.sides[0].regions.0.get_mut(&1).unwrap().staged = staged;
+        p.sides[1].regions.0.get_mut(&3).unwrap().staged = staged;
+        p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+        p.drive();
+        p.pull(sel(4, (0, 1), &blocks), sel(3, (0, 1), &blocks));
+        p.drive();
+        assert_eq!(
+            p.done_kinds(0),
+            vec![TransferKind::Push, TransferKind::Pull]
+        );
+        assert_moved(&p, (0, 1, &blocks), (1, 2, &blocks), (0, 1));
+        assert_moved(&p, (1, 3, &blocks), (0, 4, &blocks), (0, 1));
+        let largest = if staged { 4000 } else { 1000 };
+        for (dir, what) in [(0, "push"), (1, "served pull")] {
+            let lens = &p.slice_lens[dir];
+            assert_eq!(lens.iter().sum::<usize>(), 16_000, "{what}");
+            assert_eq!(
+                lens.iter().max(),
+                Some(&largest),
+                "{what} of staged={staged} memory: slices {lens:?}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -109,6 +109,7 @@ fn config() -> SessionConfig {
         rails: RailConfig::default(),
         probes_rails: true,
         eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
+        staged_slice_bytes: 4 << 20,
     }
 }
 
@@ -190,6 +191,7 @@ impl Sim {
             local: sel(local, (0, layout.num_layers), blocks),
             local_layout: layout,
             remote: sel(remote, (0, layout.num_layers), blocks),
+            staged: false,
         }
     }
 

@@ -50,7 +50,17 @@ pub struct SessionConfig {
     /// behind the open, one flight, where a grant costs a round trip before
     /// the first write (longer than a small transfer's time on the wire).
     pub eager_max_bytes: u64,
+    /// Largest slice of a transfer whose local memory is staged (GPU memory
+    /// copied through pinned host buffers, `LocalTransfer::staged`,
+    /// `RegionAccess::staged`). Each staged slice costs device copy calls
+    /// that the driver serialises (~60 us for a 1 MiB slice of 32 pieces,
+    /// docs/gpu.md), so these slices are larger; the receiving side's
+    /// staging buffers must hold them.
+    pub staged_slice_bytes: u64,
 }
+
+/// Default of [`SessionConfig::staged_slice_bytes`].
+pub const DEFAULT_STAGED_SLICE_BYTES: u64 = 4 << 20;
 
 impl Default for SessionConfig {
     fn default() -> Self {
@@ -61,6 +71,7 @@ impl Default for SessionConfig {
             rails: RailConfig::default(),
             probes_rails: true,
             eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
+            staged_slice_bytes: DEFAULT_STAGED_SLICE_BYTES,
         }
     }
 }
@@ -85,6 +96,9 @@ pub struct RegionAccess {
     pub exposed: bool,
     /// Where peers may reach the region one-sided (RDMA), per rail; empty if nowhere.
     pub keys: Vec<pb::MemoryKey>,
+    /// Its bytes go through staging buffers (GPU memory): a pull this side
+    /// serves from it is cut into `SessionConfig::staged_slice_bytes` slices.
+    pub staged: bool,
 }
 
 /// The peer's answer to a one-sided transfer: where its blocks are, per rail.
@@ -235,6 +249,8 @@ struct Transfer {
     regrants: u8,
     /// Small transfers stay on one rail.
     pinned_rail: Option<RailId>,
+    /// Its local memory is staged: larger slices (`staged_slice_bytes`).
+    staged: bool,
     /// The peer's blocks (for one-sided grants).
     remote_selection: BlockSelection,
     /// Asked for a grant; nothing moves until it (or a refusal) arrives.
@@ -276,6 +292,7 @@ impl Transfer {
             open_on: None,
             regrants: 0,
             pinned_rail: None,
+            staged: false,
             remote_selection: BlockSelection::default(),
             awaiting_grant: false,
             remote: None,
@@ -348,6 +365,9 @@ pub struct LocalTransfer {
     pub local_layout: RegionLayout,
     /// The peer's blocks.
     pub remote: BlockSelection,
+    /// Our blocks go through staging buffers (GPU memory): the transfer is
+    /// cut into `SessionConfig::staged_slice_bytes` slices.
+    pub staged: bool,
 }
 
 /// One peer session.
@@ -692,6 +712,7 @@ impl Session {
         let total = plan.total_bytes();
         let mut t = Transfer::new(req.request_id, TransferKind::Push, req.local, plan, now);
         t.remote_selection = req.remote;
+        t.staged = req.staged;
         if one_sided {
             // The grant names where to write; two-sided slices announce themselves.
             t.awaiting_grant = true;
@@ -718,6 +739,7 @@ impl Session {
         self.control.push_back((None, open.clone()));
         let mut t = Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now);
         t.remote_selection = req.remote;
+        t.staged = req.staged;
         t.awaiting_grant = one_sided;
         t.open_msg = Some(open);
         self.transfers.insert(req.transfer_id, t);
@@ -1017,6 +1039,7 @@ impl Session {
                     plan,
                     now,
                 );
+                t.staged = region.staged;
                 if open.one_sided {
                     t.passive = !region.keys.is_empty();
                     self.control
@@ -1858,14 +1881,22 @@ impl Session {
                 }
             }
             let pinned = t.pinned_rail;
+            let max_slice = if t.staged {
+                self.config.staged_slice_bytes
+            } else {
+                self.config.slice_bytes
+            };
             let slot = choose_slot(
                 &self.config,
                 &self.rails,
                 &self.conns,
-                pinned,
-                avail,
+                Slot {
+                    pinned,
+                    avail,
+                    max_slice,
+                    carrier,
+                },
                 fallback_rate,
-                carrier,
             );
             let Some((rail, conn, len)) = slot else {
                 if pinned.is_some() {
@@ -2031,6 +2062,17 @@ impl Session {
     }
 }
 
+/// What a transfer asks of [`choose_slot`].
+struct Slot {
+    /// Only this rail, if set.
+    pinned: Option<RailId>,
+    /// Bytes left to place.
+    avail: u64,
+    /// The transfer's largest slice.
+    max_slice: u64,
+    carrier: Carrier,
+}
+
 /// The rail, connection and slice length for the next `avail` bytes: among up
 /// rails (only `pinned` if set) with window left, the one that would finish
 /// the slice soonest at its estimated rate.
@@ -2038,11 +2080,15 @@ fn choose_slot(
     config: &SessionConfig,
     rails: &[Rail],
     conns: &[Conn],
-    pinned: Option<RailId>,
-    avail: u64,
+    slot: Slot,
     fallback_rate: f64,
-    carrier: Carrier,
 ) -> Option<(RailId, ConnId, u64)> {
+    let Slot {
+        pinned,
+        avail,
+        max_slice,
+        carrier,
+    } = slot;
     let cfg = &config.rails;
     let conn_window = config.window_bytes;
     let mut best: Option<(f64, RailId, ConnId, u64)> = None;
@@ -2050,7 +2096,7 @@ fn choose_slot(
         if r.health != RailHealth::Up || pinned.is_some_and(|p| p != r.id) {
             continue;
         }
-        let len = avail.min(r.slice_len(cfg, config.slice_bytes));
+        let len = avail.min(r.slice_len(cfg, max_slice));
         let live = live_on(conns, r.id)
             .filter(|&i| carrier.carries(&conns[i]))
             .count() as u64;

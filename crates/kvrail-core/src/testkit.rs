@@ -24,6 +24,8 @@ pub struct Region {
     pub keys: Vec<pb::MemoryKey>,
     /// Each block's generation (1 until released).
     pub generations: Vec<u64>,
+    /// Its bytes are staged (GPU memory, `RegionAccess::staged`).
+    pub staged: bool,
 }
 
 #[derive(Default)]
@@ -42,6 +44,7 @@ impl Regions {
                 exposed,
                 keys: Vec::new(),
                 generations: vec![1; layout.num_blocks as usize],
+                staged: false,
             },
         );
     }
@@ -187,6 +190,7 @@ impl RegionDirectory for Regions {
             layout: r.layout,
             exposed: r.exposed,
             keys: r.keys.clone(),
+            staged: r.staged,
         })
     }
 

@@ -220,6 +220,7 @@ pub fn session(data: &[u8]) {
         rails: kvrail_core::RailConfig::default(),
         probes_rails: c.u8() & 1 == 0,
         eager_max_bytes: u64::from(c.u8()) << 10,
+        staged_slice_bytes: 8192,
     });
     let regions = Regions(
         [
@@ -229,6 +230,7 @@ pub fn session(data: &[u8]) {
                     layout: RegionLayout::dense(2, 2, 16, 512),
                     exposed: true,
                     keys: Vec::new(),
+                    staged: true,
                 },
             ),
             (
@@ -237,6 +239,7 @@ pub fn session(data: &[u8]) {
                     layout: RegionLayout::dense(1, 1, 8, 1000),
                     exposed: false,
                     keys: Vec::new(),
+                    staged: false,
                 },
             ),
         ]
@@ -300,6 +303,7 @@ pub fn session(data: &[u8]) {
                         region_id: c.small(3),
                         ..local
                     },
+                    staged: c.u8() & 1 == 0,
                 };
                 next_id += 1;
                 let _ = if c.u8() & 1 == 0 {

@@ -102,6 +102,11 @@ pub struct Config {
     /// GPU regions: CUDA streams per copy direction and device, used in turn
     /// (each with its own waiter thread).
     pub gpu_copy_streams: usize,
+    /// GPU regions: largest slice of a transfer from or into one (each
+    /// staged slice costs device copy calls the driver serialises, so they
+    /// are larger than host slices; docs/gpu.md). At most `window_bytes` is
+    /// used; staging buffers are the larger of this and `slice_bytes`.
+    pub gpu_slice_bytes: u64,
     /// GPU regions: a slice's scattered pieces go in one `cuMemcpyBatchAsync`
     /// where the driver has it (CUDA 12.8+), not one copy call per piece.
     pub gpu_batch_copies: bool,
@@ -159,6 +164,7 @@ impl Default for Config {
             quic_initial_mtu: 1200,
             gpu_stage_depth: 3,
             gpu_copy_streams: 1,
+            gpu_slice_bytes: kvrail_core::session::DEFAULT_STAGED_SLICE_BYTES,
             gpu_batch_copies: true,
             quic_stream_window: 32 << 20,
             quic_connection_window: 64 << 20,
@@ -204,6 +210,17 @@ impl Config {
         } else {
             SpinPolicy::fixed(Duration::ZERO)
         }
+    }
+
+    /// Largest slice of a staged (GPU) transfer: `gpu_slice_bytes`, within the
+    /// window.
+    pub fn staged_slice_bytes(&self) -> u64 {
+        self.gpu_slice_bytes.min(self.window_bytes)
+    }
+
+    /// Bytes of one pinned staging buffer: a slice of either kind fits.
+    pub fn staging_bytes(&self) -> u64 {
+        self.slice_bytes.max(self.staged_slice_bytes())
     }
 
     /// How long a runtime worker keeps polling after traffic (see
@@ -263,6 +280,9 @@ impl Config {
         }
         if !(4096..=(64 << 20)).contains(&self.slice_bytes) {
             return bad("slice_bytes must be between 4 KiB and 64 MiB");
+        }
+        if !(4096..=(64 << 20)).contains(&self.gpu_slice_bytes) {
+            return bad("gpu_slice_bytes must be between 4 KiB and 64 MiB");
         }
         if !(100..=60_000).contains(&self.rail_stall_ms)
             || !(100..=600_000).contains(&self.rail_deadline_ms)

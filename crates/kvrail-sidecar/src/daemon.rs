@@ -126,6 +126,7 @@ impl Shared {
             rails: self.config.rail_config(),
             probes_rails: dialer,
             eager_max_bytes: self.config.rdma_eager_max_bytes,
+            staged_slice_bytes: self.config.staged_slice_bytes(),
         }
     }
 

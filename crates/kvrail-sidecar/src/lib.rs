@@ -126,6 +126,10 @@ pub struct ServeArgs {
     /// GPU regions: CUDA streams per copy direction (default 1).
     #[arg(long)]
     pub gpu_copy_streams: Option<usize>,
+    /// GPU regions: largest slice of a transfer from or into one, in bytes
+    /// (default 4 MiB; staged slices cost device copy calls, docs/gpu.md).
+    #[arg(long)]
+    pub gpu_slice_bytes: Option<u64>,
     /// GPU regions: one copy call per piece even where the driver can batch a
     /// slice's pieces (`gpu_batch_copies = false`; for comparison).
     #[arg(long)]
@@ -218,6 +222,9 @@ impl ServeArgs {
         }
         if self.no_gpu_batch_copies {
             c.gpu_batch_copies = false;
+        }
+        if let Some(v) = self.gpu_slice_bytes {
+            c.gpu_slice_bytes = v;
         }
         if let Some(v) = self.gpu_copy_streams {
             c.gpu_copy_streams = v;

@@ -220,6 +220,7 @@ impl RegionDirectory for Registry {
             layout: r.layout,
             exposed: r.exposed,
             keys: Vec::new(),
+            staged: matches!(r.memory, crate::regions::RegionMemory::Gpu(_)),
         })
     }
 

@@ -97,7 +97,7 @@ impl Daemon {
             rdma: RdmaRails::discover(&config),
             identity: identity.clone(),
             gpus: GpuDevices::new(
-                config.slice_bytes as usize,
+                config.staging_bytes() as usize,
                 config.gpu_copy_streams,
                 config.gpu_batch_copies,
             ),

@@ -182,7 +182,10 @@ pub(super) async fn receive_staged(
     let read = reader
         .read_payload(&mut [std::io::IoSliceMut::new(&mut buffer.as_mut_slice()[..len])])
         .await;
-    crate::trace_points::account(crate::trace_points::SUM_READER_STAGED_READ, reading.elapsed());
+    crate::trace_points::account(
+        crate::trace_points::SUM_READER_STAGED_READ,
+        reading.elapsed(),
+    );
     let submitted = std::time::Instant::now();
     if let Err(e) = read {
         g.device.pool.give(buffer);
@@ -196,7 +199,10 @@ pub(super) async fn receive_staged(
         .device
         .to_device
         .to_device(g.memory.clone(), &pieces, buffer);
-    crate::trace_points::account(crate::trace_points::SUM_TO_DEVICE_SUBMIT, submitting.elapsed());
+    crate::trace_points::account(
+        crate::trace_points::SUM_TO_DEVICE_SUBMIT,
+        submitting.elapsed(),
+    );
     match submitted_copy {
         Ok(copy) => {
             let link = link.clone();

@@ -122,7 +122,10 @@ pub(super) async fn writer_task(
                 crate::trace_points::mark(crate::trace_points::WRITER_WRITE);
                 let writing = std::time::Instant::now();
                 let r = write_batch(writer.as_mut(), &batch).await;
-                crate::trace_points::account(crate::trace_points::SUM_WRITER_WRITE, writing.elapsed());
+                crate::trace_points::account(
+                    crate::trace_points::SUM_WRITER_WRITE,
+                    writing.elapsed(),
+                );
                 crate::trace_points::mark(crate::trace_points::WRITER_WRITTEN);
                 let slices = batch
                     .iter()
