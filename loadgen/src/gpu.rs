@@ -40,13 +40,13 @@ pub struct GpuArgs {
     /// TCP connections between the sidecars.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
-    /// Slice size (also the size of each pinned staging buffer). 8M: each staged
-    /// slice costs a copy, an event and a wake-up, and 1M slices leave the staged
-    /// path at ~0.6x of TCP (docs/gpu.md).
-    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    /// Slice size of host transfers (the host TCP reference); GPU regions'
+    /// transfers use the sidecar's `--gpu-slice-bytes` (default 4 MiB, within
+    /// the window; docs/gpu.md). The defaults are the sidecar's.
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
     pub slice_bytes: u64,
     /// Unacknowledged bytes per connection.
-    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
     pub window_bytes: u64,
     /// Extra `kvrail serve` flags for both sidecars (e.g. `--sidecar-arg=--gpu-stage-depth=4`).
     #[arg(long = "sidecar-arg", allow_hyphen_values = true)]
