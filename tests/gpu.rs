@@ -154,6 +154,38 @@ async fn one_gib_of_gpu_kv_moves_gpu_to_gpu_over_tcp_verified_on_the_gpu() {
     }
 }
 
+/// A prefill sidecar that cuts GPU transfers into 8 MiB slices sends them to
+/// a decode sidecar whose staging buffers are 4 MiB (its default): the
+/// receiver pins a buffer for each larger slice instead of failing it, both
+/// ways (a push, and a pull the prefill side serves).
+#[tokio::test(flavor = "multi_thread")]
+async fn larger_gpu_slices_than_the_receivers_staging_buffers_still_land() {
+    if gpu_or_skip("larger_gpu_slices_than_the_receivers...").is_none() {
+        return;
+    }
+    let lo = [std::net::IpAddr::from([127, 0, 0, 1])];
+    let pair = Pair::start_each(
+        &lo,
+        &lo,
+        &["--gpu-slice-bytes", "8388608", "--window-bytes", "16777216"],
+        &[],
+    );
+    for mode in ["push", "pull"] {
+        let report = gpu_transfer(&pair, 256 << 20, mode);
+        assert_eq!(report["bytes"], 256u64 << 20, "{report}");
+    }
+    let text = support::scrape(pair.decode.metrics.expect("metrics"));
+    let staged = support::metric_sum(
+        &text,
+        "kvrail_gpu_staged_bytes_total",
+        &["direction=\"to_device\""],
+    );
+    assert!(
+        staged >= (512u64 << 20) as f64,
+        "decode staged {staged} bytes"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn gpu_to_host_and_host_to_gpu_mix_in_one_pair() {
     let Some(gpu) = gpu_or_skip("gpu_to_host_and_host_to_gpu...") else {

@@ -554,6 +554,16 @@ impl StagingPool {
         PinnedBuffer::new(&self.gpu, self.buffer_bytes)
     }
 
+    /// A buffer of at least `len` bytes: a pooled one, or, for a slice
+    /// larger than the pool's buffers (a peer that cuts larger slices), one
+    /// pinned for it alone, which `give` frees instead of keeping.
+    pub fn take_at_least(&self, len: usize) -> Result<PinnedBuffer, CudaError> {
+        if len <= self.buffer_bytes {
+            return self.take();
+        }
+        PinnedBuffer::new(&self.gpu, len)
+    }
+
     /// Returns a buffer for reuse.
     pub fn give(&self, buffer: PinnedBuffer) {
         if buffer.len == self.buffer_bytes {

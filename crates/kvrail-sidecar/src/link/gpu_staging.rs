@@ -160,7 +160,8 @@ pub(super) async fn receive_staged(
 ) -> Result<(), TransportError> {
     let len = payload_len as usize;
     let taking = std::time::Instant::now();
-    let taken = g.device.pool.take();
+    // A peer may cut larger staged slices than ours (`gpu_slice_bytes`).
+    let taken = g.device.pool.take_at_least(len);
     crate::trace_points::account(crate::trace_points::SUM_READER_POOL_TAKE, taking.elapsed());
     let mut buffer = match taken {
         Ok(b) if b.len() >= len => b,
