@@ -156,7 +156,7 @@ async fn one_gib_of_gpu_kv_moves_gpu_to_gpu_over_tcp_verified_on_the_gpu() {
 
 /// A prefill sidecar that cuts GPU transfers into 8 MiB slices sends them to
 /// a decode sidecar whose staging buffers are 4 MiB (its default): the
-/// receiver pins a buffer for each larger slice instead of failing it, both
+/// receiver's buffers grow to the larger slices instead of failing them, both
 /// ways (a push, and a pull the prefill side serves).
 #[tokio::test(flavor = "multi_thread")]
 async fn larger_gpu_slices_than_the_receivers_staging_buffers_still_land() {
@@ -183,6 +183,11 @@ async fn larger_gpu_slices_than_the_receivers_staging_buffers_still_land() {
     assert!(
         staged >= (512u64 << 20) as f64,
         "decode staged {staged} bytes"
+    );
+    let buffer = support::metric_sum(&text, "kvrail_gpu_staging_buffer_bytes", &[]);
+    assert!(
+        buffer > (4u64 << 20) as f64,
+        "the decode side's staging buffers never grew past 4 MiB ({buffer}): no larger slice arrived"
     );
 }
 

@@ -91,9 +91,9 @@ impl Fabric {
             transfer_id: id,
             request_id: format!("req-{id}"),
             local_layout: self.sides[0].regions.0[&local.region_id].layout,
+            staged: self.sides[0].regions.0[&local.region_id].staged,
             local,
             remote,
-            staged: false,
         }
     }
 
@@ -391,6 +391,33 @@ fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
     assert_eq!(f.grants, 1);
     assert!(f.counts.1 >= 1);
     verify(&f, (0, 1, &[5, 6]), (1, 2, &[20, 21]));
+}
+
+/// Staged memory (GPU) has no verbs registration: a large push from it and a
+/// large pull into it travel two-sided even where queue pairs are up.
+#[test]
+fn staged_memory_moves_two_sided_over_rdma_rails() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    f.sides[1].regions.add(3, layout(), true, true);
+    f.sides[1].regions.grant_rails(3, &[0, 1]);
+    f.sides[0].regions.add(4, layout(), false, true);
+    f.sides[0].regions.grant_rails(4, &[0, 1]);
+    for id in [1, 4] {
+        f.sides[0].regions.0.get_mut(&id).unwrap().staged = true;
+    }
+    let (sb, db) = blocks();
+    let push = f.transfer(7, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(push, f.now).unwrap();
+    let pull = f.transfer(8, sel(4, (0, 16), &db), sel(3, (0, 16), &sb));
+    f.sides[0].session.start_pull(pull, f.now).unwrap();
+    f.run();
+    assert!(f.done(0, 7) && f.done(1, 7), "{:?}", f.sides[0].events);
+    assert!(f.done(0, 8) && f.done(1, 8), "{:?}", f.sides[0].events);
+    assert_eq!(f.grants, 0, "no grant asked for staged memory");
+    assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
+    verify(&f, (0, 1, &sb), (1, 2, &db));
+    verify(&f, (1, 3, &sb), (0, 4, &db));
 }
 
 #[test]

@@ -320,7 +320,8 @@ fn pull_reads_exposed_blocks_case() {
 
 /// Transfers of staged (GPU) memory go out in `staged_slice_bytes` slices,
 /// host ones in `slice_bytes`, whichever side asked: the pusher cuts its
-/// staged source, a server its staged source for a pull.
+/// staged source, a server its staged source for a pull. A staged
+/// destination does not change how the sender (host memory) cuts.
 #[test]
 fn staged_memory_moves_in_its_own_larger_slices() {
     let config = SessionConfig {
@@ -329,7 +330,8 @@ fn staged_memory_moves_in_its_own_larger_slices() {
         ..small_slices()
     };
     let blocks: Vec<u32> = (0..16).collect();
-    for staged in [false, true] {
+    // (sources staged, destinations staged)
+    for (staged, staged_destinations) in [(false, false), (true, false), (false, true)] {
         // A push from side 0's region 1, and a pull of side 1's region 3.
         let mut p = Pair::new(2, config.clone(), 5);
         p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), true, false);
@@ -338,6 +340,8 @@ fn staged_memory_moves_in_its_own_larger_slices() {
         p.add_region(0, 4, RegionLayout::dense(1, 1, 16, 1000), false, false);
         p.sides[0].regions.0.get_mut(&1).unwrap().staged = staged;
         p.sides[1].regions.0.get_mut(&3).unwrap().staged = staged;
+        p.sides[1].regions.0.get_mut(&2).unwrap().staged = staged_destinations;
+        p.sides[0].regions.0.get_mut(&4).unwrap().staged = staged_destinations;
         p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
         p.drive();
         p.pull(sel(4, (0, 1), &blocks), sel(3, (0, 1), &blocks));

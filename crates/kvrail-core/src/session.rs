@@ -700,7 +700,8 @@ impl Session {
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
-        let one_sided = self.goes_one_sided(plan.total_bytes());
+        // Staged memory (GPU) is not registered with verbs: it moves two-sided.
+        let one_sided = !req.staged && self.goes_one_sided(plan.total_bytes());
         let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
@@ -727,7 +728,8 @@ impl Session {
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
         let total = plan.total_bytes();
-        let one_sided = self.goes_one_sided(total);
+        // Staged memory (GPU) is not registered with verbs: it moves two-sided.
+        let one_sided = !req.staged && self.goes_one_sided(total);
         let open = crate::wire::message(Body::PullOpen(pb::PullOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
@@ -1886,18 +1888,30 @@ impl Session {
             } else {
                 self.config.slice_bytes
             };
-            let slot = choose_slot(
+            let slot_of = |max_slice| Slot {
+                pinned,
+                avail,
+                max_slice,
+                carrier,
+            };
+            let mut slot = choose_slot(
                 &self.config,
                 &self.rails,
                 &self.conns,
-                Slot {
-                    pinned,
-                    avail,
-                    max_slice,
-                    carrier,
-                },
+                slot_of(max_slice),
                 fallback_rate,
             );
+            if slot.is_none() && max_slice > self.config.slice_bytes {
+                // A staged slice does not fit the window left: a host-sized
+                // one may (neither this transfer nor those behind it wait).
+                slot = choose_slot(
+                    &self.config,
+                    &self.rails,
+                    &self.conns,
+                    slot_of(self.config.slice_bytes),
+                    fallback_rate,
+                );
+            }
             let Some((rail, conn, len)) = slot else {
                 if pinned.is_some() {
                     // Only its own rail is full; later transfers may use the others.

@@ -521,7 +521,9 @@ impl Drop for PinnedBuffer {
 /// so buffers go back to the pool instead of being freed.
 pub struct StagingPool {
     gpu: Arc<Gpu>,
-    buffer_bytes: usize,
+    /// Bytes of the buffers it pins and keeps: grows to the largest slice
+    /// asked for (`take_at_least`).
+    buffer_bytes: std::sync::atomic::AtomicUsize,
     free: Mutex<Vec<PinnedBuffer>>,
 }
 
@@ -537,36 +539,51 @@ impl StagingPool {
     pub fn new(gpu: &Arc<Gpu>, buffer_bytes: usize) -> StagingPool {
         StagingPool {
             gpu: gpu.clone(),
-            buffer_bytes,
+            buffer_bytes: std::sync::atomic::AtomicUsize::new(buffer_bytes),
             free: Mutex::new(Vec::new()),
         }
     }
 
     pub fn buffer_bytes(&self) -> usize {
-        self.buffer_bytes
+        self.buffer_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A free buffer, pinning a new one when none is free.
     pub fn take(&self) -> Result<PinnedBuffer, CudaError> {
-        if let Some(b) = self.free.lock().ok().and_then(|mut f| f.pop()) {
-            return Ok(b);
-        }
-        PinnedBuffer::new(&self.gpu, self.buffer_bytes)
+        self.take_at_least(0)
     }
 
-    /// A buffer of at least `len` bytes: a pooled one, or, for a slice
-    /// larger than the pool's buffers (a peer that cuts larger slices), one
-    /// pinned for it alone, which `give` frees instead of keeping.
+    /// A buffer of at least `len` bytes. A slice larger than the pool's
+    /// buffers (a peer that cuts larger staged slices) makes the pool's
+    /// buffers that large from then on, so that each such slice does not pin
+    /// memory of its own; the smaller buffers are freed as they come back.
     pub fn take_at_least(&self, len: usize) -> Result<PinnedBuffer, CudaError> {
-        if len <= self.buffer_bytes {
-            return self.take();
+        let size = self
+            .buffer_bytes
+            .fetch_max(len, std::sync::atomic::Ordering::Relaxed)
+            .max(len);
+        // Buffers smaller than the pool's are freed, outside its lock.
+        let mut outgrown = Vec::new();
+        let found = self.free.lock().ok().and_then(|mut free| {
+            while let Some(b) = free.pop() {
+                if b.len >= len {
+                    return Some(b);
+                }
+                outgrown.push(b);
+            }
+            None
+        });
+        drop(outgrown);
+        match found {
+            Some(b) => Ok(b),
+            None => PinnedBuffer::new(&self.gpu, size),
         }
-        PinnedBuffer::new(&self.gpu, len)
     }
 
-    /// Returns a buffer for reuse.
+    /// Returns a buffer for reuse (one of the pool's current size; others
+    /// are freed).
     pub fn give(&self, buffer: PinnedBuffer) {
-        if buffer.len == self.buffer_bytes {
+        if buffer.len == self.buffer_bytes() {
             if let Ok(mut f) = self.free.lock() {
                 f.push(buffer);
             }

@@ -97,15 +97,17 @@ pub struct Config {
     /// QUIC: UDP payload a connection starts with (1200 fits any path).
     pub quic_initial_mtu: u16,
     /// GPU regions: slices a connection's writer copies device-to-host ahead of
-    /// the one on the wire (each takes a pinned buffer of `slice_bytes`).
+    /// the one on the wire (each takes a pinned staging buffer, see
+    /// `staging_bytes`).
     pub gpu_stage_depth: usize,
     /// GPU regions: CUDA streams per copy direction and device, used in turn
     /// (each with its own waiter thread).
     pub gpu_copy_streams: usize,
     /// GPU regions: largest slice of a transfer from or into one (each
     /// staged slice costs device copy calls the driver serialises, so they
-    /// are larger than host slices; docs/gpu.md). At most `window_bytes` is
-    /// used; staging buffers are the larger of this and `slice_bytes`.
+    /// are larger than host slices; docs/gpu.md). At most half of
+    /// `window_bytes` is used; staging buffers are the larger of this and
+    /// `slice_bytes`.
     pub gpu_slice_bytes: u64,
     /// GPU regions: a slice's scattered pieces go in one `cuMemcpyBatchAsync`
     /// where the driver has it (CUDA 12.8+), not one copy call per piece.
@@ -212,10 +214,12 @@ impl Config {
         }
     }
 
-    /// Largest slice of a staged (GPU) transfer: `gpu_slice_bytes`, within the
-    /// window.
+    /// Largest slice of a staged (GPU) transfer: `gpu_slice_bytes`, at most
+    /// half the window (two in flight per connection) unless that is less
+    /// than a host slice.
     pub fn staged_slice_bytes(&self) -> u64 {
-        self.gpu_slice_bytes.min(self.window_bytes)
+        self.gpu_slice_bytes
+            .min((self.window_bytes / 2).max(self.slice_bytes))
     }
 
     /// Bytes of one pinned staging buffer: a slice of either kind fits.
@@ -500,5 +504,42 @@ mod tests {
         assert!(Config::parse_peer("b").is_err());
         assert!(Config::parse_peer("b=nope").is_err());
         assert!(toml::from_str::<Config>("nod = 'x'").is_err());
+    }
+
+    #[test]
+    fn gpu_slices_are_larger_within_half_the_window_and_staging_holds_either() {
+        let mib = 1u64 << 20;
+        let c = Config::default();
+        assert_eq!(c.staged_slice_bytes(), 4 * mib, "the default");
+        assert_eq!(c.staging_bytes(), 4 * mib);
+        let small_window = Config {
+            window_bytes: 4 * mib,
+            ..Config::default()
+        };
+        assert_eq!(small_window.staged_slice_bytes(), 2 * mib, "two in flight");
+        let window_of_one_slice = Config {
+            window_bytes: mib,
+            ..Config::default()
+        };
+        assert_eq!(window_of_one_slice.staged_slice_bytes(), mib);
+        let large_host_slices = Config {
+            slice_bytes: 8 * mib,
+            window_bytes: 8 * mib,
+            ..Config::default()
+        };
+        assert_eq!(large_host_slices.staged_slice_bytes(), 4 * mib);
+        assert_eq!(large_host_slices.staging_bytes(), 8 * mib);
+        let good = Config {
+            insecure: true,
+            listen: vec!["127.0.0.1:7400".parse().unwrap()],
+            ..Config::default()
+        };
+        good.validate().unwrap();
+        let bad = Config {
+            gpu_slice_bytes: 1,
+            ..good
+        };
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("gpu_slice_bytes"), "{e}");
     }
 }

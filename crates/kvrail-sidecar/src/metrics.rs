@@ -42,6 +42,7 @@ pub const RDMA_WORK_REQUESTS: &str = "kvrail_rdma_work_requests_total";
 pub const RDMA_DESCRIPTORS: &str = "kvrail_rdma_descriptors_total";
 pub const GPU_STAGED_BYTES: &str = "kvrail_gpu_staged_bytes_total";
 pub const GPU_COPY_FAILURES: &str = "kvrail_gpu_copy_failures_total";
+pub const GPU_STAGING_BUFFER_BYTES: &str = "kvrail_gpu_staging_buffer_bytes";
 pub const RINGS_OPEN: &str = "kvrail_rings_open";
 pub const RING_SUBMISSIONS: &str = "kvrail_ring_submissions_total";
 pub const RINGS_CLOSED: &str = "kvrail_rings_closed_total";
@@ -80,6 +81,11 @@ fn describe() {
         "GPU region payload copied through pinned staging buffers (direction to_host or to_device)"
     );
     describe_counter!(GPU_COPY_FAILURES, "GPU staging copies that failed");
+    describe_gauge!(
+        GPU_STAGING_BUFFER_BYTES,
+        Unit::Bytes,
+        "Size of a pinned staging buffer (grows to the largest staged slice received)"
+    );
     describe_gauge!(RINGS_OPEN, "Worker submission rings being served");
     describe_counter!(
         RING_SUBMISSIONS,

@@ -45,7 +45,7 @@ pub const WRITER_WOKE: u8 = 60;
 pub const WRITER_WRITE: u8 = 61;
 pub const WRITER_WRITTEN: u8 = 62;
 
-/// Time sums (`account`), written beside the marks as `PATH.PID.sums`, one
+/// Time sums (`Stopwatch::account`), written beside the marks as `PATH.PID.sums`, one
 /// `slot count nanoseconds` per line: a writer task waiting for its next
 /// frames, for a staged slice's device copy, writing host frames, writing
 /// staged ones; a reader reading a staged payload, taking a staging buffer;
@@ -143,9 +143,33 @@ mod imp {
     pub fn start_from_env() {}
     #[inline(always)]
     pub fn mark(_point: u8) {}
-    #[inline(always)]
-    pub fn account(_slot: usize, _spent: std::time::Duration) {}
     pub fn write() {}
 }
 
-pub use imp::{account, mark, start_from_env, write};
+pub use imp::{mark, start_from_env, write};
+
+/// Times a stretch for the sums (`SUM_*`); without the feature it is empty
+/// and reads no clock.
+#[cfg(feature = "profile")]
+pub struct Stopwatch(std::time::Instant);
+#[cfg(not(feature = "profile"))]
+pub struct Stopwatch;
+
+impl Stopwatch {
+    #[inline(always)]
+    pub fn start() -> Self {
+        #[cfg(feature = "profile")]
+        return Stopwatch(std::time::Instant::now());
+        #[cfg(not(feature = "profile"))]
+        Stopwatch
+    }
+
+    /// Adds the time since `start` to sum `slot`.
+    #[inline(always)]
+    pub fn account(&self, slot: usize) {
+        #[cfg(feature = "profile")]
+        imp::account(slot, self.0.elapsed());
+        #[cfg(not(feature = "profile"))]
+        let _ = slot;
+    }
+}

@@ -159,10 +159,12 @@ pub(super) async fn receive_staged(
     reader: &mut dyn FrameReader,
 ) -> Result<(), TransportError> {
     let len = payload_len as usize;
-    let taking = std::time::Instant::now();
-    // A peer may cut larger staged slices than ours (`gpu_slice_bytes`).
+    let taking = crate::trace_points::Stopwatch::start();
+    // A peer may cut larger staged slices than ours (`gpu_slice_bytes`):
+    // the pool's buffers grow to them.
     let taken = g.device.pool.take_at_least(len);
-    crate::trace_points::account(crate::trace_points::SUM_READER_POOL_TAKE, taking.elapsed());
+    metrics::gauge!(m::GPU_STAGING_BUFFER_BYTES).set(g.device.pool.buffer_bytes() as f64);
+    taking.account(crate::trace_points::SUM_READER_POOL_TAKE);
     let mut buffer = match taken {
         Ok(b) if b.len() >= len => b,
         taken => {
@@ -179,15 +181,12 @@ pub(super) async fn receive_staged(
             return Ok(());
         }
     };
-    let reading = std::time::Instant::now();
+    let reading = crate::trace_points::Stopwatch::start();
     let read = reader
         .read_payload(&mut [std::io::IoSliceMut::new(&mut buffer.as_mut_slice()[..len])])
         .await;
-    crate::trace_points::account(
-        crate::trace_points::SUM_READER_STAGED_READ,
-        reading.elapsed(),
-    );
-    let submitted = std::time::Instant::now();
+    reading.account(crate::trace_points::SUM_READER_STAGED_READ);
+    let submitted = crate::trace_points::Stopwatch::start();
     if let Err(e) = read {
         g.device.pool.give(buffer);
         link.with_session(|s, _| s.slice_abandoned(conn, header));
@@ -195,25 +194,19 @@ pub(super) async fn receive_staged(
     }
     // The bytes are off the connection: its loss no longer concerns this slice.
     link.with_session(|s, _| s.slice_read(conn, header));
-    let submitting = std::time::Instant::now();
+    let submitting = crate::trace_points::Stopwatch::start();
     let submitted_copy = g
         .device
         .to_device
         .to_device(g.memory.clone(), &pieces, buffer);
-    crate::trace_points::account(
-        crate::trace_points::SUM_TO_DEVICE_SUBMIT,
-        submitting.elapsed(),
-    );
+    submitting.account(crate::trace_points::SUM_TO_DEVICE_SUBMIT);
     match submitted_copy {
         Ok(copy) => {
             let link = link.clone();
             let device = g.device.clone();
             tokio::spawn(async move {
                 let done = copy.await;
-                crate::trace_points::account(
-                    crate::trace_points::SUM_TO_DEVICE,
-                    submitted.elapsed(),
-                );
+                submitted.account(crate::trace_points::SUM_TO_DEVICE);
                 let outcome = match done {
                     Ok(CopyDone { buffer, result }) => {
                         device.pool.give(buffer);

@@ -27,9 +27,9 @@ pub(super) async fn writer_task(
             // is already queued (see `inline`).
             queued.fetch_sub(taken, std::sync::atomic::Ordering::AcqRel);
             taken = 0;
-            let idle = std::time::Instant::now();
+            let idle = crate::trace_points::Stopwatch::start();
             let Some(first) = rx.recv().await else { return };
-            crate::trace_points::account(crate::trace_points::SUM_WRITER_IDLE, idle.elapsed());
+            idle.account(crate::trace_points::SUM_WRITER_IDLE);
             crate::trace_points::mark(crate::trace_points::WRITER_WOKE);
             taken += 1;
             staging += link.admit(first, &mut queue);
@@ -57,12 +57,9 @@ pub(super) async fn writer_task(
                 ..
             }) => {
                 staging -= 1;
-                let waited = std::time::Instant::now();
+                let waited = crate::trace_points::Stopwatch::start();
                 let done = copy.await;
-                crate::trace_points::account(
-                    crate::trace_points::SUM_WRITER_COPY_WAIT,
-                    waited.elapsed(),
-                );
+                waited.account(crate::trace_points::SUM_WRITER_COPY_WAIT);
                 let mut staged = vec![(header, transfer_id, len, done)];
                 // Slices behind it whose copies are done already share the write.
                 while let Some(Queued::Staging { copy, .. }) = queue.front_mut() {
@@ -78,12 +75,9 @@ pub(super) async fn writer_task(
                         staged.push((header, transfer_id, len, Ok(done)));
                     }
                 }
-                let writing = std::time::Instant::now();
+                let writing = crate::trace_points::Stopwatch::start();
                 let sent = link.send_staged(writer.as_mut(), staged, &device).await;
-                crate::trace_points::account(
-                    crate::trace_points::SUM_WRITER_STAGED_WRITE,
-                    writing.elapsed(),
-                );
+                writing.account(crate::trace_points::SUM_WRITER_STAGED_WRITE);
                 if let Ok(bytes) = &sent {
                     if bytes.slices > 0 {
                         counters.bytes_sent.increment(bytes.bytes);
@@ -120,12 +114,9 @@ pub(super) async fn writer_task(
                     }
                 }
                 crate::trace_points::mark(crate::trace_points::WRITER_WRITE);
-                let writing = std::time::Instant::now();
+                let writing = crate::trace_points::Stopwatch::start();
                 let r = write_batch(writer.as_mut(), &batch).await;
-                crate::trace_points::account(
-                    crate::trace_points::SUM_WRITER_WRITE,
-                    writing.elapsed(),
-                );
+                writing.account(crate::trace_points::SUM_WRITER_WRITE);
                 crate::trace_points::mark(crate::trace_points::WRITER_WRITTEN);
                 let slices = batch
                     .iter()
