@@ -793,7 +793,7 @@ async fn latency(
     let mut lat = Latencies::default();
     let mut in_sidecar = Latencies::default();
     for size in bench.args.latency_sizes.clone() {
-        let label = format!("{} KiB", size / 1024);
+        let label = crate::stats::human_bytes(size);
         let nblocks = (size / 4096) as u32;
         let mut grpc = Latencies::default();
         let mut ring = Latencies::default();

@@ -297,6 +297,16 @@ fn setup(f: &mut Fabric, src: usize) {
     f.sides[1 - src].regions.grant_rails(2, &[0, 1]);
 }
 
+/// As `setup(f, 0)`, and source region 3 on side 1 with destination 4 on
+/// side 0 (for pulls by side 0), both granting both rails.
+fn setup_both_ways(f: &mut Fabric) {
+    setup(f, 0);
+    f.sides[1].regions.add(3, layout(), true, true);
+    f.sides[1].regions.grant_rails(3, &[0, 1]);
+    f.sides[0].regions.add(4, layout(), false, true);
+    f.sides[0].regions.grant_rails(4, &[0, 1]);
+}
+
 fn blocks() -> (Vec<u32>, Vec<u32>) {
     // Scattered on both sides, so remote pieces are not contiguous either.
     let src: Vec<u32> = (0..16).map(|i| i * 2).collect();
@@ -362,11 +372,7 @@ fn push_is_written_one_sided_after_the_grant() {
 #[test]
 fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
     let mut f = Fabric::new(2, true);
-    setup(&mut f, 0);
-    f.sides[1].regions.add(3, layout(), true, true);
-    f.sides[1].regions.grant_rails(3, &[0, 1]);
-    f.sides[0].regions.add(4, layout(), false, true);
-    f.sides[0].regions.grant_rails(4, &[0, 1]);
+    setup_both_ways(&mut f);
     // Two layers of one block: 16 KiB, under the 64 KiB default.
     let push = f.transfer(7, sel(1, (0, 2), &[5]), sel(2, (0, 2), &[9]));
     f.sides[0].session.start_push(push, f.now).unwrap();
@@ -398,11 +404,7 @@ fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
 #[test]
 fn staged_memory_moves_two_sided_over_rdma_rails() {
     let mut f = Fabric::new(2, true);
-    setup(&mut f, 0);
-    f.sides[1].regions.add(3, layout(), true, true);
-    f.sides[1].regions.grant_rails(3, &[0, 1]);
-    f.sides[0].regions.add(4, layout(), false, true);
-    f.sides[0].regions.grant_rails(4, &[0, 1]);
+    setup_both_ways(&mut f);
     for id in [1, 4] {
         f.sides[0].regions.0.get_mut(&id).unwrap().staged = true;
     }

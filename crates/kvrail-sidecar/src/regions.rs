@@ -90,6 +90,12 @@ impl RegionMemory {
         self.len() == 0
     }
 
+    /// Its bytes go through pinned staging buffers (GPU memory): larger
+    /// slices, never one-sided (`LocalTransfer::staged`), no placement gate.
+    pub fn is_staged(&self) -> bool {
+        matches!(self, RegionMemory::Gpu(_))
+    }
+
     pub fn host(&self) -> Option<&SharedRegion> {
         self.shared_host().map(Arc::as_ref)
     }
@@ -220,7 +226,7 @@ impl RegionDirectory for Registry {
             layout: r.layout,
             exposed: r.exposed,
             keys: Vec::new(),
-            staged: matches!(r.memory, crate::regions::RegionMemory::Gpu(_)),
+            staged: r.memory.is_staged(),
         })
     }
 

@@ -161,7 +161,7 @@ pub async fn start_transfer(
         local: local_sel,
         local_layout: region.layout,
         remote: remote_sel,
-        staged: matches!(region.memory, crate::regions::RegionMemory::Gpu(_)),
+        staged: region.memory.is_staged(),
     };
     let kind = if push { "push" } else { "pull" };
     metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);

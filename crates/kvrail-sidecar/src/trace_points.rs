@@ -64,7 +64,6 @@ const SUMS: usize = 8;
 
 #[cfg(feature = "profile")]
 mod imp {
-    use std::io::Write;
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
     const CAPACITY: usize = 1 << 20;
@@ -125,16 +124,18 @@ mod imp {
             format!("{}.{}.sums", path.to_string_lossy(), std::process::id()),
             sums,
         );
-        let out = format!("{}.{}.trace", path.to_string_lossy(), std::process::id());
         let n = NEXT.load(Ordering::Relaxed).min(CAPACITY);
-        let mut text = String::with_capacity(n * 20);
-        for m in &MARKS[..n] {
-            let v = m.load(Ordering::Relaxed);
-            text.push_str(&format!("{} {}\n", v >> 56, v & ((1 << 56) - 1)));
-        }
-        if let Ok(mut f) = std::fs::File::create(&out) {
-            let _ = f.write_all(text.as_bytes());
-        }
+        let marks: String = MARKS[..n]
+            .iter()
+            .map(|m| {
+                let v = m.load(Ordering::Relaxed);
+                format!("{} {}\n", v >> 56, v & ((1 << 56) - 1))
+            })
+            .collect();
+        let _ = std::fs::write(
+            format!("{}.{}.trace", path.to_string_lossy(), std::process::id()),
+            marks,
+        );
     }
 }
 

@@ -166,16 +166,9 @@ pub(super) async fn receive_staged(
     metrics::gauge!(m::GPU_STAGING_BUFFER_BYTES).set(g.device.pool.buffer_bytes() as f64);
     taking.account(crate::trace_points::SUM_READER_POOL_TAKE);
     let mut buffer = match taken {
-        Ok(b) if b.len() >= len => b,
-        taken => {
-            let reason = match taken {
-                Ok(b) => {
-                    let size = b.len();
-                    g.device.pool.give(b);
-                    format!("slice of {len} bytes exceeds the {size}-byte staging buffers")
-                }
-                Err(e) => e.to_string(),
-            };
+        Ok(b) => b,
+        Err(e) => {
+            let reason = e.to_string();
             reader.discard(u64::from(payload_len)).await?;
             link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
             return Ok(());

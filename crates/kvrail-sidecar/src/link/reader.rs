@@ -223,7 +223,7 @@ async fn read_loop(
                     let gate = gate.filter(|g| {
                         env.registry()
                             .get(g.region_id())
-                            .is_some_and(|r| matches!(r.memory, RegionMemory::Host(_)))
+                            .is_some_and(|r| !r.memory.is_staged())
                     });
                     held.placer.learn(id, gate);
                     crate::trace_points::mark(crate::trace_points::SLICE_GATE_LEARNED);
