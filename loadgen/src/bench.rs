@@ -1298,11 +1298,14 @@ fn rdma_counters(bench: &mut Bench) -> anyhow::Result<()> {
 /// and raw quinn with kvrail's settings, identities and connection count.
 async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
     use kvrail_quic::probe;
-    let cipher = probe::packet_cipher_cost(6550, Duration::from_millis(300))?;
-    let v = json!({"bench": "quic-floor", "transport": "quic", "op": "cipher", "packet_bytes": 6550,
+    // The sidecars' QUIC settings: their defaults with this run's `--sidecar-arg`s.
+    let settings = sidecar_config(&bench.args.sidecar_arg)?.quic_settings();
+    let packet = usize::from(settings.max_udp_payload);
+    let cipher = probe::packet_cipher_cost(packet, Duration::from_millis(300))?;
+    let v = json!({"bench": "quic-floor", "transport": "quic", "op": "cipher", "packet_bytes": packet,
         "seal_ns_per_byte": round3(cipher.seal_ns_per_byte), "open_ns_per_byte": round3(cipher.open_ns_per_byte)});
     eprintln!(
-        "quic-floor AES-128-GCM, 6550 B packets, one core: seal {:.3} ns/B, open {:.3} ns/B",
+        "quic-floor AES-128-GCM, {packet} B packets, one core: seal {:.3} ns/B, open {:.3} ns/B",
         cipher.seal_ns_per_byte, cipher.open_ns_per_byte
     );
     println!("{v}");
@@ -1312,9 +1315,6 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
         kvrail_auth::Identity::load(node, &kvrail_auth::IdentityFiles::in_dir(&tls, node))
     };
     let (sender, receiver) = (identity("prefill")?, identity("decode")?);
-    // The sidecars' defaults (a `--sidecar-arg` changing QUIC settings is not
-    // mirrored here), on loopback.
-    let settings = kvrail_sidecar::config::Config::default().quic_settings();
     let connections = bench.args.connections;
     // One thread per connection and side, as far as the cores go (the sidecars
     // spread their connections over every core too).
@@ -1371,6 +1371,24 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
         bench.results.push(v);
     }
     Ok(())
+}
+
+/// The configuration `kvrail serve` makes of these extra flags.
+fn sidecar_config(extra: &[String]) -> anyhow::Result<kvrail_sidecar::config::Config> {
+    #[derive(clap::Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: kvrail_sidecar::ServeArgs,
+    }
+    // A rail address and no identity of its own, so that it validates (only
+    // its QUIC settings are read).
+    let parsed = <Serve as clap::Parser>::try_parse_from(
+        ["serve", "--listen=127.0.0.1:0", "--insecure"]
+            .into_iter()
+            .chain(extra.iter().map(String::as_str)),
+    )
+    .context("--sidecar-arg is not a `kvrail serve` flag")?;
+    Ok(parsed.args.to_config()?)
 }
 
 async fn run_parts(

@@ -92,6 +92,12 @@ pub struct ServeArgs {
     /// QUIC: UDP payload connections start with (default 1200; see docs/quic.md).
     #[arg(long)]
     pub quic_initial_mtu: Option<u16>,
+    /// QUIC: largest UDP payload MTU discovery may reach (default 65000; the path's MTU caps it; see docs/quic.md).
+    #[arg(long)]
+    pub quic_max_udp_payload: Option<u16>,
+    /// QUIC: one send call per packet instead of segmentation offload (for comparison).
+    #[arg(long)]
+    pub no_quic_gso: bool,
     /// Spin of worker ring threads before they sleep, in microseconds, fixed
     /// (default: twice the worker's recent gap between submissions, 50 to
     /// 500, with at least 4 CPUs; else 0).
@@ -210,6 +216,12 @@ impl ServeArgs {
         }
         if let Some(v) = self.quic_initial_mtu {
             c.quic_initial_mtu = v;
+        }
+        if let Some(v) = self.quic_max_udp_payload {
+            c.quic_max_udp_payload = v;
+        }
+        if self.no_quic_gso {
+            c.quic_gso = false;
         }
         if let Some(v) = self.quic_streams_per_connection {
             c.quic_streams_per_connection = v;
