@@ -166,6 +166,11 @@ pub(crate) struct Bench {
     iperf3_gbps: Option<f64>,
     /// One single-stream iperf3 process per connection: not bound to one thread.
     iperf3_procs_gbps: Option<f64>,
+    /// Copying a cold region of the largest point's size into another with
+    /// one thread per connection, through a small buffer each (the two
+    /// copies loopback TCP makes), without sockets: iperf3 resends one
+    /// cache-hot buffer, kvrail reads and writes whole regions.
+    memory_gbps: Option<f64>,
     /// `ib_write_bw` over the same device pairs (RDMA runs).
     ib_write_bw_gbps: Option<f64>,
     contiguous_push_gbps: Option<f64>,
@@ -215,6 +220,7 @@ impl Bench {
             results: Vec::new(),
             iperf3_gbps: None,
             iperf3_procs_gbps: None,
+            memory_gbps: None,
             ib_write_bw_gbps: None,
             contiguous_push_gbps: None,
             transport,
@@ -381,6 +387,9 @@ impl Bench {
         if let Some(i) = self.ib_write_bw_gbps {
             v["ratio_vs_ib_write_bw"] = json!(round3(rate / i));
         }
+        if let Some(m) = self.memory_gbps {
+            v["ratio_vs_memory_two_copies"] = json!(round3(rate / m));
+        }
         if let (Some(c), true) = (self.contiguous_push_gbps, p.name != "single") {
             v["ratio_vs_contiguous_256m"] = json!(round3(rate / c));
         }
@@ -390,7 +399,7 @@ impl Bench {
             }
         }
         eprintln!(
-            "{:<10} {:<5} {:>10} {:>7} blk {:>6} seg {:>8.3} GB/s  p50 {:>9} us  p99 {:>9} us{}{}",
+            "{:<10} {:<5} {:>10} {:>7} blk {:>6} seg {:>8.3} GB/s  p50 {:>9} us  p99 {:>9} us{}{}{}",
             p.name,
             p.op,
             human_bytes(p.bytes),
@@ -409,6 +418,8 @@ impl Bench {
                 (_, _, Some(r)) => format!("  {r}x ib_write_bw"),
                 _ => String::new(),
             },
+            v.get("ratio_vs_memory_two_copies")
+                .map_or(String::new(), |m| format!(", {m}x memory")),
             p.cpu.map_or(String::new(), |c| format!("  {c}")),
         );
         println!("{v}");
@@ -553,6 +564,61 @@ async fn contiguous_reference(
 }
 
 /// Reports a baseline that could not be measured (its ratios are then left out).
+/// What the memory system gives [`memory_copy`].
+struct MemoryCopy {
+    direct_gbps: f64,
+    via_buffer_gbps: f64,
+}
+
+/// Copies a region of `bytes` into another with `threads` threads taking 1 MiB
+/// pieces in turn (as connections take slices), directly and through a
+/// 64 KiB buffer per thread; best of three passes each. Both regions are
+/// written once first (no page faults timed) and are larger than any cache
+/// at the bench's sizes, so every pass reads and writes memory.
+fn memory_copy(bytes: usize, threads: usize) -> anyhow::Result<MemoryCopy> {
+    const PIECE: usize = 1 << 20;
+    const BUFFER: usize = 64 << 10;
+    let src = vec![0x5au8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.fill(1);
+    let threads = threads.max(1);
+    let mut pass = |via_buffer: bool| {
+        let start = Instant::now();
+        let mut shares: Vec<Vec<(&[u8], &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, pair) in src.chunks(PIECE).zip(dst.chunks_mut(PIECE)).enumerate() {
+            shares[i % threads].push(pair);
+        }
+        std::thread::scope(|scope| {
+            for share in shares {
+                scope.spawn(move || {
+                    let mut buffer = vec![0u8; BUFFER];
+                    for (from, to) in share {
+                        if via_buffer {
+                            for (f, t) in from.chunks(BUFFER).zip(to.chunks_mut(BUFFER)) {
+                                buffer[..f.len()].copy_from_slice(f);
+                                t.copy_from_slice(&buffer[..f.len()]);
+                            }
+                        } else {
+                            to.copy_from_slice(from);
+                        }
+                    }
+                });
+            }
+        });
+        bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let best = |f: &mut dyn FnMut() -> f64| (0..3).map(|_| f()).fold(0.0, f64::max);
+    let direct_gbps = best(&mut || pass(false));
+    let via_buffer_gbps = best(&mut || pass(true));
+    if dst != src {
+        bail!("the memory copy baseline did not copy every byte");
+    }
+    Ok(MemoryCopy {
+        direct_gbps,
+        via_buffer_gbps,
+    })
+}
+
 fn baseline_failed(bench: &mut Bench, what: &str, e: &anyhow::Error) {
     eprintln!("{what}: not measured: {e:#}");
     let v = json!({"bench": "baseline_failed", "baseline": what, "error": format!("{e:#}")});
@@ -1145,17 +1211,20 @@ fn plan_cost(vllm: &[u64], slice_bytes: u64) -> anyhow::Result<serde_json::Value
 struct Baselines {
     iperf3_gbps: Option<f64>,
     iperf3_procs_gbps: Option<f64>,
+    memory_gbps: Option<f64>,
 }
 
 impl Baselines {
     fn apply(&self, bench: &mut Bench) {
         bench.iperf3_gbps = self.iperf3_gbps;
         bench.iperf3_procs_gbps = self.iperf3_procs_gbps;
+        bench.memory_gbps = self.memory_gbps;
     }
 
     fn keep(&mut self, bench: &Bench) {
         self.iperf3_gbps = bench.iperf3_gbps;
         self.iperf3_procs_gbps = bench.iperf3_procs_gbps;
+        self.memory_gbps = bench.memory_gbps;
     }
 }
 
@@ -1443,6 +1512,23 @@ async fn run_parts(
             }
             Err(e) => baseline_failed(bench, &format!("{n} x iperf3 -P 1"), &e),
         }
+        let bytes = args.sizes.iter().copied().max().unwrap_or(256 << 20);
+        match tokio::task::spawn_blocking(move || memory_copy(bytes as usize, n)).await? {
+            Ok(copy) => {
+                bench.memory_gbps = Some(copy.via_buffer_gbps);
+                let v = json!({"bench": "memory", "op": "copy", "bytes": bytes, "threads": n,
+                    "direct_gbps": round3(copy.direct_gbps), "via_64k_buffer_gbps": round3(copy.via_buffer_gbps)});
+                eprintln!(
+                    "memory     {n} threads copy {} cold: {:>8.3} GB/s directly, {:.3} GB/s through a 64 KiB buffer each (loopback TCP's two copies, no socket)",
+                    human_bytes(bytes),
+                    copy.direct_gbps,
+                    copy.via_buffer_gbps
+                );
+                println!("{v}");
+                bench.results.push(v);
+            }
+            Err(e) => baseline_failed(bench, "memory copy", &e),
+        }
     }
     if wants("quic-floor") && bench.transport == "quic" {
         quic_floor(bench).await?;
@@ -1560,6 +1646,15 @@ fn parse_latency_size(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every piece is copied, whatever the pieces per thread (the last one
+    /// short), and both rates are measured.
+    #[test]
+    fn the_memory_baseline_copies_every_piece() {
+        let copy = memory_copy((5 << 20) + 4096, 3).unwrap();
+        assert!(copy.direct_gbps > 0.0 && copy.direct_gbps.is_finite());
+        assert!(copy.via_buffer_gbps > 0.0 && copy.via_buffer_gbps.is_finite());
+    }
 
     #[test]
     fn plan_cost_counts_descriptors_and_requests() {
