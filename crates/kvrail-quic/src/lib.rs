@@ -32,8 +32,8 @@ pub mod probe;
 pub struct QuicSettings {
     /// Largest UDP payload MTU discovery may reach; on a real link the path's
     /// MTU caps it. Fewer, larger packets cost quinn less per byte: on
-    /// loopback (MTU 64 KiB) 65,000 moved 1.3-1.4x more than 6,550
-    /// (docs/quic.md). Segmented sends are cut to fit one datagram.
+    /// loopback (MTU 64 KiB) 65,000 moved 1.3-1.45x as much as 6,550 at 8
+    /// connections (docs/quic.md). Segmented sends are cut to fit one datagram.
     pub max_udp_payload: u16,
     /// UDP payload the connection starts with (MTU discovery goes up from there):
     /// 1200 works on any path; raise it where every rail's MTU is known to allow it.
@@ -207,7 +207,10 @@ impl QuicSettings {
         socket.bind(&addr.into())?;
         let runtime = Arc::new(quinn::TokioRuntime);
         let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket.into())?;
-        let socket = Arc::new(GsoWithinADatagram { inner: socket });
+        let socket = Arc::new(GsoWithinADatagram {
+            inner: socket,
+            max_udp_payload: usize::from(self.max_udp_payload.max(1200)),
+        });
         quinn::Endpoint::new_with_abstract_socket(self.endpoint_config()?, server, socket, runtime)
     }
 }
@@ -234,10 +237,16 @@ fn gso_sends(transmit: &quinn::udp::Transmit<'_>) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Largest packet a receive-offload batch is assumed to gather 64 of (a
+/// jumbo frame's); batches of larger packets are cut at 64 KiB.
+const GRO_PACKET_BYTES: usize = 9216;
+
 /// quinn's UDP socket, with segmented sends cut to what one datagram holds.
 #[derive(Debug)]
 struct GsoWithinADatagram {
     inner: Arc<dyn quinn::AsyncUdpSocket>,
+    /// The endpoint's largest UDP payload (quinn sizes receive buffers by it).
+    max_udp_payload: usize,
 }
 
 impl quinn::AsyncUdpSocket for GsoWithinADatagram {
@@ -254,8 +263,8 @@ impl quinn::AsyncUdpSocket for GsoWithinADatagram {
             let contents = &transmit.contents[from..to];
             let segment_size = transmit.segment_size.filter(|&s| contents.len() > s);
             // A send that would block after the first went out makes quinn
-            // send the whole batch again: the peer drops the duplicates,
-            // which costs less than a loss (a congestion-window cut).
+            // send the whole batch again and the peer drop the duplicates;
+            // a full 32 MiB socket buffer is rare (not measured).
             self.inner.try_send(&quinn::udp::Transmit {
                 contents,
                 segment_size,
@@ -282,8 +291,15 @@ impl quinn::AsyncUdpSocket for GsoWithinADatagram {
         self.inner.max_transmit_segments()
     }
 
+    /// quinn sizes each endpoint's receive buffers as the largest payload
+    /// times this times 32: with 65,000-byte packets and the kernel's 64
+    /// segments that is 127 MiB per endpoint. A receive batch holds 64
+    /// packets of at most a jumbo frame (larger ones are not gathered past
+    /// 64 KiB), so room for that is enough: about 20 MiB at 65,000 bytes.
     fn max_receive_segments(&self) -> usize {
-        self.inner.max_receive_segments()
+        let inner = self.inner.max_receive_segments();
+        let largest_batch = inner * self.max_udp_payload.min(GRO_PACKET_BYTES);
+        inner.min(largest_batch.div_ceil(self.max_udp_payload).max(1))
     }
 
     fn may_fragment(&self) -> bool {
@@ -832,6 +848,35 @@ mod tests {
             send(130_000, Some(65_000)),
             vec![(0, 65_000), (65_000, 130_000)]
         );
+    }
+
+    /// Receive buffers hold a full batch of packets up to a jumbo frame's
+    /// size, and no more than that for larger packets.
+    #[tokio::test]
+    async fn receive_batches_have_room_for_jumbo_frames_only() {
+        for payload in [1_200usize, 6_550, 9_216, 16_000, 65_000] {
+            let std = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let inner = quinn::Runtime::wrap_udp_socket(&quinn::TokioRuntime, std).unwrap();
+            let kernel = inner.max_receive_segments();
+            let socket = GsoWithinADatagram {
+                inner,
+                max_udp_payload: payload,
+            };
+            let offered = quinn::AsyncUdpSocket::max_receive_segments(&socket);
+            assert!(
+                offered >= 1 && offered <= kernel,
+                "{payload}: {offered} of {kernel}"
+            );
+            assert!(
+                offered * payload >= kernel * payload.min(GRO_PACKET_BYTES),
+                "{payload}: {offered} segments cannot hold a batch"
+            );
+            if payload <= GRO_PACKET_BYTES {
+                assert_eq!(offered, kernel, "{payload}");
+            } else if kernel > 1 {
+                assert!(offered < kernel, "{payload}: {offered} of {kernel}");
+            }
+        }
     }
 
     /// Packets of 16,000 bytes once discovery reaches them (loopback carries

@@ -512,6 +512,52 @@ mod tests {
         assert!(toml::from_str::<Config>("nod = 'x'").is_err());
     }
 
+    /// QUIC packet sizes: discovery's upper bound fits one IPv4 datagram; a
+    /// connection starts at most at 9000 bytes (larger first packets hung
+    /// the handshake on loopback).
+    #[test]
+    fn quic_packet_sizes_stay_within_what_a_datagram_and_a_handshake_take() {
+        let ok = Config {
+            insecure: true,
+            listen: vec!["127.0.0.1:0".parse().unwrap()],
+            ..Config::default()
+        };
+        ok.validate().unwrap();
+        assert_eq!(ok.quic_settings().max_udp_payload, 65_000);
+        for (bad, field) in [
+            (
+                Config {
+                    quic_max_udp_payload: 65_508,
+                    ..ok.clone()
+                },
+                "quic_max_udp_payload",
+            ),
+            (
+                Config {
+                    quic_max_udp_payload: 1_199,
+                    ..ok.clone()
+                },
+                "quic_max_udp_payload",
+            ),
+            (
+                Config {
+                    quic_initial_mtu: 12_000,
+                    ..ok.clone()
+                },
+                "quic_initial_mtu",
+            ),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        let largest_start = Config {
+            quic_initial_mtu: 9_000,
+            ..ok
+        };
+        largest_start.validate().unwrap();
+        assert_eq!(largest_start.quic_settings().initial_mtu, 9_000);
+    }
+
     #[test]
     fn gpu_slices_are_larger_within_half_the_window_and_staging_holds_either() {
         let mib = 1u64 << 20;
