@@ -219,22 +219,15 @@ impl QuicSettings {
 /// builds it as one IPv4 datagram before cutting it (`EMSGSIZE` beyond).
 const GSO_SEND_BYTES: usize = 65_507;
 
-/// The pieces of a segmented send that each fit one datagram: quinn batches
-/// up to 10 packets of the path's MTU, so packets over 6,550 bytes (loopback
-/// and jumbo paths) would make every batch too large for the kernel.
-fn gso_sends(transmit: &quinn::udp::Transmit<'_>) -> Vec<(usize, usize)> {
-    let len = transmit.contents.len();
-    let Some(segment) = transmit
-        .segment_size
-        .filter(|&s| s > 0 && len > GSO_SEND_BYTES)
-    else {
-        return vec![(0, len)];
-    };
-    let step = (GSO_SEND_BYTES / segment).max(1) * segment;
+/// The pieces of a segmented send of `len` bytes in packets of `segment`
+/// bytes that each fit one datagram: quinn batches up to 10 packets of the
+/// path's MTU, so packets over 6,550 bytes (loopback and jumbo paths) would
+/// make every batch too large for the kernel.
+fn gso_sends(len: usize, segment: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = (GSO_SEND_BYTES / segment.max(1)).max(1) * segment.max(1);
     (0..len)
         .step_by(step)
-        .map(|at| (at, (at + step).min(len)))
-        .collect()
+        .map(move |at| (at, (at + step).min(len)))
 }
 
 /// Largest packet a receive-offload batch is assumed to gather 64 of (a
@@ -255,11 +248,11 @@ impl quinn::AsyncUdpSocket for GsoWithinADatagram {
     }
 
     fn try_send(&self, transmit: &quinn::udp::Transmit) -> io::Result<()> {
-        let sends = gso_sends(transmit);
-        if sends.len() == 1 {
+        let len = transmit.contents.len();
+        let Some(segment) = transmit.segment_size.filter(|_| len > GSO_SEND_BYTES) else {
             return self.inner.try_send(transmit);
-        }
-        for (from, to) in sends {
+        };
+        for (from, to) in gso_sends(len, segment) {
             let contents = &transmit.contents[from..to];
             let segment_size = transmit.segment_size.filter(|&s| contents.len() > s);
             // A send that would block after the first went out makes quinn
@@ -828,26 +821,25 @@ mod tests {
     /// each fit one datagram; smaller ones go as they are.
     #[test]
     fn segmented_sends_are_cut_to_what_one_datagram_holds() {
-        let send = |len: usize, segment_size: Option<usize>| {
-            let contents = vec![0u8; len];
-            gso_sends(&quinn::udp::Transmit {
-                destination: "127.0.0.1:1".parse().unwrap(),
-                ecn: None,
-                contents: &contents,
-                segment_size,
-                src_ip: None,
-            })
-        };
-        assert_eq!(send(65_500, Some(6_550)), vec![(0, 65_500)]);
-        assert_eq!(send(1_200, None), vec![(0, 1_200)]);
+        let sends = |len: usize, segment: usize| gso_sends(len, segment).collect::<Vec<_>>();
+        assert_eq!(sends(65_500, 6_550), vec![(0, 65_500)]);
         assert_eq!(
-            send(155_000, Some(16_000)),
+            sends(155_000, 16_000),
             vec![(0, 64_000), (64_000, 128_000), (128_000, 155_000)]
         );
-        assert_eq!(
-            send(130_000, Some(65_000)),
-            vec![(0, 65_000), (65_000, 130_000)]
-        );
+        assert_eq!(sends(130_000, 65_000), vec![(0, 65_000), (65_000, 130_000)]);
+        // Every byte once, in order, each send at most one datagram.
+        for (len, segment) in [(89_520, 8_952), (72_000, 1_200), (65_508, 65_507)] {
+            let pieces = sends(len, segment);
+            assert_eq!(pieces.first().map(|p| p.0), Some(0));
+            assert_eq!(pieces.last().map(|p| p.1), Some(len));
+            for w in pieces.windows(2) {
+                assert_eq!(w[0].1, w[1].0);
+            }
+            assert!(pieces
+                .iter()
+                .all(|(a, b)| b - a <= GSO_SEND_BYTES && (b - a) % segment == 0 || *b == len));
+        }
     }
 
     /// Receive buffers hold a full batch of packets up to a jumbo frame's
