@@ -665,9 +665,38 @@ impl FrameReader for QuicFrameReader {
         self.recv.read_exact(buf).await.map_err(read_error)
     }
 
+    /// Chunk by chunk as quinn holds them, each scattered over the
+    /// buffers: one stream read per received chunk rather than per buffer
+    /// (each read takes the connection's lock, which its driver task holds
+    /// while it processes packets; a vLLM-shaped slice has 256 buffers).
     async fn read_payload(&mut self, dst: &mut [IoSliceMut<'_>]) -> io::Result<()> {
-        for d in dst.iter_mut() {
-            self.recv.read_exact(d).await.map_err(read_error)?;
+        let mut left: usize = dst.iter().map(|d| d.len()).sum();
+        let mut buffers = dst.iter_mut().filter(|d| !d.is_empty());
+        let mut current = buffers.next();
+        let mut at = 0;
+        while left > 0 {
+            // Never more than this payload: the next frame stays in the stream.
+            let chunk = self
+                .recv
+                .read_chunk(left, true)
+                .await
+                .map_err(|e| read_error(quinn::ReadExactError::ReadError(e)))?
+                .ok_or(io::ErrorKind::UnexpectedEof)?;
+            let mut bytes = &chunk.bytes[..];
+            left -= bytes.len();
+            while !bytes.is_empty() {
+                let Some(d) = current.as_mut() else {
+                    return Err(io::Error::other("a chunk past the payload"));
+                };
+                let n = (d.len() - at).min(bytes.len());
+                d[at..at + n].copy_from_slice(&bytes[..n]);
+                bytes = &bytes[n..];
+                at += n;
+                if at == d.len() {
+                    current = buffers.next();
+                    at = 0;
+                }
+            }
         }
         Ok(())
     }
@@ -720,6 +749,60 @@ mod tests {
         c.writer.write_control(b"ok").await.unwrap();
         kvrail_auth::check_name(&c.peer_certificate.unwrap(), "a").unwrap();
         kvrail_auth::check_name(&dial.await.unwrap(), "b").unwrap();
+    }
+
+    /// A payload read into hundreds of buffers (some empty, sizes that do
+    /// not line up with quinn's chunks) lands byte for byte, and the next
+    /// frame's bytes stay in the stream; a stream that ends mid-payload is an
+    /// unexpected end, not a short read.
+    #[tokio::test]
+    async fn a_payload_scattered_over_many_buffers_lands_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = QuicTransport::new(&identity(dir.path(), "a"), &QuicSettings::default()).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), &QuicSettings::default()).unwrap();
+        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sizes: Vec<usize> = (0..300).map(|i| [4096, 0, 1, 7000, 4096][i % 5]).collect();
+        let total: usize = sizes.iter().sum();
+        let payload: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+        let sent = payload.clone();
+        let dial = tokio::spawn(async move {
+            let mut c = a.connect(None, addr, "b").await.unwrap();
+            c.writer
+                .write_all_vectored(&mut [IoSlice::new(&sent), IoSlice::new(b"next")])
+                .await
+                .unwrap();
+            // Part of a second payload, then the stream ends.
+            c.writer
+                .write_all_vectored(&mut [IoSlice::new(&sent[..1000])])
+                .await
+                .unwrap();
+            c.writer.close().await.unwrap();
+        });
+        let (mut c, _) = listener.accept().await.unwrap();
+        let mut landed = vec![0u8; total];
+        {
+            let mut rest = &mut landed[..];
+            let mut bufs = Vec::new();
+            for &n in &sizes {
+                let (head, tail) = rest.split_at_mut(n);
+                bufs.push(IoSliceMut::new(head));
+                rest = tail;
+            }
+            c.reader.read_payload(&mut bufs).await.unwrap();
+        }
+        assert!(landed == payload, "the payload landed out of order");
+        let mut next = [0u8; 4];
+        c.reader.read_exact(&mut next).await.unwrap();
+        assert_eq!(&next, b"next");
+        let mut second = vec![0u8; 4096];
+        let e = c
+            .reader
+            .read_payload(&mut [IoSliceMut::new(&mut second)])
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        dial.await.unwrap();
     }
 
     /// A listener receiving on several sockets of one port takes connections
