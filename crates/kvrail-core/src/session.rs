@@ -483,9 +483,10 @@ impl Session {
     }
 
     /// Whether a new transfer of `bytes` asks the peer for one-sided access
-    /// (see [`SessionConfig::eager_max_bytes`]).
-    fn goes_one_sided(&self, bytes: u64) -> bool {
-        bytes > self.config.eager_max_bytes && self.has_one_sided()
+    /// (see [`SessionConfig::eager_max_bytes`]). Staged memory (GPU) is not
+    /// registered with verbs: it always moves two-sided.
+    fn goes_one_sided(&self, req: &LocalTransfer, bytes: u64) -> bool {
+        !req.staged && bytes > self.config.eager_max_bytes && self.has_one_sided()
     }
 
     /// Whether a one-sided connection is alive on a rail that carries traffic.
@@ -700,8 +701,7 @@ impl Session {
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
-        // Staged memory (GPU) is not registered with verbs: it moves two-sided.
-        let one_sided = !req.staged && self.goes_one_sided(plan.total_bytes());
+        let one_sided = self.goes_one_sided(&req, plan.total_bytes());
         let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
@@ -728,8 +728,7 @@ impl Session {
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
         let total = plan.total_bytes();
-        // Staged memory (GPU) is not registered with verbs: it moves two-sided.
-        let one_sided = !req.staged && self.goes_one_sided(total);
+        let one_sided = self.goes_one_sided(&req, total);
         let open = crate::wire::message(Body::PullOpen(pb::PullOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
