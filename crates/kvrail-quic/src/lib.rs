@@ -854,14 +854,20 @@ mod tests {
         assert_eq!(seen, (0..DIALS as u8).collect::<Vec<_>>());
     }
 
-    /// quinn's endpoint default (1472) used to cap every path whatever
-    /// `max_udp_payload` said; on loopback discovery must reach the setting.
-    #[tokio::test]
-    async fn mtu_discovery_reaches_the_configured_cap() {
+    /// Two quinn endpoints of `settings` on loopback, `bytes` sent on one
+    /// stream and read to its end: both connections (their endpoints kept
+    /// alive beside them) and how many bytes arrived.
+    struct RawPair {
+        client: quinn::Connection,
+        server: quinn::Connection,
+        received: usize,
+        _endpoints: [quinn::Endpoint; 2],
+    }
+
+    async fn send_over_raw_quinn(settings: &QuicSettings, bytes: usize) -> RawPair {
         let dir = tempfile::tempdir().unwrap();
-        let settings = QuicSettings::default();
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
+        let a = QuicTransport::new(&identity(dir.path(), "a"), settings).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), settings).unwrap();
         let server = b
             .settings
             .endpoint("127.0.0.1:0".parse().unwrap(), Some(b.server.clone()))
@@ -870,8 +876,11 @@ mod tests {
         let accept = tokio::spawn(async move {
             let conn = server.accept().await.unwrap().await.unwrap();
             let (_, mut recv) = conn.accept_bi().await.unwrap();
-            while recv.read_chunk(usize::MAX, true).await.unwrap().is_some() {}
-            (conn, server)
+            let mut received = 0;
+            while let Some(chunk) = recv.read_chunk(usize::MAX, true).await.unwrap() {
+                received += chunk.bytes.len();
+            }
+            (received, conn, server)
         });
         let client = a
             .settings
@@ -883,15 +892,29 @@ mod tests {
             .await
             .unwrap();
         let (mut send, _recv) = conn.open_bi().await.unwrap();
-        // Discovery probes run alongside the data; a few MiB give it the round trips.
-        send.write_all(&vec![1u8; 8 << 20]).await.unwrap();
+        send.write_all(&vec![7u8; bytes]).await.unwrap();
         send.finish().unwrap();
-        let (server_conn, _server) = accept.await.unwrap();
+        let (received, server_conn, server) = accept.await.unwrap();
+        RawPair {
+            client: conn,
+            server: server_conn,
+            received,
+            _endpoints: [client, server],
+        }
+    }
+
+    /// quinn's endpoint default (1472) used to cap every path whatever
+    /// `max_udp_payload` said; on loopback discovery must reach the setting.
+    #[tokio::test]
+    async fn mtu_discovery_reaches_the_configured_cap() {
+        let settings = QuicSettings::default();
+        // Discovery probes run alongside the data; a few MiB give it the round trips.
+        let pair = send_over_raw_quinn(&settings, 8 << 20).await;
         // Loopback carries any size, so discovery climbs past Ethernet's 1472
         // towards the cap (reaching it exactly takes a few more probes).
         for (side, mtu) in [
-            ("client", conn.stats().path.current_mtu),
-            ("server", server_conn.stats().path.current_mtu),
+            ("client", pair.client.stats().path.current_mtu),
+            ("server", pair.server.stats().path.current_mtu),
         ] {
             assert!(
                 mtu > 1472 && mtu <= settings.max_udp_payload,
@@ -960,42 +983,13 @@ mod tests {
     /// took the path back to 1,200 bytes.
     #[tokio::test]
     async fn packets_larger_than_a_tenth_of_a_datagram_are_not_lost() {
-        let dir = tempfile::tempdir().unwrap();
         let settings = QuicSettings {
             max_udp_payload: 16_000,
             ..QuicSettings::default()
         };
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
-        let server = b
-            .settings
-            .endpoint("127.0.0.1:0".parse().unwrap(), Some(b.server.clone()))
-            .unwrap();
-        let addr = server.local_addr().unwrap();
-        let accept = tokio::spawn(async move {
-            let conn = server.accept().await.unwrap().await.unwrap();
-            let (_, mut recv) = conn.accept_bi().await.unwrap();
-            let mut got = 0;
-            while let Some(chunk) = recv.read_chunk(usize::MAX, true).await.unwrap() {
-                got += chunk.bytes.len();
-            }
-            (got, conn, server)
-        });
-        let client = a
-            .settings
-            .endpoint("127.0.0.1:0".parse().unwrap(), None)
-            .unwrap();
-        let conn = client
-            .connect_with(a.client.clone(), addr, "b")
-            .unwrap()
-            .await
-            .unwrap();
-        let (mut send, _recv) = conn.open_bi().await.unwrap();
-        send.write_all(&vec![7u8; 32 << 20]).await.unwrap();
-        send.finish().unwrap();
-        let (got, _server_conn, _server) = accept.await.unwrap();
-        assert_eq!(got, 32 << 20);
-        let path = conn.stats().path;
+        let pair = send_over_raw_quinn(&settings, 32 << 20).await;
+        assert_eq!(pair.received, 32 << 20);
+        let path = pair.client.stats().path;
         assert_eq!(path.current_mtu, 16_000);
         // A receiver that falls behind may still drop a few.
         assert!(
