@@ -645,3 +645,36 @@ fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
     assert_eq!(f.out_of_bounds, 0);
     verify(&f, (1, 1, &sb), (0, 2, &db));
 }
+
+/// A pull's in-flight slices are its own RDMA reads, settled by their
+/// completions: a SliceAck from the serving peer naming one of them (forged,
+/// or a broken peer's) changes nothing, and the pull still finishes.
+#[test]
+fn a_peer_acknowledging_a_pulls_own_reads_cannot_stall_it() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    f.exchange_control();
+    let reads: Vec<(u64, u32)> = f
+        .posted
+        .iter()
+        .flatten()
+        .filter(|p| p.from == 0 && p.remote.op == OneSidedOp::Read)
+        .map(|p| (p.header.offset, p.len))
+        .collect();
+    assert!(!reads.is_empty(), "reads are posted after the grant");
+    for &(offset, len) in &reads {
+        let forged = crate::wire::Body::SliceAck(crate::wire::pb::SliceAck {
+            transfer_id: 9,
+            offset,
+            length: u64::from(len),
+        });
+        let to = &mut f.sides[0];
+        to.session.handle_control(0, forged, f.now, &to.regions);
+    }
+    f.run();
+    assert!(f.done(0, 9) && f.done(1, 9), "{:?}", f.sides[0].events);
+    verify(&f, (1, 1, &sb), (0, 2, &db));
+}

@@ -807,7 +807,15 @@ impl Session {
             Body::PushOpen(open) => self.on_push_open(conn, open, now, regions),
             Body::PullOpen(open) => self.on_pull_open(conn, open, now, regions),
             Body::SliceAck(ack) => {
-                self.on_slice_ack(ack, now);
+                // The peer acknowledges only slices we sent; a pull's in-flight
+                // slices are our own RDMA reads, settled by their completions.
+                let ours_sent = self
+                    .transfers
+                    .get(&ack.transfer_id)
+                    .is_some_and(|t| t.kind.sends_data());
+                if ours_sent {
+                    self.on_slice_ack(ack, now);
+                }
             }
             Body::Complete(c) => self.on_complete(c.transfer_id, now),
             Body::Abort(a) => {
