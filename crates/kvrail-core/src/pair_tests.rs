@@ -1294,3 +1294,57 @@ fn a_pull_whose_open_died_with_its_connection_completes() {
         assert_moved(&p, (1, 2, &blocks), (0, 1, &blocks), (0, 1));
     }
 }
+
+/// A peer's open with a request id longer than any worker may give is
+/// refused (ids reach worker notifications and logs), and a peer's abort
+/// message is cut before it reaches the worker.
+#[test]
+fn a_peers_oversized_request_id_is_refused_and_its_long_messages_are_cut() {
+    let mut p = Pair::new(1, small_slices(), 2);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    p.flush();
+    let Some(Item::Control(crate::wire::Body::PushOpen(mut open))) = p.wires[0][0].pop_front()
+    else {
+        panic!("expected the open")
+    };
+    p.wires[0][0].clear();
+    open.request_id = "r".repeat(crate::wire::REQUEST_ID_MAX + 1);
+    let now = p.now;
+    let b = &mut p.sides[1];
+    b.session
+        .handle_control(0, crate::wire::Body::PushOpen(open), now, &b.regions);
+    assert_eq!(b.session.active_transfers(), 0, "nothing accepted");
+    p.drive();
+    assert!(matches!(
+        &p.failures(0)[..],
+        [TransferError::Peer {
+            code: ErrorCode::Protocol,
+            ..
+        }]
+    ));
+
+    // A second transfer, aborted by the peer with a megabyte of text.
+    let id2 = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    assert_ne!(id, id2);
+    let abort = crate::wire::Body::Abort(crate::wire::pb::Abort {
+        transfer_id: id2,
+        code: ErrorCode::Internal as i32,
+        message: "é".repeat(1 << 19),
+    });
+    let now = p.now;
+    let a = &mut p.sides[0];
+    a.session.handle_control(0, abort, now, &a.regions);
+    p.flush();
+    let failures = p.failures(0);
+    let Some(TransferError::Peer { message, .. }) = failures.last() else {
+        panic!("expected the peer's abort: {failures:?}")
+    };
+    assert!(
+        message.len() <= crate::wire::PEER_TEXT_MAX + 64,
+        "{} bytes reached the worker",
+        message.len()
+    );
+    assert!(message.ends_with("more bytes cut)"), "marked as cut");
+}

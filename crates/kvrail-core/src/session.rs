@@ -826,7 +826,7 @@ impl Session {
                     } else {
                         TransferError::Peer {
                             code,
-                            message: a.message,
+                            message: crate::wire::peer_text(a.message),
                         }
                     };
                     self.finish_failed(a.transfer_id, error);
@@ -843,7 +843,10 @@ impl Session {
             )),
             Body::Grant(g) => self.on_grant(g, now),
             Body::RailDown(d) => {
-                let reason = format!("peer reported it down: {}", d.reason);
+                let reason = format!(
+                    "peer reported it down: {}",
+                    crate::wire::peer_text(d.reason)
+                );
                 self.rail_signal(d.rail_index, RailSignal::Failed, &reason, false, now);
             }
             Body::WorkerMessage(m) => match crate::message::check(&m) {
@@ -924,6 +927,9 @@ impl Session {
         if self.rejected.contains(&id) {
             return;
         }
+        if let Err(message) = crate::wire::check_request_id(&open.request_id) {
+            return self.reject(conn, id, ErrorCode::Protocol, message);
+        }
         let selection = selection_of(open.destination.as_ref());
         match accept_plan(
             &selection,
@@ -1000,6 +1006,9 @@ impl Session {
         }
         if self.rejected.contains(&id) {
             return;
+        }
+        if let Err(message) = crate::wire::check_request_id(&open.request_id) {
+            return self.reject(conn, id, ErrorCode::Protocol, message);
         }
         if let Some(t) = self.transfers.get_mut(&id) {
             if t.kind == TransferKind::PullServe

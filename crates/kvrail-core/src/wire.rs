@@ -27,6 +27,41 @@ pub const MAX_CONTROL_BYTES: u32 = 16 << 20;
 /// Largest slice payload accepted.
 pub const MAX_SLICE_BYTES: u32 = 64 << 20;
 
+/// Longest request id a transfer may carry (the worker API refuses longer
+/// ones too; a peer's open with a longer one is refused).
+pub const REQUEST_ID_MAX: usize = 256;
+/// Longest peer-supplied text (an abort's message, a rail's down reason)
+/// kept: it reaches worker notifications and logs, so a peer cannot make
+/// either grow by megabytes per message.
+pub const PEER_TEXT_MAX: usize = 1024;
+
+/// Checks a request id that arrived from a peer.
+pub fn check_request_id(request_id: &str) -> Result<(), String> {
+    if request_id.is_empty() || request_id.len() > REQUEST_ID_MAX {
+        return Err(format!(
+            "request id of {} bytes (must be 1..={REQUEST_ID_MAX})",
+            request_id.len()
+        ));
+    }
+    Ok(())
+}
+
+/// A peer's free text, cut to [`PEER_TEXT_MAX`] bytes (at a character
+/// boundary) and marked when cut.
+pub fn peer_text(mut text: String) -> String {
+    if text.len() <= PEER_TEXT_MAX {
+        return text;
+    }
+    let mut end = PEER_TEXT_MAX;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = text.len() - end;
+    text.truncate(end);
+    text.push_str(&format!("... ({cut} more bytes cut)"));
+    text
+}
+
 const KIND_CONTROL: u8 = 1;
 const KIND_DATA: u8 = 2;
 

@@ -27,9 +27,10 @@ pub struct Start<'a> {
 
 /// Text fields of the API: 1 to 256 bytes.
 pub fn require_text(value: &str, name: &str) -> Result<(), Status> {
-    if value.is_empty() || value.len() > 256 {
+    const MAX: usize = kvrail_core::wire::REQUEST_ID_MAX;
+    if value.is_empty() || value.len() > MAX {
         return Err(Status::invalid_argument(format!(
-            "{name} must be 1..=256 bytes"
+            "{name} must be 1..={MAX} bytes"
         )));
     }
     Ok(())
