@@ -117,3 +117,52 @@ async fn a_restarted_peer_never_receives_the_old_transfer() {
     d_kv.unlink();
     fresh.unlink();
 }
+
+/// Transfer ids, like region ids, do not repeat across a restart: an id a
+/// worker kept from before it names no transfer afterwards (it could have
+/// been another worker's, and `Cancel` would have cancelled it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transfer_id_from_before_a_restart_names_nothing_after_it() {
+    let mut pair = Pair::start(&[]);
+    let layout = dense_layout(1, 1, 4, 4096);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let mut d = pair.decode.client().await;
+    let dr = d.register_region("d0", &d_kv, false).await.unwrap();
+    let mut ids = Vec::new();
+    for round in 0..2 {
+        if round == 1 {
+            pair.prefill.kill();
+            pair.prefill.restart();
+        }
+        let mut p = pair.prefill.client().await;
+        let pr = p.register_region("p0", &p_kv, false).await.unwrap();
+        let t = p
+            .push(
+                "p0",
+                &format!("req{round}"),
+                "decode",
+                blocks(pr, 0..1, vec![0]),
+                blocks(dr, 0..1, vec![round]),
+            )
+            .await
+            .unwrap();
+        let st = p
+            .wait(t.transfer_id, Some(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(st.state, TransferState::Done as i32, "{st:?}");
+        ids.push(t.transfer_id);
+        if round == 1 {
+            assert_ne!(ids[0], ids[1], "transfer ids repeat across restarts");
+            let old = p.get_transfer(ids[0]).await;
+            assert_eq!(
+                old.as_ref().err().and_then(|e| e.code()),
+                Some(tonic::Code::NotFound),
+                "the old id answered: {old:?}"
+            );
+        }
+    }
+    p_kv.unlink();
+    d_kv.unlink();
+}

@@ -103,7 +103,9 @@ impl Daemon {
             ),
             watched_workers: DashMap::new(),
             refusal_log: RateLimitedLog::new(5),
-            next_transfer: AtomicU64::new(0),
+            // As region ids: an id a worker kept from before a restart names
+            // no transfer of this incarnation (until 2^32 transfers later).
+            next_transfer: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
             busy_poll: BusyPoll::new(config.runtime_busy_poll()),
         });
         if let Some(addr) = config.metrics_addr {
