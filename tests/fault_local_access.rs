@@ -134,3 +134,28 @@ async fn only_the_callers_own_shared_memory_files_can_be_registered() {
     c.register_region("w", &mine, false).await.unwrap();
     mine.unlink();
 }
+
+/// A second sidecar started on a socket a running one serves is refused with
+/// a clear error and takes nothing: before, it removed the live socket, bound
+/// its own, and on exit removed that too, leaving the first sidecar running
+/// but unreachable.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_sidecar_cannot_take_a_running_ones_socket() {
+    let pair = Pair::start(&[]);
+    let mut first = pair.prefill.client().await;
+    let out = command("kvrail")
+        .args(["serve", "--node", "intruder", "--insecure", "--socket"])
+        .arg(&pair.prefill.socket)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the second sidecar ran: {stderr}");
+    assert!(stderr.contains("is in use"), "{stderr}");
+    // The first still answers, on a fresh connection too.
+    first.list_peers().await.unwrap();
+    let mut again = pair.prefill.client().await;
+    again.list_peers().await.unwrap();
+}

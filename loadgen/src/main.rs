@@ -44,9 +44,13 @@ enum Command {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     kvrail_sidecar::init_logging();
-    match Cli::parse().command {
+    kvrail_sidecar::exit_on_error(run(Cli::parse().command).await)
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Demo(a) => demo::run(a).await,
         Command::Replay(a) => replay::run(a).await,
         Command::Bench(a) => bench::run(a).await,

@@ -92,6 +92,10 @@ pub fn ca(dir: &Path) -> Result<PathBuf, AuthError> {
 
 /// Creates `DIR/NODE.pem` and `DIR/NODE.key`, signed by the CA in `dir`.
 pub fn node(dir: &Path, name: &str, validity: Validity) -> Result<PathBuf, AuthError> {
+    crate::check_node_name(name).map_err(|what| AuthError::Pem {
+        path: dir.to_path_buf(),
+        what,
+    })?;
     let ca_key_path = dir.join("ca.key");
     let ca_pem = std::fs::read_to_string(&ca_key_path).map_err(|source| AuthError::Read {
         path: ca_key_path.clone(),

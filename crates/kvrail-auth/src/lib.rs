@@ -18,6 +18,38 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
 pub mod generate;
 
+/// Longest node name (a DNS name's length; the wire allows as much).
+pub const MAX_NODE_NAME_BYTES: usize = 253;
+
+/// Checks a node name: it names the node's certificate files (`NAME.pem`,
+/// `NAME.key` in the TLS directory) and its certificate's DNS name, so it is
+/// 1 to 253 letters, digits, `-`, `_` and `.`, starting with a letter or
+/// digit, and not `ca` (the cluster CA's files).
+pub fn check_node_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_NODE_NAME_BYTES {
+        return Err(format!(
+            "node name {name:?}: must be 1 to {MAX_NODE_NAME_BYTES} bytes"
+        ));
+    }
+    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err(format!(
+            "node name {name:?}: must start with a letter or a digit"
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Err(format!(
+            "node name {name:?}: {c:?} is not allowed (letters, digits, '-', '_' and '.' only)"
+        ));
+    }
+    if name.eq_ignore_ascii_case("ca") {
+        return Err("node name \"ca\" is taken by the cluster CA's files".into());
+    }
+    Ok(())
+}
+
 /// ALPN protocol of kvrail's QUIC connections.
 pub const ALPN: &[u8] = b"kvrail/1";
 
@@ -290,6 +322,27 @@ impl Identity {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn node_names_are_file_and_dns_safe() {
+        for ok in ["prefill", "decode-0", "node_a.rack1", "7"] {
+            assert!(super::check_node_name(ok).is_ok(), "{ok}");
+        }
+        let long = "a".repeat(super::MAX_NODE_NAME_BYTES + 1);
+        for bad in [
+            "",
+            "ca",
+            "CA",
+            "../evil",
+            "a/b",
+            ".hidden",
+            "-x",
+            "a b",
+            long.as_str(),
+        ] {
+            assert!(super::check_node_name(bad).is_err(), "{bad}");
+        }
+    }
     use super::*;
     use crate::generate::{self, Validity};
 

@@ -24,22 +24,67 @@ use crate::metrics as m;
 use crate::regions::{RegionSource, RegisterError};
 use crate::transfers::TransferRecord;
 
+/// The API socket file this daemon bound (device and inode): it removes the
+/// path on exit only while the path is still that file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BoundSocket {
+    dev: u64,
+    ino: u64,
+}
+
+impl BoundSocket {
+    fn of(path: &Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(path).ok()?;
+        Some(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Removes `path` if it is still the socket this daemon bound (another
+    /// daemon may have taken the path over since, after this one stopped
+    /// answering).
+    pub fn remove_if_ours(self, path: &Path) {
+        if Self::of(path) == Some(self) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// Binds the API socket (mode 0600) and serves it in the background.
-pub async fn serve(shared: Arc<Shared>, socket: &Path) -> anyhow::Result<JoinHandle<()>> {
+pub async fn serve(
+    shared: Arc<Shared>,
+    socket: &Path,
+) -> anyhow::Result<(JoinHandle<()>, Option<BoundSocket>)> {
     if let Ok(meta) = std::fs::symlink_metadata(socket) {
         use std::os::unix::fs::FileTypeExt;
-        if meta.file_type().is_socket() {
-            // A socket file left by a previous run; binding needs the path free.
-            std::fs::remove_file(socket)?;
-        } else {
+        if !meta.file_type().is_socket() {
             anyhow::bail!("{} exists and is not a socket", socket.display());
+        }
+        // A live daemon answers on it: taking the path would cut its workers
+        // off. Only a socket nobody listens on (left by a run that died) goes.
+        match std::os::unix::net::UnixStream::connect(socket) {
+            Ok(_) => anyhow::bail!(
+                "{} is in use: another sidecar is serving it (stop it, or give this one another --socket)",
+                socket.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(socket)?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!(
+                "{} exists and cannot be checked for a running sidecar: {e}",
+                socket.display()
+            ),
         }
     }
     let listener = bind_private(socket)
         .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", socket.display()))?;
+    let bound = BoundSocket::of(socket);
     let service = SidecarServer::new(Api { shared }).max_decoding_message_size(64 << 20);
     let incoming = UnixListenerStream::new(listener);
-    Ok(tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         if let Err(e) = tonic::transport::Server::builder()
             .add_service(service)
             .serve_with_incoming(incoming)
@@ -47,7 +92,8 @@ pub async fn serve(shared: Arc<Shared>, socket: &Path) -> anyhow::Result<JoinHan
         {
             tracing::error!("API server stopped: {e}");
         }
-    }))
+    });
+    Ok((task, bound))
 }
 
 /// Binds a Unix socket that only this user can ever connect to, whatever the

@@ -265,8 +265,20 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: &str| Err(ConfigError::Invalid(m.into()));
-        if self.node.is_empty() {
-            return bad("node name must not be empty");
+        if let Err(why) = kvrail_auth::check_node_name(&self.node) {
+            return Err(ConfigError::Invalid(why));
+        }
+        if !(100..=3_600_000).contains(&self.progress_timeout_ms) {
+            return bad("progress_timeout_ms must be 100..=3600000 (an hour)");
+        }
+        if self.window_bytes > (1 << 30) {
+            return bad("window_bytes must be at most 1 GiB");
+        }
+        if self.ring_spin_us.is_some_and(|us| us > 1_000_000) {
+            return bad("ring_spin_us must be at most 1000000 (1 s)");
+        }
+        if self.rdma_eager_max_bytes > (64 << 20) {
+            return bad("rdma_eager_max_bytes must be at most 64 MiB");
         }
         if self.listen.is_empty() {
             return bad("at least one listen address (rail) is required");
@@ -354,9 +366,18 @@ impl Config {
         if self.window_bytes < self.slice_bytes {
             return bad("window_bytes must be at least slice_bytes");
         }
-        for p in &self.peers {
+        for (i, p) in self.peers.iter().enumerate() {
+            if let Err(why) = kvrail_auth::check_node_name(&p.name) {
+                return Err(ConfigError::Invalid(format!("peer: {why}")));
+            }
             if p.name == self.node {
                 return bad("a peer cannot have this node's name");
+            }
+            if self.peers[..i].iter().any(|q| q.name == p.name) {
+                return Err(ConfigError::Invalid(format!(
+                    "peer {:?} is given twice",
+                    p.name
+                )));
             }
             if p.rails.is_empty() || p.rails.len() * self.connections_per_rail > 64 {
                 return bad("each peer needs 1 or more rails, at most 64 connections in all");
@@ -556,6 +577,75 @@ mod tests {
         };
         largest_start.validate().unwrap();
         assert_eq!(largest_start.quic_settings().initial_mtu, 9_000);
+    }
+
+    /// Values that cannot work are refused with the setting's name, and a
+    /// node name that would escape the TLS directory is refused.
+    #[test]
+    fn nonsense_values_and_unsafe_names_are_refused() {
+        let ok = Config {
+            insecure: true,
+            listen: vec!["127.0.0.1:0".parse().unwrap()],
+            ..Config::default()
+        };
+        let peer = |name: &str| PeerConfig {
+            name: name.into(),
+            rails: vec!["127.0.0.1:1".parse().unwrap()],
+        };
+        for (bad, field) in [
+            (
+                Config {
+                    progress_timeout_ms: 0,
+                    ..ok.clone()
+                },
+                "progress_timeout_ms",
+            ),
+            (
+                Config {
+                    window_bytes: u64::MAX,
+                    ..ok.clone()
+                },
+                "window_bytes",
+            ),
+            (
+                Config {
+                    ring_spin_us: Some(u64::MAX),
+                    ..ok.clone()
+                },
+                "ring_spin_us",
+            ),
+            (
+                Config {
+                    rdma_eager_max_bytes: u64::MAX,
+                    ..ok.clone()
+                },
+                "rdma_eager_max_bytes",
+            ),
+            (
+                Config {
+                    node: "a/../b".into(),
+                    ..ok.clone()
+                },
+                "not allowed",
+            ),
+            (
+                Config {
+                    peers: vec![peer("../x")],
+                    ..ok.clone()
+                },
+                "peer",
+            ),
+            (
+                Config {
+                    peers: vec![peer("b"), peer("b")],
+                    ..ok.clone()
+                },
+                "twice",
+            ),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
     }
 
     #[test]

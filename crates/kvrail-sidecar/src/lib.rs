@@ -161,8 +161,16 @@ impl ServeArgs {
         if !self.listen.is_empty() {
             c.listen = self.listen.clone();
         }
+        let mut named = std::collections::HashSet::new();
         for p in &self.peers {
             let peer = Config::parse_peer(p)?;
+            if !named.insert(peer.name.clone()) {
+                return Err(config::ConfigError::Invalid(format!(
+                    "--peer {:?} is given twice (a peer's rails go in one --peer, comma-separated)",
+                    peer.name
+                )));
+            }
+            // A --peer replaces the configuration file's peer of that name.
             c.peers.retain(|q| q.name != peer.name);
             c.peers.push(peer);
         }
@@ -272,6 +280,32 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     trace_points::write();
     daemon.shutdown();
     Ok(())
+}
+
+/// An error as one line for the terminal: its message, then each cause
+/// the message does not already quote (most of ours quote their source).
+pub fn error_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !line.contains(&cause) {
+            line.push_str(": ");
+            line.push_str(&cause);
+        }
+    }
+    line
+}
+
+/// Runs a command's body and turns its error into `error: ...` on stderr
+/// and exit status 1 (no debug dump, whatever `RUST_BACKTRACE` says).
+pub fn exit_on_error(result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", error_line(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).

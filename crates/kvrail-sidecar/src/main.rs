@@ -43,15 +43,22 @@ enum Certs {
         #[arg(required = true)]
         names: Vec<String>,
         /// Days the certificates stay valid.
-        #[arg(long, default_value_t = 365)]
+        #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(i64).range(1..=36500))]
         days: i64,
+        /// Replace a node's existing certificate and key.
+        #[arg(long)]
+        force: bool,
     },
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     kvrail_sidecar::init_logging();
-    match Cli::parse().command {
+    kvrail_sidecar::exit_on_error(run(Cli::parse().command).await)
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Serve(args) => kvrail_sidecar::serve(*args).await,
         Command::Doctor(args) => {
             let code = kvrail_sidecar::doctor::run(*args).await?;
@@ -62,7 +69,22 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", ca.display());
             Ok(())
         }
-        Command::Certs(Certs::Node { dir, names, days }) => {
+        Command::Certs(Certs::Node {
+            dir,
+            names,
+            days,
+            force,
+        }) => {
+            for name in &names {
+                kvrail_auth::check_node_name(name).map_err(anyhow::Error::msg)?;
+                let existing = dir.join(format!("{name}.pem"));
+                if !force && existing.exists() {
+                    anyhow::bail!(
+                        "{} exists: pass --force to replace node {name:?}'s certificate and key",
+                        existing.display()
+                    );
+                }
+            }
             for name in names {
                 let cert = generate::node(&dir, &name, Validity::days(days))?;
                 println!("{}", cert.display());

@@ -34,6 +34,7 @@ pub struct Daemon {
     pub socket: PathBuf,
     pub listen: Vec<SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
+    bound_socket: Option<crate::api::BoundSocket>,
 }
 
 impl Daemon {
@@ -135,7 +136,7 @@ impl Daemon {
             }
             crate::api::serve(shared.clone(), &config.socket).await
         };
-        let api = match serving.await {
+        let (api, bound_socket) = match serving.await {
             Ok(api) => api,
             Err(e) => {
                 // Not serving after all: the listeners already up stop too.
@@ -155,6 +156,7 @@ impl Daemon {
             socket: config.socket.clone(),
             listen,
             tasks,
+            bound_socket,
         })
     }
 
@@ -173,7 +175,9 @@ impl Daemon {
                 }
             }
         }
-        let _ = std::fs::remove_file(&self.socket);
+        if let Some(bound) = self.bound_socket {
+            bound.remove_if_ours(&self.socket);
+        }
     }
 }
 
