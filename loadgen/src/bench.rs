@@ -74,7 +74,8 @@ pub struct BenchArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "iperf3,perftest,quic-floor,single,scattered,vllm,latency,plan"
+        default_value = "iperf3,perftest,quic-floor,single,scattered,vllm,latency,plan",
+        value_parser = ["iperf3", "perftest", "quic-floor", "single", "scattered", "vllm", "latency", "plan"]
     )]
     pub only: Vec<String>,
     /// Transports to measure, one after the other in this run, comma-separated.
@@ -112,7 +113,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub rail_delay: Option<String>,
     /// How the failover case cuts rail 1 mid-transfer: drop (100% loss), down (link down), none.
-    #[arg(long, default_value = "drop")]
+    #[arg(long, default_value = "drop", value_parser = ["drop", "down", "none"])]
     pub rail_cut: String,
 }
 
@@ -1020,8 +1021,8 @@ async fn latency(
 
 pub async fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     let counts = args.connection_counts.clone();
-    if counts.is_empty() || counts.contains(&0) {
-        bail!("--connections takes counts of 1 or more");
+    if counts.is_empty() || counts.iter().any(|&c| c == 0 || c > 64) {
+        bail!("--connections takes counts of 1 to 64");
     }
     for (i, &count) in counts.iter().enumerate() {
         args.connections = count;

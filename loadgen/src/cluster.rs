@@ -82,6 +82,9 @@ impl SidecarProcess {
 
 impl Drop for SidecarProcess {
     fn drop(&mut self) {
+        if !self.is_running() {
+            return;
+        }
         let _ = self.signal("CONT");
         let profiling = ["KVRAIL_PROFILE", "KVRAIL_TRACE"]
             .iter()
@@ -290,9 +293,42 @@ impl LocalCluster {
             decode,
             dir,
         };
-        cluster.client(&cluster.prefill).await?;
-        cluster.client(&cluster.decode).await?;
+        let mut cluster = cluster;
+        cluster.wait_until_up().await?;
         Ok(cluster)
+    }
+
+    /// Waits until both sidecars answer; a sidecar that exits meanwhile (a
+    /// flag it refused) is reported at once with its log.
+    async fn wait_until_up(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut up = [false, false];
+        loop {
+            for (i, s) in [&mut self.prefill, &mut self.decode]
+                .into_iter()
+                .enumerate()
+            {
+                if up[i] {
+                    continue;
+                }
+                if let Ok(Some(status)) = s.child.try_wait() {
+                    let log = std::fs::read_to_string(&s.log).unwrap_or_default();
+                    bail!("sidecar {} exited ({status}):\n{log}", s.node);
+                }
+                if let Ok(mut c) = Client::connect(&s.socket).await {
+                    up[i] = c.list_peers().await.is_ok();
+                }
+            }
+            if up == [true, true] {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let slow = if up[0] { &self.decode } else { &self.prefill };
+                let log = std::fs::read_to_string(&slow.log).unwrap_or_default();
+                bail!("sidecar {} did not come up within 30 s:\n{log}", slow.node);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// A client of one sidecar, once it answers (30 s at most).

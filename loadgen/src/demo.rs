@@ -40,6 +40,7 @@ pub struct DemoArgs {
     /// TCP connections per rail.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
+    /// Slice size (4 KiB to 64 MiB).
     #[arg(long, default_value = "1M", value_parser = parse_size)]
     pub slice_bytes: u64,
     /// Hide the progress bar.
@@ -60,6 +61,15 @@ struct Outcome {
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if args.max_prompt_tokens == 0 {
+        bail!("--max-prompt-tokens must be 1 or more");
+    }
+    if !(1..=64).contains(&args.connections) {
+        bail!("--connections must be 1 to 64");
+    }
+    if !(4096..=(64 << 20)).contains(&args.slice_bytes) {
+        bail!("--slice-bytes must be between 4 KiB and 64 MiB");
+    }
     let model =
         *Model::by_name(&args.model).with_context(|| format!("unknown model {:?}", args.model))?;
     let requests = trace::read(&args.trace, args.requests)?;

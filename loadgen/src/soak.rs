@@ -47,7 +47,7 @@ pub struct SoakArgs {
     pub transport: String,
     /// Faults to inject, comma-separated: pause, kill, cut (rail connections
     /// reset for 0.3-3 s; TCP, needs root), truncate.
-    #[arg(long, value_delimiter = ',', default_value = "pause,kill,cut,truncate")]
+    #[arg(long, value_delimiter = ',', default_value = "pause,kill,cut,truncate", value_parser = ["pause", "kill", "cut", "truncate"])]
     pub chaos: Vec<String>,
     /// Mean time between faults.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]

@@ -67,8 +67,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "g" | "gib" | "gb" => 1 << 30,
         _ => return Err(format!("bad size unit in {s:?}")),
     };
-    n.checked_mul(mul)
-        .ok_or_else(|| format!("size {s:?} overflows"))
+    match n.checked_mul(mul) {
+        None => Err(format!("size {s:?} overflows")),
+        Some(0) => Err(format!("size {s:?}: must be more than 0")),
+        Some(size) => Ok(size),
+    }
 }
 
 #[cfg(test)]
@@ -81,6 +84,7 @@ mod tests {
         assert_eq!(parse_size("160KiB"), Ok(160 * 1024));
         assert_eq!(parse_size("256M"), Ok(256 << 20));
         assert!(parse_size("12Q").is_err());
+        assert!(parse_size("0").is_err() && parse_size("0K").is_err());
         assert!(parse_size("").is_err());
         assert_eq!(human_bytes(256 << 20), "256 MiB");
         assert_eq!(human_bytes(1536), "1.5 KiB");

@@ -49,6 +49,15 @@ pub enum ShmError {
     NotAFile(PathBuf),
     #[error("{0} is empty")]
     Empty(PathBuf),
+    /// The filesystem cannot hold the whole region (a small /dev/shm): a
+    /// sparse file would map, then kill its process with SIGBUS at the first
+    /// write past the free space.
+    #[error("cannot reserve {len} bytes for {path}: {source} (is the filesystem large enough? `df {path}`; in docker, raise --shm-size)")]
+    Reserve {
+        path: PathBuf,
+        len: u64,
+        source: std::io::Error,
+    },
     #[error("cannot size {path} to {len} bytes: {source}")]
     Resize {
         path: PathBuf,
@@ -271,6 +280,15 @@ impl SharedRegion {
                 len,
                 source,
             })?;
+            reserve(&file, len).map_err(|source| {
+                // Leave no half-made file behind.
+                let _ = std::fs::remove_file(&path);
+                ShmError::Reserve {
+                    path: path.clone(),
+                    len,
+                    source,
+                }
+            })?;
         }
         Self::open(path)
     }
@@ -474,6 +492,30 @@ pub async fn process_exit(pid: i32) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Allocates a new file's blocks now, so that a filesystem short of space
+/// says so here instead of with SIGBUS on a later write. Filesystems that
+/// cannot (no `fallocate`) keep the sparse file.
+fn reserve(file: &File, len: u64) -> std::io::Result<()> {
+    use std::os::unix::io::AsRawFd;
+    let Ok(len) = libc::off_t::try_from(len) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    loop {
+        // SAFETY: fallocate reads no memory of ours; the descriptor is open
+        // for the call.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => return Ok(()),
+            _ => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -483,6 +525,46 @@ mod tests {
             Path::new("/dev/shm").join(format!("kvrail-shm-test-{}-{name}", std::process::id()));
         std::fs::write(&p, vec![0u8; 4096]).unwrap();
         p
+    }
+
+    /// A region larger than its filesystem's free space is refused when it is
+    /// created, with what to do, and leaves no file: sparse, it would map and
+    /// then kill the process with SIGBUS at the first write past the space
+    /// (docker's 64 MiB /dev/shm and the demo's regions). Needs root (a tmpfs
+    /// of 1 MiB is mounted for it); under CI it must run.
+    #[test]
+    fn a_region_larger_than_its_filesystem_is_refused_at_creation() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI runs as root: this test must run there"
+            );
+            eprintln!("skipping: mounting a small tmpfs needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mount a 1 MiB tmpfs");
+        struct Unmount<'a>(&'a Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("umount").arg(self.0).status();
+            }
+        }
+        let _unmount = Unmount(dir.path());
+        let path = dir.path().join("region");
+        let e = SharedRegion::create(&path, 4 << 20).unwrap_err();
+        assert!(matches!(e, ShmError::Reserve { .. }), "{e}");
+        assert!(e.to_string().contains("shm-size"), "{e}");
+        assert!(!path.exists(), "the half-made file is removed");
+        // What fits is created as before.
+        let small = SharedRegion::create(&path, 256 << 10).unwrap();
+        assert_eq!(small.len(), 256 << 10);
     }
 
     /// A worker shrinks its file under the mapping: reading and writing the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,22 @@ def shm_dir() -> Path:
     return Path(os.environ.get("KVRAIL_SHM_DIR", "/dev/shm"))
 
 
+def _reserve(fd: int, nbytes: int, path: Path) -> None:
+    """Allocates the file's blocks now: a filesystem short of space (docker's
+    64 MiB /dev/shm) says so here instead of killing the process with SIGBUS
+    at a later write. Filesystems without fallocate keep the sparse file."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        raise OSError(
+            e.errno,
+            f"cannot reserve {nbytes} bytes for {path}: {e.strerror} "
+            f"(is the filesystem large enough? in docker, raise --shm-size)",
+        ) from e
+
+
 class SharedMemory:
     """A file on a tmpfs, sized and mapped shared; the sidecar maps the same file."""
 
@@ -40,9 +57,16 @@ class SharedMemory:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
+            _reserve(fd, nbytes, self.path)
             self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-        finally:
+        except BaseException:
             os.close(fd)
+            fd = -1
+            self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         self.nbytes = nbytes
         #: The whole file as bytes.
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
