@@ -527,6 +527,12 @@ impl Shared {
         // TLS proved the certificate is from our CA; it must also be this node's.
         let tls_name_check = |claimed: &str| match &tls_certificate {
             Some(cert) => kvrail_auth::check_name(cert, claimed),
+            // QUIC requires a client certificate, so this cannot happen
+            // unless that configuration changes: refuse rather than trust.
+            None if transport == "quic" => {
+                Err("the QUIC connection carries no client certificate".to_string())
+            }
+            // TCP proves the name with the hello's signature instead.
             None => Ok(()),
         };
         let identity = self.tcp_identity(transport).map(IdentityCredentials);

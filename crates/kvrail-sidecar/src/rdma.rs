@@ -120,7 +120,14 @@ impl RdmaRails {
             let owner: Arc<dyn std::any::Any + Send + Sync> = region.clone();
             // SAFETY: the mapping lives as long as the Region, which the MR keeps
             // alive through `owner`.
-            let mr = unsafe { dev.register(host.as_mut_ptr(), host.len() as usize, owner) };
+            let mr = unsafe {
+                dev.register(
+                    host.as_mut_ptr(),
+                    host.len() as usize,
+                    remote_access(region.exposed),
+                    owner,
+                )
+            };
             match mr {
                 Ok(mr) => per_rail.push(Some(Arc::new(mr))),
                 Err(e) => {
@@ -163,6 +170,18 @@ impl RdmaRails {
                 })
             })
             .collect()
+    }
+}
+
+/// What a peer granted a region's key may do: write into any region (push
+/// destinations; the receiver checks each transfer's blocks before it
+/// grants), read only from regions the worker exposed to peers' pulls. A
+/// push's grant of an unexposed region must not let the pusher read it.
+fn remote_access(exposed: bool) -> kvrail_verbs::RemoteAccess {
+    if exposed {
+        kvrail_verbs::RemoteAccess::ReadWrite
+    } else {
+        kvrail_verbs::RemoteAccess::Write
     }
 }
 

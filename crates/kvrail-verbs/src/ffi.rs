@@ -320,7 +320,8 @@ impl Device {
         })
     }
 
-    /// Registers `[addr, addr + len)` for local and remote read/write.
+    /// Registers `[addr, addr + len)` for local writes and what `remote`
+    /// allows a peer holding its key.
     ///
     /// # Safety
     /// The memory must stay mapped for as long as `owner` is alive; the region
@@ -329,9 +330,15 @@ impl Device {
         self: &Arc<Self>,
         addr: *mut u8,
         len: usize,
+        remote: crate::RemoteAccess,
         owner: Arc<dyn Any + Send + Sync>,
     ) -> Result<MemoryRegion, VerbsError> {
-        let access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+        let access = IBV_ACCESS_LOCAL_WRITE
+            | match remote {
+                crate::RemoteAccess::None => 0,
+                crate::RemoteAccess::Write => IBV_ACCESS_REMOTE_WRITE,
+                crate::RemoteAccess::ReadWrite => IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ,
+            };
         // SAFETY: the caller guarantees the range is mapped while `owner` lives,
         // and the MR keeps `owner`.
         let mr = unsafe { (self.lib.reg_mr)(self.pd.as_ptr(), addr.cast(), len, access as i32) };
@@ -567,7 +574,8 @@ impl QueuePair {
         let len = me.recv_buf.len();
         // SAFETY: the receive buffer is a boxed slice owned by the queue pair (its
         // heap block never moves) and the MR is dropped before it (field order).
-        me.recv_mr = Some(unsafe { device.register(ptr, len, Arc::new(())) }?);
+        me.recv_mr =
+            Some(unsafe { device.register(ptr, len, crate::RemoteAccess::None, Arc::new(())) }?);
         me.modify_init()?;
         for slot in 0..recv_depth {
             me.post_recv(slot)?;

@@ -27,6 +27,17 @@ pub use ffi::{device_names, port_info, verbs_library, Device, MemoryRegion, Queu
 #[cfg(not(feature = "rdma"))]
 pub use stub::{device_names, port_info, verbs_library, Device, MemoryRegion, QueuePair};
 
+/// What a peer holding a registration's key may do with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteAccess {
+    /// Nothing: local use only (receive buffers, sources of our WRITEs).
+    None,
+    /// RDMA WRITE into it (push destinations).
+    Write,
+    /// RDMA WRITE and READ (regions exposed to peers' pulls).
+    ReadWrite,
+}
+
 /// Why a verbs operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum VerbsError {

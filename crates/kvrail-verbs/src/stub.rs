@@ -60,6 +60,7 @@ impl Device {
         self: &Arc<Self>,
         _: *mut u8,
         _: usize,
+        _: crate::RemoteAccess,
         _: Arc<dyn Any + Send + Sync>,
     ) -> Result<MemoryRegion, VerbsError> {
         match self.0 {}
