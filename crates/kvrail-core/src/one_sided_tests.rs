@@ -678,3 +678,39 @@ fn a_peer_acknowledging_a_pulls_own_reads_cannot_stall_it() {
     assert!(f.done(0, 9) && f.done(1, 9), "{:?}", f.sides[0].events);
     verify(&f, (1, 1, &sb), (0, 2, &db));
 }
+
+/// A pull served by granting sees no traffic while the reader moves the
+/// bytes, so it has no ordinary progress timeout; a reader that never sends
+/// Complete (hostile, or wedged with its connections up) must still not
+/// keep the serve, and the region it pins, forever.
+#[test]
+fn a_granted_pull_whose_reader_never_completes_expires() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    f.exchange_control();
+    assert!(f.grants >= 1, "the server granted");
+    // The reader goes silent: nothing it posted runs, nothing more arrives.
+    for q in &mut f.posted {
+        q.clear();
+    }
+    let server = &mut f.sides[1].session;
+    assert_eq!(server.active_transfers(), 1);
+    let deadline = server.poll_timeout().expect("the serve has a deadline");
+    let timeout = SessionConfig::default().progress_timeout;
+    assert!(deadline >= f.now + timeout - Duration::from_millis(100));
+    server.handle_timeout(deadline - Duration::from_millis(1));
+    f.flush();
+    assert!(f.failure(1, 9).is_none(), "not before its deadline");
+    let server = &mut f.sides[1].session;
+    server.handle_timeout(deadline);
+    f.flush();
+    assert!(
+        matches!(f.failure(1, 9), Some(TransferError::Timeout(_))),
+        "{:?}",
+        f.sides[1].events
+    );
+    assert_eq!(f.sides[1].session.active_transfers(), 0, "nothing pinned");
+}

@@ -29,6 +29,11 @@ pub type ConnId = usize;
 /// Most connections one session may hold (they are tracked in a bit mask).
 pub const MAX_CONNECTIONS: usize = 64;
 
+/// The slowest rate a reader of a pull served by granting is assumed to
+/// move bytes at (see `Session::progress_deadline`): 10 MB/s, far below
+/// any RDMA rail, Soft-RoCE included.
+pub const PASSIVE_SERVE_FLOOR_BYTES_PER_SEC: u64 = 10_000_000;
+
 /// Default of [`SessionConfig::eager_max_bytes`].
 pub const DEFAULT_EAGER_MAX_BYTES: u64 = 64 << 10;
 
@@ -1697,8 +1702,8 @@ impl Session {
         let transfers = self
             .transfers
             .values()
-            .filter(|t| t.pending_failure.is_none() && !t.passive)
-            .map(|t| t.last_progress + self.config.progress_timeout);
+            .filter(|t| t.pending_failure.is_none())
+            .map(|t| self.progress_deadline(t));
         let stalls = self
             .rails
             .iter()
@@ -1759,24 +1764,36 @@ impl Session {
                 );
             }
         }
-        let timeout = self.config.progress_timeout;
-        let expired: Vec<u64> = self
+        let expired: Vec<(u64, Duration)> = self
             .transfers
             .iter()
-            .filter(|(_, t)| {
-                t.pending_failure.is_none() && !t.passive && now >= t.last_progress + timeout
-            })
-            .map(|(id, _)| *id)
+            .filter(|(_, t)| t.pending_failure.is_none() && now >= self.progress_deadline(t))
+            .map(|(id, t)| (*id, self.progress_deadline(t) - t.last_progress))
             .collect();
-        for id in expired {
+        for (id, waited) in expired {
             self.abort(
                 id,
                 ErrorCode::Internal,
-                &format!("no progress for {timeout:?}"),
-                TransferError::Timeout(timeout),
+                &format!("no progress for {waited:?}"),
+                TransferError::Timeout(waited),
                 now,
             );
         }
+    }
+
+    /// When a transfer that has made no progress since is failed. A pull
+    /// served by granting sees no traffic while the reader moves the bytes,
+    /// so it is given the progress timeout plus the time its bytes take at
+    /// [`PASSIVE_SERVE_FLOOR_BYTES_PER_SEC`]: long enough for any real reader,
+    /// and finite, so a peer that never sends Complete cannot keep the
+    /// region pinned forever.
+    fn progress_deadline(&self, t: &Transfer) -> Instant {
+        let mut allowed = self.config.progress_timeout;
+        if t.passive {
+            allowed +=
+                Duration::from_secs(t.plan.total_bytes() / PASSIVE_SERVE_FLOOR_BYTES_PER_SEC);
+        }
+        t.last_progress + allowed
     }
 
     fn abort(
