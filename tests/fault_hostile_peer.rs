@@ -233,3 +233,59 @@ async fn a_pull_open_with_an_unbounded_plan_is_refused() {
     assert!(d.list_peers().await.is_ok(), "the daemon answers");
     kv.unlink();
 }
+
+/// A peer that keeps sending pings but never reads the pongs: each one used
+/// to queue a reply its blocked writer could not write, so the daemon's
+/// memory grew for as long as the peer kept going. The connection is cut
+/// once its unwritten queue passes a bound, and the daemon keeps serving.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_that_never_reads_its_replies_is_cut() {
+    let pair = Pair::start(&[]);
+    let mut d = pair.decode.client().await;
+    let before = rss(pair.decode.pid());
+    let mut sock = TcpStream::connect(pair.decode.listen).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let hello = pb::Hello {
+        protocol_version: 1,
+        node_name: "prefill".into(),
+        session_id: 77,
+        transports: vec!["tcp".into()],
+        rail_count: 1,
+        expected_peer: "decode".into(),
+        ..Default::default()
+    };
+    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
+        .unwrap();
+    assert!(matches!(read_control(&mut sock), Some(Body::HelloAck(_))));
+    // Pings in batches, never reading: the socket buffers fill (a few MiB of
+    // pongs), then the daemon's queue, then it must cut the connection, which
+    // ends our writes. 3 M pings (~60 MiB) is several times what it takes.
+    let ping = wire::encode_control(&wire::message(Body::Ping(pb::Ping { nonce: u64::MAX })));
+    let batch: Vec<u8> = ping.repeat(10_000);
+    sock.set_write_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut sent = 0usize;
+    let cut = loop {
+        match sock.write_all(&batch) {
+            Ok(()) => sent += 10_000,
+            Err(e) => break e,
+        }
+        assert!(sent < 3_000_000, "never cut after {sent} pings");
+    };
+    assert!(
+        matches!(
+            cut.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        "{cut:?} after {sent} pings"
+    );
+    let grew = rss(pair.decode.pid()).saturating_sub(before);
+    assert!(grew < 256 << 20, "grew by {} MiB", grew >> 20);
+    assert!(
+        pair.decode.log().contains("does not read"),
+        "{}",
+        pair.decode.log_tail(10)
+    );
+    assert!(d.list_peers().await.is_ok(), "the daemon answers");
+}

@@ -149,6 +149,11 @@ impl StreamSink {
         self.queued.load(Ordering::Acquire) == 0
     }
 
+    /// Frames handed to the writer task and not yet written.
+    pub(super) fn unwritten(&self) -> u64 {
+        self.queued.load(Ordering::Acquire)
+    }
+
     pub(super) fn queue_all(&self, frames: Vec<Outgoing>) {
         for out in frames {
             // A closed channel means the writer died; its reader reports the loss.

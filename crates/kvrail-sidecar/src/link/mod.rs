@@ -46,6 +46,12 @@ use reader::reader_task;
 use writer::writer_task;
 
 /// What a writer task puts on its connection.
+/// Frames a connection's writer may have queued and not written before its
+/// peer counts as not reading (see `cut_unread_connections`). Far above
+/// what windows let a working connection queue (a window of 4 KiB slices,
+/// their opens and acknowledgements).
+const MAX_UNWRITTEN_FRAMES: u64 = 1 << 16;
+
 enum Outgoing {
     Control(Vec<u8>),
     Slice {
@@ -485,6 +491,10 @@ impl PeerLink {
                 }
             }
         }
+        if self.cut_unread_connections(st, now) {
+            // What they held moves to the other connections.
+            return self.pump(st);
+        }
         self.deliver_events(&env, st);
         // Refresh periodically, and at once when a rail appears.
         let rails = st.session.rail_count();
@@ -549,6 +559,32 @@ impl PeerLink {
     }
 
     /// Stops the tasks of these connections (those still running) and counts them gone.
+    /// Cuts the connections whose peer has stopped reading while it keeps
+    /// sending (each ping, empty slice or repeated open queues a reply that
+    /// its writer cannot write): their queues would grow without bound.
+    /// True if any was cut.
+    fn cut_unread_connections(&self, st: &mut LinkState, now: Instant) -> bool {
+        let unread: Vec<ConnId> = st
+            .conns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| match c.writer.as_ref() {
+                Some(Sink::Stream(sink)) => sink.unwritten() > MAX_UNWRITTEN_FRAMES,
+                _ => false,
+            })
+            .map(|(conn, _)| conn)
+            .collect();
+        for &conn in &unread {
+            let rail = st.conns.get(conn).map_or(0, |c| c.rail);
+            warn!(peer = %self.peer, conn, rail, "peer connection cut: the peer does not read what it asks for ({MAX_UNWRITTEN_FRAMES} frames unwritten)");
+            metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+            self.stop_connections(st, [conn]);
+            st.session
+                .connection_lost(conn, "the peer stopped reading", now);
+        }
+        !unread.is_empty()
+    }
+
     fn stop_connections(&self, st: &mut LinkState, conns: impl IntoIterator<Item = ConnId>) {
         for conn in conns {
             if st.conns.get_mut(conn).is_some_and(ConnHandle::stop) {
