@@ -159,3 +159,44 @@ async fn a_second_sidecar_cannot_take_a_running_ones_socket() {
     let mut again = pair.prefill.client().await;
     again.list_peers().await.unwrap();
 }
+
+/// Virtual memory of a process, in bytes.
+fn vm_size(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// A sparse file costs its maker nothing, so a region's file may be huge:
+/// the daemon maps only what the layout reaches (it used to map the whole
+/// file: a few 60 TiB files took its address space, and every later
+/// registration failed), and a layout of more blocks than it keeps
+/// generations for is refused before anything is allocated.
+#[tokio::test(flavor = "multi_thread")]
+async fn huge_sparse_files_and_tiny_blocks_cost_the_daemon_nothing() {
+    let pair = Pair::start(&[]);
+    let mut c = pair.decode.client().await;
+    let path = shm_path(pair.decode.listen.port(), "sparse");
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len(16 << 40).unwrap(); // 16 TiB, sparse
+    let before = vm_size(pair.decode.pid());
+    let layout = dense_layout(1, 1, 4, 4096);
+    for i in 0..4 {
+        c.register_path(&format!("w{i}"), &path, layout, false)
+            .await
+            .unwrap();
+    }
+    let grew = vm_size(pair.decode.pid()).saturating_sub(before);
+    assert!(grew < 1 << 30, "address space grew by {} GiB", grew >> 30);
+
+    let tiny = dense_layout(1, 2, kvrail_core::layout::MAX_BLOCKS + 1, 1);
+    let err = c.register_path("w", &path, tiny, false).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+    assert!(err.to_string().contains("blocks"), "{err}");
+    std::fs::remove_file(&path).unwrap();
+}

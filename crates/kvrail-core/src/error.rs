@@ -13,6 +13,9 @@ pub enum LayoutError {
     /// `block_bytes` is zero or larger than 1 GiB.
     #[error("block size {0} is out of range (1 byte ..= 1 GiB)")]
     BlockSize(u64),
+    /// More blocks than the sidecar keeps generations for.
+    #[error("layout has {0} blocks (at most {max})", max = crate::layout::MAX_BLOCKS)]
+    TooManyBlocks(u32),
     /// The strides overflow or describe more than 1 TiB.
     #[error("layout describes an absurdly large region (over 1 TiB or overflowing)")]
     TooLarge,

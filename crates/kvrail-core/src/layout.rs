@@ -6,6 +6,11 @@ use crate::error::LayoutError;
 pub const MAX_REGION_BYTES: u64 = 1 << 40;
 /// Largest single block (1 GiB).
 pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
+/// Most blocks a region may have (16 Mi): the sidecar keeps a generation per
+/// block, so a layout of tiny blocks over a sparse file would otherwise make
+/// it allocate gigabytes for nothing. vLLM's largest pools are a few
+/// hundred thousand blocks.
+pub const MAX_BLOCKS: u32 = 1 << 24;
 
 /// Geometry of a registered region.
 ///
@@ -74,6 +79,9 @@ impl RegionLayout {
         }
         if self.block_bytes == 0 || self.block_bytes > MAX_BLOCK_BYTES {
             return Err(LayoutError::BlockSize(self.block_bytes));
+        }
+        if self.num_blocks > MAX_BLOCKS {
+            return Err(LayoutError::TooManyBlocks(self.num_blocks));
         }
         let extent = checked_extent(self).ok_or(LayoutError::TooLarge)?;
         if extent > MAX_REGION_BYTES {
@@ -170,5 +178,16 @@ mod tests {
         assert_eq!(huge.validate(u64::MAX), Err(LayoutError::TooLarge));
         let zero_block = RegionLayout::dense(1, 1, 1, 0);
         assert_eq!(zero_block.validate(1), Err(LayoutError::BlockSize(0)));
+        // A generation per block: tiny blocks over a sparse file would cost
+        // the sidecar gigabytes (2^27 one-byte blocks: 1 GiB of them).
+        let tiny = RegionLayout::dense(1, 2, MAX_BLOCKS + 1, 1);
+        assert_eq!(
+            tiny.validate(u64::MAX),
+            Err(LayoutError::TooManyBlocks(MAX_BLOCKS + 1))
+        );
+        assert_eq!(
+            RegionLayout::dense(1, 2, MAX_BLOCKS, 1).validate(u64::MAX),
+            Ok(())
+        );
     }
 }

@@ -157,6 +157,17 @@ impl SharedRegion {
     /// owner's). Checked on the opened descriptor, so no rename or symlink
     /// swapped in between can redirect it.
     pub fn open_registered(path: impl AsRef<Path>, caller: Caller) -> Result<Self, ShmError> {
+        Self::open_registered_within(path, caller, u64::MAX)
+    }
+
+    /// As [`SharedRegion::open_registered`], mapping at most the first
+    /// `max_len` bytes: a region's layout reaches no further, and a huge
+    /// (sparse, free to make) file must not take the daemon's address space.
+    pub fn open_registered_within(
+        path: impl AsRef<Path>,
+        caller: Caller,
+        max_len: u64,
+    ) -> Result<Self, ShmError> {
         use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         use std::os::unix::io::AsRawFd;
         let path = path.as_ref().to_path_buf();
@@ -216,7 +227,7 @@ impl SharedRegion {
                 });
             }
         }
-        Self::map_file(file, path)
+        Self::map_file_within(file, path, max_len)
     }
 
     /// Maps an existing file (the sidecar's side).
@@ -234,6 +245,10 @@ impl SharedRegion {
     }
 
     fn map_file(file: File, path: PathBuf) -> Result<Self, ShmError> {
+        Self::map_file_within(file, path, u64::MAX)
+    }
+
+    fn map_file_within(file: File, path: PathBuf, max_len: u64) -> Result<Self, ShmError> {
         let meta = file.metadata().map_err(|source| ShmError::Open {
             path: path.clone(),
             source,
@@ -245,10 +260,17 @@ impl SharedRegion {
         if meta.len() == 0 {
             return Err(ShmError::Empty(path));
         }
-        let map = MmapRaw::map_raw(&file).map_err(|source| ShmError::Map {
+        let len = usize::try_from(meta.len().min(max_len)).map_err(|_| ShmError::Map {
             path: path.clone(),
-            source,
+            source: std::io::Error::from_raw_os_error(libc::EFBIG),
         })?;
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|source| ShmError::Map {
+                path: path.clone(),
+                source,
+            })?;
         let guard = guard::enter(map.as_ptr() as usize, map.len());
         if guard::installed() && !guard.is_guarded() {
             return Err(ShmError::GuardFull(path));

@@ -166,7 +166,9 @@ impl Registry {
     ) -> Result<Arc<Region>, RegisterError> {
         let memory = match source {
             RegionSource::Shm(path, caller) => {
-                let m = SharedRegion::open_registered(path, caller)?;
+                // Sane first, so that only the layout's extent is mapped.
+                layout.validate(u64::MAX)?;
+                let m = SharedRegion::open_registered_within(path, caller, layout.extent())?;
                 layout.validate(m.len())?;
                 RegionMemory::Host(Arc::new(m))
             }
