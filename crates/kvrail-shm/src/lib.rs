@@ -175,28 +175,39 @@ impl SharedRegion {
             return Err(ShmError::Relative(path));
         }
         // Devices and FIFOs are refused before they are opened (opening some
-        // devices does something); the descriptor is checked again below.
-        match std::fs::symlink_metadata(&path) {
-            Ok(m) if m.file_type().is_symlink() => return Err(ShmError::Symlink(path)),
-            Ok(m) if !m.file_type().is_file() => return Err(ShmError::NotAFile(path)),
-            Ok(_) => {}
-            Err(source) => return Err(ShmError::Open { path, source }),
+        // devices does something). The path is resolved once, into a
+        // descriptor that opens nothing (O_PATH); what it names is checked,
+        // and that very file is then opened through it. Checking the path and
+        // opening it again would let a directory swapped in between (a
+        // symlink higher up the path) redirect the open to a device.
+        let open_err = |source: std::io::Error| ShmError::Open {
+            path: path.clone(),
+            source,
+        };
+        let located = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(open_err)?;
+        let seen = located.metadata().map_err(open_err)?;
+        if seen.file_type().is_symlink() {
+            return Err(ShmError::Symlink(path));
+        }
+        if !seen.file_type().is_file() {
+            return Err(ShmError::NotAFile(path));
         }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NOCTTY)
-            .open(&path)
-            .map_err(|source| {
-                if source.raw_os_error() == Some(libc::ELOOP) {
-                    ShmError::Symlink(path.clone())
-                } else {
-                    ShmError::Open {
-                        path: path.clone(),
-                        source,
-                    }
-                }
-            })?;
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK)
+            .open(format!("/proc/self/fd/{}", located.as_raw_fd()))
+            .map_err(open_err)?;
+        drop(located);
+        let opened = file.metadata().map_err(open_err)?;
+        if (opened.dev(), opened.ino()) != (seen.dev(), seen.ino()) || !opened.file_type().is_file()
+        {
+            return Err(ShmError::NotAFile(path));
+        }
         // SAFETY: statfs is plain data; fstatfs fills it for a descriptor we own.
         let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: as above; the descriptor stays open for the call.
