@@ -171,8 +171,44 @@ async fn a_handshake_flood_is_capped() {
     );
     assert!(
         closed <= 200 - 32,
-        "{closed}: the first handshakes must be admitted"
+        "{closed}: up to the cap, handshakes must be admitted"
     );
+}
+
+/// Idle connections (anyone who reaches the port can open them, and keep
+/// reopening them) must not lock a real peer out: with every handshake slot
+/// held by a connection that never spoke, a peer's hello still gets its
+/// answer, the oldest silent connection making room.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_holding_every_handshake_slot_do_not_lock_peers_out() {
+    let pair = Pair::start(&[]);
+    let mut d = pair.decode.client().await;
+    let addr = pair.decode.listen;
+    let idle: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    // Every idle connection is accepted (and holds a slot, or was evicted)
+    // before the peer dials: the daemon has answered a call since.
+    d.list_peers().await.unwrap();
+    let mut sock = TcpStream::connect(addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let hello = pb::Hello {
+        protocol_version: 1,
+        node_name: "prefill".into(),
+        session_id: 55,
+        transports: vec!["tcp".into()],
+        rail_count: 1,
+        expected_peer: "decode".into(),
+        ..Default::default()
+    };
+    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
+        .unwrap();
+    assert!(
+        matches!(read_control(&mut sock), Some(Body::HelloAck(_))),
+        "the peer's handshake was refused"
+    );
+    drop(idle);
 }
 
 /// A configured peer asks to pull block 0 a million times over 80 layers. Before

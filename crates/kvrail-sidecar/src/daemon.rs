@@ -519,7 +519,7 @@ impl Shared {
         transport: &'static str,
         mut conn: Connection,
         from: SocketAddr,
-        _handshake_slot: tokio::sync::OwnedSemaphorePermit,
+        spoke: Arc<std::sync::atomic::AtomicBool>,
     ) {
         let offered = self.offered_transports();
         let known = |name: &str| self.peers.contains_key(name);
@@ -557,6 +557,10 @@ impl Shared {
             )
             .await;
             let now = tokio::time::Instant::now().into_std();
+            if matches!(message, Ok(Ok(_))) {
+                // No longer evictable (see `startup::accept_loop`).
+                spoke.store(true, std::sync::atomic::Ordering::Release);
+            }
             let step = match message {
                 Err(_) => acceptor.on_timeout(),
                 Ok(Ok(Frame::Control(body))) => acceptor.on_message(Ok(body), now),

@@ -181,6 +181,13 @@ impl Daemon {
     }
 }
 
+/// A handshake being run for an accepted connection.
+struct PendingHandshake {
+    /// Its first frame arrived (until then, aborting it loses nothing).
+    spoke: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::AbortHandle,
+}
+
 async fn accept_loop(
     shared: Arc<Shared>,
     transport: &'static str,
@@ -188,22 +195,45 @@ async fn accept_loop(
 ) {
     // Handshakes in progress at once, per listener: each holds at most one
     // bounded handshake frame, so pre-authentication memory is bounded too.
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HANDSHAKES));
+    // When all are taken, the oldest that has not sent a byte yet makes
+    // room: connections that only sit there (anyone who reaches the port can
+    // open them) cannot lock real peers out, whose handshakes take
+    // milliseconds.
+    let mut pending: std::collections::VecDeque<PendingHandshake> = Default::default();
     loop {
         match listener.accept().await {
             Ok((conn, from)) => {
-                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
-                        .increment(1);
-                    if let Some(suppressed) = shared.refusal_log.admit() {
-                        warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
+                pending.retain(|p| !p.task.is_finished());
+                if pending.len() >= MAX_CONCURRENT_HANDSHAKES {
+                    let silent = pending
+                        .iter()
+                        .position(|p| !p.spoke.load(std::sync::atomic::Ordering::Acquire));
+                    match silent.and_then(|i| pending.remove(i)) {
+                        Some(oldest) => {
+                            oldest.task.abort();
+                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "silent_evicted")
+                                .increment(1);
+                        }
+                        None => {
+                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
+                                .increment(1);
+                            if let Some(suppressed) = shared.refusal_log.admit() {
+                                warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
+                            }
+                            drop(conn);
+                            continue;
+                        }
                     }
-                    drop(conn);
-                    continue;
-                };
+                }
+                let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let shared = shared.clone();
-                tokio::spawn(async move {
-                    shared.accept_one(transport, conn, from, permit).await;
+                let heard = spoke.clone();
+                let task = tokio::spawn(async move {
+                    shared.accept_one(transport, conn, from, heard).await;
+                });
+                pending.push_back(PendingHandshake {
+                    spoke,
+                    task: task.abort_handle(),
                 });
             }
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
