@@ -714,3 +714,52 @@ fn a_granted_pull_whose_reader_never_completes_expires() {
     );
     assert_eq!(f.sides[1].session.active_transfers(), 0, "nothing pinned");
 }
+
+/// A grant whose layout's strides overflow (a broken or hostile peer) fails
+/// the transfer as a protocol error before any arithmetic on it; nothing is
+/// written and no panic, however the build checks overflow.
+#[test]
+fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 0);
+    let (sb, db) = blocks();
+    let req = f.transfer(8, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
+    f.sides[0].session.start_push(req, f.now).unwrap();
+    f.flush();
+    f.deliver_control();
+    f.flush();
+    let (conn, pos) = (0..QP_BASE)
+        .find_map(|c| {
+            f.control[c][1]
+                .iter()
+                .position(|i| {
+                    matches!(
+                        i,
+                        crate::testkit::Item::Control(crate::wire::Body::Grant(_))
+                    )
+                })
+                .map(|p| (c, p))
+        })
+        .expect("the receiver granted");
+    let Some(crate::testkit::Item::Control(crate::wire::Body::Grant(mut grant))) =
+        f.control[conn][1].remove(pos)
+    else {
+        panic!("not a grant")
+    };
+    let layout = grant.layout.as_mut().expect("a grant carries its layout");
+    layout.layer_stride = u64::MAX;
+    layout.block_stride = u64::MAX / 3;
+    let to = &mut f.sides[0];
+    to.session
+        .handle_control(conn, crate::wire::Body::Grant(grant), f.now, &to.regions);
+    f.run();
+    match f.failure(0, 8) {
+        Some(TransferError::Peer { code, message }) => {
+            assert_eq!(*code, ErrorCode::Protocol);
+            assert!(message.contains("granted layout"), "{message}");
+        }
+        other => panic!("expected a protocol failure, got {other:?}"),
+    }
+    assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
+    assert_eq!(f.out_of_bounds, 0);
+}

@@ -1095,8 +1095,14 @@ impl Session {
             _ => Access::Read,
         };
         let layout = g.layout.as_ref().map(layout_of).unwrap_or_default();
-        let checked = Plan::build(&layout, &t.remote_selection, access)
-            .map_err(|e| e.to_string())
+        // The peer's geometry, checked before any arithmetic on it (strides
+        // that overflow, overlapping blocks).
+        let checked = layout
+            .validate(u64::MAX)
+            .map_err(|e| format!("granted layout: {e}"))
+            .and_then(|()| {
+                Plan::build(&layout, &t.remote_selection, access).map_err(|e| e.to_string())
+            })
             .and_then(|plan| {
                 if plan.total_bytes() != t.plan.total_bytes()
                     || plan.block_bytes() != t.plan.block_bytes()
