@@ -99,16 +99,16 @@ impl PeerLink {
             return;
         };
         let rail = self.lock().session.connection_rail(conn);
-        {
+        let checked = kvrail_core::qp_setup::check_connect(&req, rail).map_err(|e| e.to_string());
+        if checked.is_ok() {
             // The dialer replaces its queue pairs on this rail: ours are stale.
+            // (Only a request the check accepted, for the rail it came on.)
             let mut st = self.lock();
             let stale = st.session.retire_one_sided_connections(req.rail_index);
             self.stop_connections(&mut st, stale);
             self.pump(&mut st);
         }
-        let result = kvrail_core::qp_setup::check_connect(&req, rail)
-            .map_err(|e| e.to_string())
-            .and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
+        let result = checked.and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
         let outcome = result.and_then(|qps| {
             let endpoints = qps
                 .iter()
