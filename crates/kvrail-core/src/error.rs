@@ -72,6 +72,15 @@ pub enum PlanError {
     /// A slice names bytes outside the transfer's logical stream.
     #[error("range {offset}+{len} lies outside the {total}-byte transfer")]
     OutsideStream { offset: u64, len: u64, total: u64 },
+    /// The session with this peer holds as many transfers (or plan pieces)
+    /// as it may: wait for some to finish.
+    #[error("{transfers} transfers holding {segments} plan pieces are open with this peer (at most {max_transfers} and {max_segments}): wait for some to finish")]
+    SessionFull {
+        transfers: usize,
+        segments: u64,
+        max_transfers: usize,
+        max_segments: u64,
+    },
 }
 
 impl PlanError {
@@ -83,6 +92,7 @@ impl PlanError {
             PlanError::OutsideStream { .. } | PlanError::GenerationCount { .. } => {
                 ErrorCode::Protocol
             }
+            PlanError::SessionFull { .. } => ErrorCode::Internal,
             _ => ErrorCode::OutOfRange,
         }
     }

@@ -1348,3 +1348,62 @@ fn a_peers_oversized_request_id_is_refused_and_its_long_messages_are_cut() {
     );
     assert!(message.ends_with("more bytes cut)"), "marked as cut");
 }
+
+/// A session holds at most `MAX_TRANSFERS` open transfers: a worker asking
+/// for more is told to wait (and the session's memory stays bounded), and a
+/// peer opening more has the extra ones refused, the peer told why.
+#[test]
+fn a_session_holds_a_bounded_number_of_transfers_each_way() {
+    let mut p = Pair::new(1, small_slices(), 2);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    for _ in 0..MAX_TRANSFERS {
+        p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    }
+    let req = p.local(0, sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    let now = p.now;
+    let full = p.sides[0].session.start_push(req, now).unwrap_err();
+    assert!(
+        matches!(full, crate::error::PlanError::SessionFull { .. }),
+        "{full}"
+    );
+    assert!(full.to_string().contains("wait"), "{full}");
+
+    // The receiving side, opened by a peer: the first MAX_TRANSFERS are
+    // accepted, the next is refused.
+    let b = &mut p.sides[1];
+    for id in 1..=(MAX_TRANSFERS as u64 + 1) {
+        let open = crate::wire::Body::PushOpen(crate::wire::pb::PushOpen {
+            transfer_id: id,
+            request_id: format!("r{id}"),
+            destination: Some(crate::wire::pb::BlockSet {
+                region_id: 2,
+                layer_start: 0,
+                layer_count: 1,
+                block_ids: vec![1],
+                generations: Vec::new(),
+            }),
+            block_bytes: 100,
+            total_bytes: 100,
+            one_sided: false,
+        });
+        b.session.handle_control(0, open, now, &b.regions);
+    }
+    assert_eq!(b.session.active_transfers(), MAX_TRANSFERS);
+    let refused = std::iter::from_fn(|| b.session.poll_transmit(now))
+        .filter_map(|t| match t {
+            Transmit::Control { msg, .. } => match msg.body {
+                Some(crate::wire::Body::Abort(a)) => Some(a),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].transfer_id, MAX_TRANSFERS as u64 + 1);
+    assert!(
+        refused[0].message.contains("at most"),
+        "{}",
+        refused[0].message
+    );
+}

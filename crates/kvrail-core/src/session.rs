@@ -34,6 +34,15 @@ pub const MAX_CONNECTIONS: usize = 64;
 /// any RDMA rail, Soft-RoCE included.
 pub const PASSIVE_SERVE_FLOOR_BYTES_PER_SEC: u64 = 10_000_000;
 
+/// Transfers a session may hold open at once, each way together: far more
+/// than layer-wise streaming keeps in flight (layers x requests), few
+/// enough that a peer cannot open transfers until memory runs out.
+pub const MAX_TRANSFERS: usize = 1 << 16;
+/// Plan segments (contiguous runs of a transfer's blocks) a session may hold
+/// at once, about 24 bytes each: one transfer may have up to
+/// `plan::MAX_PIECES_PER_TRANSFER`, a session sixteen times that.
+pub const MAX_SEGMENTS_HELD: u64 = 1 << 26;
+
 /// Default of [`SessionConfig::eager_max_bytes`].
 pub const DEFAULT_EAGER_MAX_BYTES: u64 = 64 << 10;
 
@@ -386,6 +395,8 @@ pub struct Session {
     /// Rails the driver should rebuild now.
     probes: VecDeque<RailId>,
     transfers: BTreeMap<u64, Transfer>,
+    /// Plan segments the open transfers hold (see [`MAX_SEGMENTS_HELD`]).
+    segments_held: u64,
     control: VecDeque<(Option<ConnId>, PeerMessage)>,
     events: VecDeque<Event>,
     /// Transfers this side refused: repeated announcements stay quiet.
@@ -462,6 +473,7 @@ impl Session {
             all_down_since: None,
             probes: VecDeque::new(),
             transfers: BTreeMap::new(),
+            segments_held: 0,
             control: VecDeque::new(),
             events: VecDeque::new(),
             rejected: RecentIds::default(),
@@ -703,9 +715,41 @@ impl Session {
             .any(|id| self.transfers.get(id).is_some_and(Transfer::placing_now))
     }
 
+    /// Whether a transfer with `plan` fits under the session's caps.
+    fn room_for(&self, plan: &Plan) -> Result<(), PlanError> {
+        let segments = plan.segments().len() as u64;
+        if self.transfers.len() >= MAX_TRANSFERS
+            || self.segments_held.saturating_add(segments) > MAX_SEGMENTS_HELD
+        {
+            return Err(PlanError::SessionFull {
+                transfers: self.transfers.len(),
+                segments: self.segments_held,
+                max_transfers: MAX_TRANSFERS,
+                max_segments: MAX_SEGMENTS_HELD,
+            });
+        }
+        Ok(())
+    }
+
+    /// Records an open transfer (counted against the caps until `unhold`).
+    fn hold(&mut self, id: u64, t: Transfer) {
+        self.segments_held += t.plan.segments().len() as u64;
+        if let Some(old) = self.transfers.insert(id, t) {
+            // Callers insert only ids they checked are new; keep the count true anyway.
+            self.segments_held -= old.plan.segments().len() as u64;
+        }
+    }
+
+    fn unhold(&mut self, id: u64) -> Option<Transfer> {
+        let t = self.transfers.remove(&id)?;
+        self.segments_held -= t.plan.segments().len() as u64;
+        Some(t)
+    }
+
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
+        self.room_for(&plan)?;
         let one_sided = self.goes_one_sided(&req, plan.total_bytes());
         let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
             transfer_id: req.transfer_id,
@@ -725,13 +769,14 @@ impl Session {
             self.control.push_back((None, open.clone()));
         }
         t.open_msg = Some(open);
-        self.transfers.insert(req.transfer_id, t);
+        self.hold(req.transfer_id, t);
         Ok(total)
     }
 
     /// Starts a pull: the peer's `remote` blocks come into our `local` blocks.
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
+        self.room_for(&plan)?;
         let total = plan.total_bytes();
         let one_sided = self.goes_one_sided(&req, total);
         let open = crate::wire::message(Body::PullOpen(pb::PullOpen {
@@ -748,7 +793,7 @@ impl Session {
         t.staged = req.staged;
         t.awaiting_grant = one_sided;
         t.open_msg = Some(open);
-        self.transfers.insert(req.transfer_id, t);
+        self.hold(req.transfer_id, t);
         Ok(total)
     }
 
@@ -944,11 +989,14 @@ impl Session {
             regions,
         ) {
             Ok((plan, region)) => {
+                if let Err(full) = self.room_for(&plan) {
+                    return self.reject(conn, id, full.wire_code(), full.to_string());
+                }
                 if open.one_sided {
                     self.control
                         .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
                 }
-                self.transfers.insert(
+                self.hold(
                     id,
                     Transfer::new(
                         open.request_id,
@@ -1063,12 +1111,15 @@ impl Session {
                     now,
                 );
                 t.staged = region.staged;
+                if let Err(full) = self.room_for(&t.plan) {
+                    return self.reject(conn, id, full.wire_code(), full.to_string());
+                }
                 if open.one_sided {
                     t.passive = !region.keys.is_empty();
                     self.control
                         .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
                 }
-                self.transfers.insert(id, t);
+                self.hold(id, t);
             }
             Err((code, message)) => self.reject(conn, id, code, message),
         }
@@ -1217,7 +1268,7 @@ impl Session {
         if !t.kind.sends_data() {
             return;
         }
-        let Some(mut t) = self.transfers.remove(&transfer_id) else {
+        let Some(mut t) = self.unhold(transfer_id) else {
             return;
         };
         // Complete says every byte arrived: for the rails that carried the slices
@@ -1519,7 +1570,7 @@ impl Session {
         if t.placing > 0 || gate_busy {
             return;
         }
-        let Some(mut t) = self.transfers.remove(&id) else {
+        let Some(mut t) = self.unhold(id) else {
             return;
         };
         t.advance(TransferEvent::AllPlaced);
@@ -1846,7 +1897,7 @@ impl Session {
             t.pending_failure.get_or_insert(error);
             return;
         }
-        let Some(mut t) = self.transfers.remove(&id) else {
+        let Some(mut t) = self.unhold(id) else {
             return;
         };
         self.release_in_flight(&mut t);

@@ -182,11 +182,15 @@ pub async fn start_transfer(
             s.start_pull(req, now)
         };
         crate::trace_points::mark(crate::trace_points::START_SESSION_DONE);
-        r.map_err(|e| {
-            (
+        r.map_err(|e| match e {
+            kvrail_core::PlanError::SessionFull { .. } => (
+                "busy",
+                Status::resource_exhausted(format!("peer {}: {e}", start.peer)),
+            ),
+            e => (
                 "internal",
                 Status::internal(format!("plan rejected after validation: {e}")),
-            )
+            ),
         })
     });
     link.rearm_timer();
