@@ -1407,3 +1407,48 @@ fn a_session_holds_a_bounded_number_of_transfers_each_way() {
         refused[0].message
     );
 }
+
+/// A peer sending a transfer as tiny slices with gaps between them makes the
+/// receiver's record of placed ranges grow with every slice: past
+/// `MAX_PLACED_RANGES` the transfer is aborted as a protocol error instead
+/// of growing until memory runs out.
+#[test]
+fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
+    let mut p = Pair::new(1, small_slices(), 2);
+    let total = 2 * (MAX_PLACED_RANGES as u64 + 8);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 1, total), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 1, total), false, false);
+    let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
+    p.flush();
+    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else {
+        panic!("expected the open")
+    };
+    p.wires[0][0].clear();
+    let now = p.now;
+    let b = &mut p.sides[1];
+    b.session.handle_control(0, open, now, &b.regions);
+    let mut aborted_at = None;
+    for i in 0..(MAX_PLACED_RANGES as u64 + 8) {
+        let h = SliceHeader {
+            transfer_id: id,
+            offset: 2 * i,
+        };
+        match b.session.accept_slice(0, h, 1, now) {
+            SliceDisposition::Place { .. } => b.session.slice_placed(0, h, 1, now),
+            _ => {
+                aborted_at = Some(i);
+                break;
+            }
+        }
+    }
+    assert_eq!(aborted_at, Some(MAX_PLACED_RANGES as u64 + 1));
+    assert_eq!(b.session.active_transfers(), 0);
+    p.flush();
+    assert!(matches!(
+        &p.failures(1)[..],
+        [TransferError::Local {
+            code: ErrorCode::Protocol,
+            ..
+        }]
+    ));
+}

@@ -43,6 +43,11 @@ pub const MAX_TRANSFERS: usize = 1 << 16;
 /// `plan::MAX_PIECES_PER_TRANSFER`, a session sixteen times that.
 pub const MAX_SEGMENTS_HELD: u64 = 1 << 26;
 
+/// Separate placed ranges a receiving transfer may have (slices arrived out
+/// of order leave gaps): each window of every connection full of the
+/// smallest slices (4 KiB), arriving in the worst order, stays within it.
+pub const MAX_PLACED_RANGES: usize = 1 << 17;
+
 /// Default of [`SessionConfig::eager_max_bytes`].
 pub const DEFAULT_EAGER_MAX_BYTES: u64 = 64 << 10;
 
@@ -1399,6 +1404,25 @@ impl Session {
         }
         let start = header.offset;
         t.placed.insert(start, start + u64::from(len));
+        if t.placed.ranges().len() > MAX_PLACED_RANGES {
+            // Each range costs memory and each insert a shift of those after
+            // it: a peer sending tiny slices out of order would make both grow
+            // with the transfer's size.
+            let message = format!(
+                "the transfer's bytes arrived in more than {MAX_PLACED_RANGES} separate pieces"
+            );
+            self.abort(
+                id,
+                ErrorCode::Protocol,
+                &message,
+                TransferError::Local {
+                    code: ErrorCode::Protocol,
+                    message: message.clone(),
+                },
+                now,
+            );
+            return;
+        }
         t.last_progress = now;
         t.advance(TransferEvent::SliceMoved);
         if let Some(r) = rail.and_then(|r| self.rails.get_mut(r as usize)) {
