@@ -325,3 +325,55 @@ async fn a_peer_that_never_reads_its_replies_is_cut() {
     );
     assert!(d.list_peers().await.is_ok(), "the daemon answers");
 }
+
+/// Every new session id from a peer used to make a new link (each may hold
+/// 64 connections): a peer opening sessions without end could exhaust the
+/// daemon's file descriptors. A node holds at most 8 sessions here.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_opening_session_after_session_is_capped() {
+    let pair = Pair::start(&[]);
+    let mut d = pair.decode.client().await;
+    let hello = |session_id| pb::Hello {
+        protocol_version: 1,
+        node_name: "prefill".into(),
+        session_id,
+        transports: vec!["tcp".into()],
+        rail_count: 1,
+        expected_peer: "decode".into(),
+        ..Default::default()
+    };
+    let mut held = Vec::new();
+    let mut refused = None;
+    for session_id in 1000..1020u64 {
+        let mut sock = TcpStream::connect(pair.decode.listen).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello(
+            session_id,
+        )))))
+        .unwrap();
+        match read_control(&mut sock) {
+            Some(Body::HelloAck(_)) => {}
+            other => panic!("session {session_id}: {other:?}"),
+        }
+        // Accepted sessions stay silent; a refused one is told and closed.
+        sock.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        match read_control(&mut sock) {
+            Some(Body::Abort(a)) => {
+                refused = Some((session_id, a.message));
+                break;
+            }
+            _ => held.push(sock),
+        }
+    }
+    let (at, why) = refused.expect("sessions were never capped");
+    assert!(why.contains("sessions"), "{why}");
+    // The real prefill sidecar's own session counts too.
+    assert!(
+        held.len() <= 8 && held.len() >= 6,
+        "refused at session {at} after {} held",
+        held.len()
+    );
+    assert!(d.list_peers().await.is_ok(), "the daemon answers");
+}

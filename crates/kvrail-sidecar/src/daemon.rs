@@ -30,6 +30,9 @@ use crate::transfers::TransferTable;
 
 /// Handshakes one listener runs at once; more connections are closed at once.
 pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
+/// Inbound sessions one peer node may hold at once (a dialer has one per
+/// peer; a restart or a doctor run adds one briefly).
+pub(crate) const MAX_INBOUND_SESSIONS_PER_PEER: usize = 8;
 /// Longest a handshake reply may take to write (a peer that does not read).
 const HANDSHAKE_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest refusal text sent back or logged.
@@ -601,6 +604,23 @@ impl Shared {
             return;
         }
         let key = (hello.node_name.clone(), hello.session_id);
+        if !self.inbound.contains_key(&key) {
+            // Each session holds a link and up to 64 connections: a peer that
+            // keeps opening new ones (its restarts end the old ones) is capped.
+            self.inbound.retain(|_, l| !l.is_dead());
+            let sessions = self
+                .inbound
+                .iter()
+                .filter(|e| e.key().0 == hello.node_name)
+                .count();
+            if sessions >= MAX_INBOUND_SESSIONS_PER_PEER {
+                let reason = format!(
+                    "{} already has {sessions} sessions open here (at most {MAX_INBOUND_SESSIONS_PER_PEER})",
+                    hello.node_name
+                );
+                return self.refuse(conn, from, reason, "too_many_sessions").await;
+            }
+        }
         let link = self
             .inbound
             .entry(key)
