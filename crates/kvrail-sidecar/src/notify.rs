@@ -19,8 +19,14 @@ use kvrail_proto::{Notification, NotificationKind};
 use tokio::sync::mpsc;
 use tonic::Status;
 
-/// Notifications kept per worker for resubscription.
+/// Notifications kept per worker for resubscription...
 pub const RETAINED: usize = 4096;
+/// ...and at most this many bytes of them (a Done notification lists the
+/// transfer's blocks: up to a million ids).
+pub const RETAINED_BYTES: usize = 64 << 20;
+/// Mailboxes kept; past it, those of workers with no live stream and no ring
+/// go (each worker id named by any call makes one).
+pub const MAX_MAILBOXES: usize = 4096;
 
 /// What a subscription stream carries.
 pub type Item = Result<Notification, Status>;
@@ -45,6 +51,15 @@ struct Mailbox {
     last: u64,
     /// Newest sequence handed to a subscriber.
     handed: u64,
+    /// Encoded size of `retained`.
+    retained_bytes: usize,
+}
+
+impl Mailbox {
+    /// Nobody listens: no live stream, no ring.
+    fn idle(&self) -> bool {
+        self.sink.is_none() && self.subscriber.as_ref().is_none_or(|s| s.is_closed())
+    }
 }
 
 /// Why a subscription was refused.
@@ -75,14 +90,20 @@ impl NotificationHub {
     /// Numbers the notification, keeps it, and delivers it to the worker's live
     /// stream if there is one.
     pub fn send(&self, worker_id: &str, mut n: Notification) {
-        let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
+        let entry = self.mailbox(worker_id);
         let Ok(mut mb) = entry.lock() else { return };
         mb.last += 1;
         n.sequence = mb.last;
         n.incarnation = self.incarnation;
-        if mb.retained.len() >= RETAINED {
-            mb.retained.pop_front();
+        let size = prost::Message::encoded_len(&n);
+        while !mb.retained.is_empty()
+            && (mb.retained.len() >= RETAINED || mb.retained_bytes + size > RETAINED_BYTES)
+        {
+            if let Some(old) = mb.retained.pop_front() {
+                mb.retained_bytes -= prost::Message::encoded_len(&old);
+            }
         }
+        mb.retained_bytes += size;
         mb.retained.push_back(n.clone());
         if n.kind != NotificationKind::Message as i32 {
             if let Some(sink) = &mb.sink {
@@ -103,6 +124,21 @@ impl NotificationHub {
         }
     }
 
+    /// The worker's mailbox, made if need be; at [`MAX_MAILBOXES`], the idle
+    /// ones make room first.
+    fn mailbox(&self, worker_id: &str) -> dashmap::mapref::one::RefMut<'_, String, Mutex<Mailbox>> {
+        if !self.mailboxes.contains_key(worker_id) && self.mailboxes.len() >= MAX_MAILBOXES {
+            self.mailboxes
+                .retain(|_, mb| mb.try_lock().map_or(true, |mb| !mb.idle()));
+        }
+        self.mailboxes.entry(worker_id.to_string()).or_default()
+    }
+
+    /// Mailboxes kept now.
+    pub fn mailbox_count(&self) -> usize {
+        self.mailboxes.len()
+    }
+
     /// As [`send`](Self::send), for a worker that has subscribed here at some
     /// point; false (and nothing kept) otherwise, so that a peer cannot make
     /// this sidecar keep notifications for workers it makes up.
@@ -120,7 +156,7 @@ impl NotificationHub {
         worker_id: &str,
         sink: Arc<dyn NotificationSink>,
     ) -> Result<(), SubscribeError> {
-        let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
+        let entry = self.mailbox(worker_id);
         let mut mb = entry.lock().unwrap_or_else(|e| e.into_inner());
         if mb.sink.is_some() {
             return Err(SubscribeError::SinkAttached(worker_id.to_string()));
@@ -156,7 +192,7 @@ impl NotificationHub {
             after_sequence
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        let entry = self.mailboxes.entry(worker_id.to_string()).or_default();
+        let entry = self.mailbox(worker_id);
         let Ok(mut mb) = entry.lock() else {
             return Ok(rx);
         };
@@ -204,6 +240,51 @@ mod tests {
             out.push(n.sequence);
         }
         out
+    }
+
+    /// Worker ids are whatever callers write: each used to make a mailbox
+    /// kept forever. Past the cap, idle ones go; a worker with a live stream
+    /// keeps its own.
+    #[test]
+    fn mailboxes_of_made_up_workers_are_bounded_and_live_ones_kept() {
+        let hub = NotificationHub::new(7);
+        let mut live = hub.subscribe("live", 0, 0, false).unwrap();
+        for i in 0..(MAX_MAILBOXES * 2) {
+            hub.send(&format!("ghost-{i}"), note(i as u64));
+        }
+        assert!(
+            hub.mailbox_count() <= MAX_MAILBOXES,
+            "{}",
+            hub.mailbox_count()
+        );
+        hub.send("live", note(1));
+        assert_eq!(
+            drain(&mut live),
+            vec![1],
+            "the live worker's mailbox stayed"
+        );
+    }
+
+    /// A Done notification lists the transfer's blocks (up to a million ids):
+    /// 4096 of them would be gigabytes. What is kept stays under
+    /// `RETAINED_BYTES`, newest first.
+    #[test]
+    fn retained_notifications_are_bounded_in_bytes() {
+        let hub = NotificationHub::new(7);
+        let big = |id| Notification {
+            transfer_id: id,
+            block_ids: (0..1_000_000u32).map(|b| b | 0x0100_0000).collect(),
+            ..Default::default()
+        };
+        for id in 1..=40 {
+            hub.send("w", big(id));
+        }
+        let mut rx = hub.subscribe("w", 0, 0, false).unwrap();
+        let kept = drain(&mut rx);
+        assert!(!kept.is_empty() && kept.len() < 40, "{} kept", kept.len());
+        assert_eq!(kept.last(), Some(&40), "the newest are kept");
+        let bytes: usize = kept.len() * prost::Message::encoded_len(&big(1));
+        assert!(bytes <= RETAINED_BYTES, "{bytes}");
     }
 
     #[test]
