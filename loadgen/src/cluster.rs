@@ -360,6 +360,26 @@ impl LocalCluster {
     /// A path for a shared-memory file (under /dev/shm when it exists).
     pub fn shm_path(&self, name: &str) -> PathBuf {
         let dir = kvrail_client::shm_dir();
-        dir.join(format!("kvrail-loadgen-{}-{name}", std::process::id()))
+        dir.join(format!("{}{name}", shm_prefix()))
+    }
+}
+
+fn shm_prefix() -> String {
+    format!("kvrail-loadgen-{}-", std::process::id())
+}
+
+impl Drop for LocalCluster {
+    /// Removes the shared-memory files made for this run, also when it ends
+    /// early (an error, Ctrl-C): each holds memory until removed.
+    fn drop(&mut self) {
+        let prefix = shm_prefix();
+        let Ok(entries) = std::fs::read_dir(kvrail_client::shm_dir()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 }

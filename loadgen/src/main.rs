@@ -46,7 +46,30 @@ enum Command {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     kvrail_sidecar::init_logging();
-    kvrail_sidecar::exit_on_error(run(Cli::parse().command).await)
+    let command = Cli::parse().command;
+    // On Ctrl-C or SIGTERM the run is dropped, so the sidecars it started
+    // are stopped and its shared-memory files removed (their Drops) before
+    // the process exits.
+    let outcome = tokio::select! {
+        outcome = run(command) => outcome,
+        signal = interrupted() => Err(anyhow::anyhow!("stopped by {signal}")),
+    };
+    kvrail_sidecar::exit_on_error(outcome)
+}
+
+/// The first SIGINT or SIGTERM.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {

@@ -353,6 +353,25 @@ impl Pair {
     }
 }
 
+impl Drop for Pair {
+    /// Removes the shared-memory files made under either sidecar's port,
+    /// also when the test failed before unlinking them (they hold memory
+    /// until removed).
+    fn drop(&mut self) {
+        for port in [self.prefill.listen.port(), self.decode.listen.port()] {
+            let prefix = format!("kvrail-test-{}-{port}-", std::process::id());
+            let Ok(entries) = std::fs::read_dir(kvrail_client::shm_dir()) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+}
+
 /// A shared-memory path unique to this test process and to `port` (a port one of
 /// its sidecars holds, so that tests running at once never share a file).
 pub fn shm_path(port: u16, name: &str) -> PathBuf {
