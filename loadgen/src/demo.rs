@@ -23,9 +23,9 @@ use loadgen::cluster::{ClusterOptions, LocalCluster};
 /// Flags of `loadgen demo`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Mooncake-format JSONL trace.
-    /// A bare bundled name (the default, `azure_code_head.csv`) reads the copy
-    /// embedded in the binary.
+    /// Trace: Mooncake JSONL, or Azure 2023 CSV (by the `.csv` extension).
+    /// A bare bundled name (`conversation_trace_head.jsonl`, the default, or
+    /// `azure_code_head.csv`) reads the copy embedded in the binary.
     #[arg(long, default_value = crate::trace::DEFAULT_TRACE)]
     pub trace: PathBuf,
     /// Requests replayed from the start of the trace.
@@ -266,7 +266,7 @@ fn summarize(args: &DemoArgs, model: &Model, outcomes: &[Outcome], transport: &s
         "transfer_share_of_ttft_p50": (pct(&shares, 50.0) * 1000.0).round() / 1000.0,
         "transfer_share_of_ttft_p99": (pct(&shares, 99.0) * 1000.0).round() / 1000.0,
         "transfer_share_of_ttft_mean": (share_mean * 1000.0).round() / 1000.0,
-        "ttft_model": "prefill time from the H100 bf16 fit in shared/traces/models.json + measured transfer (not overlapped)",
+        "ttft_model": "prefill time from a measured H100 bf16 fit (loadgen/src/model.rs) + measured transfer (not overlapped)",
     });
     println!("{v}");
     eprintln!(

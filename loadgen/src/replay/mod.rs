@@ -24,9 +24,9 @@ use sim::{Job, LinkProfile, Overlap, Record, Summary};
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
     /// Trace: Mooncake JSONL, or Azure 2023 CSV (by the `.csv` extension).
-    /// The full traces are in `../shared/traces/`.
-    /// A bare bundled name (the default, `azure_code_head.csv`) reads the copy
-    /// embedded in the binary.
+    /// A bare bundled name (`conversation_trace_head.jsonl`, the default, or
+    /// `azure_code_head.csv`) reads the copy embedded in the binary; give the
+    /// full traces (Mooncake's, Azure's) by path.
     #[arg(long, default_value = crate::trace::DEFAULT_TRACE)]
     pub trace: PathBuf,
     /// Replay only the first N requests.
