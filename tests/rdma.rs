@@ -981,3 +981,65 @@ fn tail(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+/// What a region's key lets a peer do is what its registration allows: the
+/// sidecar registers regions that are not exposed to pulls without remote
+/// read, so a push's grant (the key of the whole destination region) does
+/// not let the pusher read it. Raw verbs between the two nodes' rail 0: an
+/// RDMA READ with a write-only key fails with a remote access error, with a
+/// read-write key it completes.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_a_write_only_key_refuses_remote_reads() {
+    use kvrail_verbs::{Device, Opcode, QpConfig, QueuePair, RemoteAccess, Sge, WorkRequest};
+    if !in_vm("rdma_a_write_only_key_refuses_remote_reads") {
+        return;
+    }
+    let _g = SERIAL.lock().await;
+    let (a, b) = rails();
+    let owner_dev = Device::open(a[0], None, None).unwrap();
+    let reader_dev = Device::open(b[0], None, None).unwrap();
+    for (access, readable) in [
+        (RemoteAccess::Write, false),
+        (RemoteAccess::ReadWrite, true),
+    ] {
+        let target = owner_dev.register_buffer(vec![7u8; 4096], access).unwrap();
+        let local = reader_dev
+            .register_buffer(vec![0u8; 4096], RemoteAccess::None)
+            .unwrap();
+        let mut owner_qp = QueuePair::create(&owner_dev, QpConfig::default()).unwrap();
+        let mut reader_qp = QueuePair::create(&reader_dev, QpConfig::default()).unwrap();
+        let (owner_end, reader_end) = (owner_qp.endpoint().unwrap(), reader_qp.endpoint().unwrap());
+        owner_qp.connect(&reader_end).unwrap();
+        reader_qp.connect(&owner_end).unwrap();
+        reader_qp
+            .post(&[WorkRequest {
+                opcode: Opcode::Read,
+                wr_id: 1,
+                sges: vec![Sge {
+                    addr: local.addr,
+                    len: 4096,
+                    lkey: local.lkey,
+                }],
+                remote_addr: target.addr,
+                rkey: target.rkey,
+                inline: Vec::new(),
+                signaled: true,
+            }])
+            .unwrap();
+        let mut done = Vec::new();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            reader_qp.wait(&mut done, Duration::ZERO),
+        )
+        .await
+        .expect("the READ completes or fails within 30 s")
+        .unwrap();
+        let c = &done[0];
+        match (&c.error, readable) {
+            (None, true) => {}
+            (Some(e), false) => assert!(e.remote_access, "{access:?}: {e}"),
+            (e, _) => panic!("{access:?}: READ ended with {e:?}"),
+        }
+    }
+}

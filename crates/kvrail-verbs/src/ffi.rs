@@ -320,6 +320,22 @@ impl Device {
         })
     }
 
+    /// Registers a buffer the registration owns (freed with it): the safe
+    /// form of [`Device::register`], for buffers of the driver's own.
+    pub fn register_buffer(
+        self: &Arc<Self>,
+        buffer: Vec<u8>,
+        remote: crate::RemoteAccess,
+    ) -> Result<MemoryRegion, VerbsError> {
+        let mut buffer = buffer.into_boxed_slice();
+        let (ptr, len) = (buffer.as_mut_ptr(), buffer.len());
+        // Moving the box into the owner does not move its heap block.
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(buffer);
+        // SAFETY: the block stays allocated while `owner` lives, and the MR
+        // keeps `owner` until it is deregistered; nothing else reaches it.
+        unsafe { self.register(ptr, len, remote, owner) }
+    }
+
     /// Registers `[addr, addr + len)` for local writes and what `remote`
     /// allows a peer holding its key.
     ///

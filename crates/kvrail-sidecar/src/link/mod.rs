@@ -52,6 +52,12 @@ use writer::writer_task;
 /// their opens and acknowledgements).
 const MAX_UNWRITTEN_FRAMES: u64 = 1 << 16;
 
+/// A connection's bit in a set of at most 64 (a session's connections);
+/// ids past 63, if there ever were any, share the last bit.
+fn conn_bit(conn: ConnId) -> u64 {
+    1u64 << conn.min(63)
+}
+
 enum Outgoing {
     Control(Vec<u8>),
     Slice {
@@ -409,6 +415,8 @@ impl PeerLink {
         let gather =
             ring_inline || (inline::inline_control_allowed_here() && env.inline_control_writes());
         let mut inline_frames: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
+        // Connections handed frames here: only their queues can have grown.
+        let mut queued_to = 0u64;
         crate::trace_points::mark(crate::trace_points::PUMP_TRANSMIT);
         while let Some(t) = st.session.poll_transmit(now) {
             if let Transmit::Slice {
@@ -479,10 +487,12 @@ impl PeerLink {
             {
                 // A closed channel means the writer died; its reader reports the loss.
                 let _ = sink.queue(out);
+                queued_to |= conn_bit(conn);
             }
         }
         crate::trace_points::mark(crate::trace_points::PUMP_GATHERED);
         for (conn, frames) in inline_frames {
+            queued_to |= conn_bit(conn);
             if let Some(Sink::Stream(sink)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
                 if ring_inline || frames.iter().all(|f| matches!(f, Outgoing::Control(_))) {
                     sink.write_or_queue(frames);
@@ -491,7 +501,7 @@ impl PeerLink {
                 }
             }
         }
-        if self.cut_unread_connections(st, now) {
+        if queued_to != 0 && self.cut_unread_connections(st, queued_to, now) {
             // What they held moves to the other connections.
             return self.pump(st);
         }
@@ -563,11 +573,12 @@ impl PeerLink {
     /// sending (each ping, empty slice or repeated open queues a reply that
     /// its writer cannot write): their queues would grow without bound.
     /// True if any was cut.
-    fn cut_unread_connections(&self, st: &mut LinkState, now: Instant) -> bool {
+    fn cut_unread_connections(&self, st: &mut LinkState, queued_to: u64, now: Instant) -> bool {
         let unread: Vec<ConnId> = st
             .conns
             .iter()
             .enumerate()
+            .filter(|&(conn, _)| queued_to & conn_bit(conn) != 0)
             .filter(|(_, c)| match c.writer.as_ref() {
                 Some(Sink::Stream(sink)) => sink.unwritten() > MAX_UNWRITTEN_FRAMES,
                 _ => false,
