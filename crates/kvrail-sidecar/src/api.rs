@@ -266,48 +266,53 @@ impl Sidecar for Api {
         let req = req.into_inner();
         require_text(&req.worker_id, "worker_id")?;
         let layout = RegionLayout::from(require(&req.layout, "layout")?);
-        let source = match (&req.cuda_ipc, req.shm_path.is_empty()) {
-            (Some(_), false) => {
-                return Err(Status::invalid_argument(
-                    "give either shm_path or cuda_ipc, not both",
-                ))
-            }
-            (None, true) => {
-                return Err(Status::invalid_argument(
-                    "shm_path (host memory) or cuda_ipc (GPU memory) is required",
-                ))
-            }
-            (None, false) => RegionSource::Shm(Path::new(&req.shm_path), caller),
-            (Some(ipc), true) => {
-                let device = self
-                    .shared
-                    .gpus
-                    .device(ipc.device)
-                    .map_err(|e| gpu_status(&e))?;
-                RegionSource::Gpu {
-                    device,
-                    handle: &ipc.handle,
+        // Opening the file (path lookups a hung filesystem can stall), CUDA
+        // set-up, the generations and RDMA pinning all block: on the blocking
+        // pool, not on the runtime's few workers that serve everyone else.
+        let shared = self.shared.clone();
+        let (worker_id, shm_path, cuda_ipc, exposed) = (
+            req.worker_id.clone(),
+            req.shm_path.clone(),
+            req.cuda_ipc.clone(),
+            req.expose_to_peers,
+        );
+        let registering = tokio::task::spawn_blocking(move || {
+            let source = match (&cuda_ipc, shm_path.is_empty()) {
+                (Some(_), false) => {
+                    return Err(Status::invalid_argument(
+                        "give either shm_path or cuda_ipc, not both",
+                    ))
                 }
-            }
-        };
-        let region = self
-            .shared
-            .registry
-            .register(
-                &req.worker_id,
-                owner_pid,
-                source,
-                layout,
-                req.expose_to_peers,
-            )
-            .map_err(|e| match e {
-                RegisterError::Shm(s) => shm_status(&s),
-                RegisterError::Layout(l) => {
-                    Status::invalid_argument(format!("invalid layout: {l}"))
+                (None, true) => {
+                    return Err(Status::invalid_argument(
+                        "shm_path (host memory) or cuda_ipc (GPU memory) is required",
+                    ))
                 }
-                RegisterError::Gpu(g) => gpu_status(&g),
-            })?;
-        self.shared.rdma.register_region(&region);
+                (None, false) => RegionSource::Shm(Path::new(&shm_path), caller),
+                (Some(ipc), true) => {
+                    let device = shared.gpus.device(ipc.device).map_err(|e| gpu_status(&e))?;
+                    RegionSource::Gpu {
+                        device,
+                        handle: &ipc.handle,
+                    }
+                }
+            };
+            let region = shared
+                .registry
+                .register(&worker_id, owner_pid, source, layout, exposed)
+                .map_err(|e| match e {
+                    RegisterError::Shm(s) => shm_status(&s),
+                    RegisterError::Layout(l) => {
+                        Status::invalid_argument(format!("invalid layout: {l}"))
+                    }
+                    RegisterError::Gpu(g) => gpu_status(&g),
+                })?;
+            shared.rdma.register_region(&region);
+            Ok(region)
+        });
+        let region = registering
+            .await
+            .map_err(|e| Status::internal(format!("registration did not finish: {e}")))??;
         metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
         if let Some(pid) = owner_pid {
             crate::daemon::watch_worker(&self.shared, pid);
@@ -325,7 +330,10 @@ impl Sidecar for Api {
     ) -> Result<Response<UnregisterRegionResponse>, Status> {
         let id = req.into_inner().region_id;
         match self.shared.unregister_region(id) {
-            Ok(()) => Ok(Response::new(UnregisterRegionResponse {})),
+            Ok(()) => {
+                info!(region = id, "region unregistered");
+                Ok(Response::new(UnregisterRegionResponse {}))
+            }
             Err(UnregisterError::Unknown) => Err(Status::not_found(format!("unknown region {id}"))),
             Err(UnregisterError::InUse) => Err(Status::failed_precondition(format!(
                 "region {id} has transfers in flight; cancel or wait for them first"
