@@ -328,11 +328,17 @@ async fn a_peer_that_never_reads_its_replies_is_cut() {
 
 /// Every new session id from a peer used to make a new link (each may hold
 /// 64 connections): a peer opening sessions without end could exhaust the
-/// daemon's file descriptors. A node holds at most 8 sessions here.
+/// daemon's file descriptors. A node holds at most 8 sessions here: an idle
+/// one gives way to a new one (a dialer's old sessions may outlive a crash
+/// unnoticed), and only when all carry transfers is the new one refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_peer_opening_session_after_session_is_capped() {
-    let pair = Pair::start(&[]);
+    // The held transfers must outlive the test's few seconds of waiting.
+    let pair = Pair::start(&["--progress-timeout-ms", "120000"]);
     let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 4, 64);
+    let kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let region = d.register_region("d0", &kv, false).await.unwrap();
     let hello = |session_id| pb::Hello {
         protocol_version: 1,
         node_name: "prefill".into(),
@@ -342,38 +348,59 @@ async fn a_peer_opening_session_after_session_is_capped() {
         expected_peer: "decode".into(),
         ..Default::default()
     };
-    let mut held = Vec::new();
-    let mut refused = None;
-    for session_id in 1000..1020u64 {
-        let mut sock = TcpStream::connect(pair.decode.listen).unwrap();
+    let open = |session_id: u64| {
+        let sock = TcpStream::connect(pair.decode.listen).unwrap();
         sock.set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
+        let mut sock = sock;
         sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello(
             session_id,
         )))))
         .unwrap();
         match read_control(&mut sock) {
-            Some(Body::HelloAck(_)) => {}
+            Some(Body::HelloAck(_)) => sock,
             other => panic!("session {session_id}: {other:?}"),
         }
-        // Accepted sessions stay silent; a refused one is told and closed.
-        sock.set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
+    };
+    // Idle sessions: twenty in a row are all accepted, older idle ones
+    // closed to make room.
+    let idle: Vec<TcpStream> = (1000..1020u64).map(open).collect();
+    drop(idle);
+    // Sessions each carrying a transfer that waits for its bytes: eight at
+    // most, the next is told why and closed.
+    let mut held = Vec::new();
+    let mut refused = None;
+    for session_id in 2000..2020u64 {
+        let mut sock = open(session_id);
+        let push = pb::PushOpen {
+            transfer_id: session_id,
+            request_id: format!("held-{session_id}"),
+            destination: Some(pb::BlockSet {
+                region_id: region,
+                layer_start: 0,
+                layer_count: 1,
+                block_ids: vec![0],
+                generations: Vec::new(),
+            }),
+            block_bytes: 64,
+            total_bytes: 64,
+            one_sided: false,
+        };
+        // A refused session may be closed already: its answer is read below.
+        let _ = sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(push))));
+        // A refused session is told at once; an accepted one stays silent.
+        sock.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         match read_control(&mut sock) {
-            Some(Body::Abort(a)) => {
+            Some(Body::Abort(a)) if a.transfer_id == 0 => {
                 refused = Some((session_id, a.message));
                 break;
             }
             _ => held.push(sock),
         }
     }
-    let (at, why) = refused.expect("sessions were never capped");
+    let (at, why) = refused.expect("sessions carrying transfers were never capped");
     assert!(why.contains("sessions"), "{why}");
-    // The real prefill sidecar's own session counts too.
-    assert!(
-        held.len() <= 8 && held.len() >= 6,
-        "refused at session {at} after {} held",
-        held.len()
-    );
+    assert_eq!(held.len(), 8, "refused at session {at}");
     assert!(d.list_peers().await.is_ok(), "the daemon answers");
+    kv.unlink();
 }

@@ -1416,6 +1416,7 @@ fn a_session_holds_a_bounded_number_of_transfers_each_way() {
 fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
     let mut p = Pair::new(1, small_slices(), 2);
     let total = 2 * (MAX_PLACED_RANGES as u64 + 8);
+    assert_eq!(max_placed_ranges(total), MAX_PLACED_RANGES as u64);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 1, total), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 1, total), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));

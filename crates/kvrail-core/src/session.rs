@@ -43,10 +43,17 @@ pub const MAX_TRANSFERS: usize = 1 << 16;
 /// `plan::MAX_PIECES_PER_TRANSFER`, a session sixteen times that.
 pub const MAX_SEGMENTS_HELD: u64 = 1 << 26;
 
-/// Separate placed ranges a receiving transfer may have (slices arrived out
-/// of order leave gaps): each window of every connection full of the
-/// smallest slices (4 KiB), arriving in the worst order, stays within it.
+/// Separate placed ranges a receiving transfer may have at least (slices
+/// arrived out of order leave gaps); see [`max_placed_ranges`].
 pub const MAX_PLACED_RANGES: usize = 1 << 17;
+
+/// Separate placed ranges a transfer of `total` bytes may have: a range is
+/// at least one slice, and slices are at least 4 KiB but for the rest of a
+/// gap, so a sender keeps under `total / 2048`; a peer sending tiny slices
+/// with gaps between them does not (its record would grow with the size).
+pub fn max_placed_ranges(total: u64) -> u64 {
+    (MAX_PLACED_RANGES as u64).max(total / 2048)
+}
 
 /// Default of [`SessionConfig::eager_max_bytes`].
 pub const DEFAULT_EAGER_MAX_BYTES: u64 = 64 << 10;
@@ -1404,12 +1411,13 @@ impl Session {
         }
         let start = header.offset;
         t.placed.insert(start, start + u64::from(len));
-        if t.placed.ranges().len() > MAX_PLACED_RANGES {
+        if t.placed.ranges().len() as u64 > max_placed_ranges(t.plan.total_bytes()) {
             // Each range costs memory and each insert a shift of those after
             // it: a peer sending tiny slices out of order would make both grow
             // with the transfer's size.
             let message = format!(
-                "the transfer's bytes arrived in more than {MAX_PLACED_RANGES} separate pieces"
+                "the transfer's bytes arrived in more than {} separate pieces",
+                max_placed_ranges(t.plan.total_bytes())
             );
             self.abort(
                 id,
@@ -1780,11 +1788,12 @@ impl Session {
 
     /// Earliest moment [`Session::handle_timeout`] has work.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let passive = self.passive_bytes();
         let transfers = self
             .transfers
             .values()
             .filter(|t| t.pending_failure.is_none())
-            .map(|t| self.progress_deadline(t));
+            .map(|t| self.progress_deadline(t, passive));
         let stalls = self
             .rails
             .iter()
@@ -1845,11 +1854,14 @@ impl Session {
                 );
             }
         }
+        let passive = self.passive_bytes();
         let expired: Vec<(u64, Duration)> = self
             .transfers
             .iter()
-            .filter(|(_, t)| t.pending_failure.is_none() && now >= self.progress_deadline(t))
-            .map(|(id, t)| (*id, self.progress_deadline(t) - t.last_progress))
+            .filter(|(_, t)| {
+                t.pending_failure.is_none() && now >= self.progress_deadline(t, passive)
+            })
+            .map(|(id, t)| (*id, self.progress_deadline(t, passive) - t.last_progress))
             .collect();
         for (id, waited) in expired {
             self.abort(
@@ -1864,17 +1876,26 @@ impl Session {
 
     /// When a transfer that has made no progress since is failed. A pull
     /// served by granting sees no traffic while the reader moves the bytes,
-    /// so it is given the progress timeout plus the time its bytes take at
-    /// [`PASSIVE_SERVE_FLOOR_BYTES_PER_SEC`]: long enough for any real reader,
-    /// and finite, so a peer that never sends Complete cannot keep the
-    /// region pinned forever.
-    fn progress_deadline(&self, t: &Transfer) -> Instant {
+    /// so it is given the progress timeout plus the time the bytes of all
+    /// such serves of this session (`passive`: a reader may work through
+    /// them one after another) take at [`PASSIVE_SERVE_FLOOR_BYTES_PER_SEC`]:
+    /// long enough for any real reader, and finite, so a peer that never
+    /// sends Complete cannot keep the region pinned forever.
+    fn progress_deadline(&self, t: &Transfer, passive: u64) -> Instant {
         let mut allowed = self.config.progress_timeout;
         if t.passive {
-            allowed +=
-                Duration::from_secs(t.plan.total_bytes() / PASSIVE_SERVE_FLOOR_BYTES_PER_SEC);
+            allowed += Duration::from_secs(passive / PASSIVE_SERVE_FLOOR_BYTES_PER_SEC);
         }
         t.last_progress + allowed
+    }
+
+    /// Bytes of the pulls this side serves by granting.
+    fn passive_bytes(&self) -> u64 {
+        self.transfers
+            .values()
+            .filter(|t| t.passive)
+            .map(|t| t.plan.total_bytes())
+            .sum()
     }
 
     fn abort(

@@ -201,7 +201,16 @@ impl SharedRegion {
             .write(true)
             .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK)
             .open(format!("/proc/self/fd/{}", located.as_raw_fd()))
-            .map_err(open_err)?;
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    open_err(std::io::Error::new(
+                        e.kind(),
+                        "/proc is not mounted here (registration opens the file through /proc/self/fd)",
+                    ))
+                } else {
+                    open_err(e)
+                }
+            })?;
         drop(located);
         let opened = file.metadata().map_err(open_err)?;
         if (opened.dev(), opened.ino()) != (seen.dev(), seen.ino()) || !opened.file_type().is_file()

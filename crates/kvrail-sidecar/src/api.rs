@@ -98,7 +98,7 @@ pub async fn serve(
 
 /// Binds a Unix socket that only this user can ever connect to, whatever the
 /// umask: it is bound inside a fresh directory of mode 0700, made 0600 there,
-/// and only then renamed to `socket` (a rename is atomic, so no other user can
+/// and only then linked to `socket` (a link is atomic, so no other user can
 /// reach the socket while its mode is still the umask's).
 fn bind_private(socket: &Path) -> std::io::Result<UnixListener> {
     use std::os::unix::fs::DirBuilderExt;
@@ -119,7 +119,18 @@ fn bind_private(socket: &Path) -> std::io::Result<UnixListener> {
     let staged = private.join("socket");
     let bound = UnixListener::bind(&staged).and_then(|listener| {
         std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
-        std::fs::rename(&staged, socket)?;
+        // A link, not a rename: it never replaces a socket another sidecar
+        // put at the path since the check (a rename would, silently).
+        std::fs::hard_link(&staged, socket).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                std::io::Error::new(
+                    e.kind(),
+                    "another sidecar took the path while this one was starting",
+                )
+            } else {
+                e
+            }
+        })?;
         Ok(listener)
     });
     let _ = std::fs::remove_file(&staged);

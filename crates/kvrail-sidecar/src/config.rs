@@ -271,8 +271,10 @@ impl Config {
         if !(100..=3_600_000).contains(&self.progress_timeout_ms) {
             return bad("progress_timeout_ms must be 100..=3600000 (an hour)");
         }
-        if self.window_bytes > (1 << 30) {
-            return bad("window_bytes must be at most 1 GiB");
+        // At most 32 Ki slices of the smallest size per connection: far below
+        // what marks a peer as not reading (64 Ki frames unwritten).
+        if self.window_bytes > (128 << 20) {
+            return bad("window_bytes must be at most 128 MiB");
         }
         if self.ring_spin_us.is_some_and(|us| us > 1_000_000) {
             return bad("ring_spin_us must be at most 1000000 (1 s)");

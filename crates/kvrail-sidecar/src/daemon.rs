@@ -614,11 +614,29 @@ impl Shared {
                 .filter(|e| e.key().0 == hello.node_name)
                 .count();
             if sessions >= MAX_INBOUND_SESSIONS_PER_PEER {
-                let reason = format!(
-                    "{} already has {sessions} sessions open here (at most {MAX_INBOUND_SESSIONS_PER_PEER})",
-                    hello.node_name
-                );
-                return self.refuse(conn, from, reason, "too_many_sessions").await;
+                // A dialer makes a new session each time it dials again; one
+                // whose connections outlived a crash or a partition may never
+                // notice. A session with nothing in flight gives way to the
+                // new one; only sessions all carrying transfers refuse it.
+                let idle = self
+                    .inbound
+                    .iter()
+                    .filter(|e| e.key().0 == hello.node_name)
+                    .find(|e| e.value().inspect(|s| s.active_transfers()) == 0)
+                    .map(|e| e.key().clone());
+                match idle.and_then(|k| self.inbound.remove(&k)) {
+                    Some((old, link)) => {
+                        info!(peer = %hello.node_name, old_session = old.1, "closing an idle session: the node opened a new one");
+                        link.close("replaced by a newer session of the same node");
+                    }
+                    None => {
+                        let reason = format!(
+                            "{} already has {sessions} sessions carrying transfers here (at most {MAX_INBOUND_SESSIONS_PER_PEER})",
+                            hello.node_name
+                        );
+                        return self.refuse(conn, from, reason, "too_many_sessions").await;
+                    }
+                }
             }
         }
         let link = self

@@ -77,6 +77,13 @@ pub struct NotificationHub {
     mailboxes: DashMap<String, Mutex<Mailbox>>,
     /// This process's incarnation, stamped on every notification.
     incarnation: u64,
+    /// The highest sequence any mailbox has given.
+    high_water: std::sync::atomic::AtomicU64,
+    /// Mailboxes were dropped to make room (see [`MAX_MAILBOXES`]): new ones
+    /// then start their sequence above every number given so far, so that a
+    /// worker whose mailbox went and resumes from its last sequence misses
+    /// nothing.
+    evicted: std::sync::atomic::AtomicBool,
 }
 
 impl NotificationHub {
@@ -84,6 +91,7 @@ impl NotificationHub {
         NotificationHub {
             mailboxes: DashMap::new(),
             incarnation,
+            ..Default::default()
         }
     }
 
@@ -94,6 +102,8 @@ impl NotificationHub {
         let Ok(mut mb) = entry.lock() else { return };
         mb.last += 1;
         n.sequence = mb.last;
+        self.high_water
+            .fetch_max(mb.last, std::sync::atomic::Ordering::Relaxed);
         n.incarnation = self.incarnation;
         let size = prost::Message::encoded_len(&n);
         while !mb.retained.is_empty()
@@ -127,11 +137,26 @@ impl NotificationHub {
     /// The worker's mailbox, made if need be; at [`MAX_MAILBOXES`], the idle
     /// ones make room first.
     fn mailbox(&self, worker_id: &str) -> dashmap::mapref::one::RefMut<'_, String, Mutex<Mailbox>> {
+        use std::sync::atomic::Ordering::Relaxed;
         if !self.mailboxes.contains_key(worker_id) && self.mailboxes.len() >= MAX_MAILBOXES {
+            self.evicted.store(true, Relaxed);
             self.mailboxes
                 .retain(|_, mb| mb.try_lock().map_or(true, |mb| !mb.idle()));
         }
-        self.mailboxes.entry(worker_id.to_string()).or_default()
+        self.mailboxes
+            .entry(worker_id.to_string())
+            .or_insert_with(|| {
+                let start = if self.evicted.load(Relaxed) {
+                    self.high_water.load(Relaxed)
+                } else {
+                    0
+                };
+                Mutex::new(Mailbox {
+                    last: start,
+                    handed: start,
+                    ..Mailbox::default()
+                })
+            })
     }
 
     /// Mailboxes kept now.
@@ -263,6 +288,14 @@ mod tests {
             vec![1],
             "the live worker's mailbox stayed"
         );
+        // A worker whose mailbox went, resuming from the last sequence it
+        // saw, still gets what came since: numbering restarts above it.
+        let seen = 1;
+        hub.send("ghost-0", note(99));
+        let mut back = hub.subscribe("ghost-0", seen, 7, false).unwrap();
+        let got = drain(&mut back);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0] > seen, "{got:?}");
     }
 
     /// A Done notification lists the transfer's blocks (up to a million ids):

@@ -45,11 +45,10 @@ use inline::StreamSink;
 use reader::reader_task;
 use writer::writer_task;
 
-/// What a writer task puts on its connection.
 /// Frames a connection's writer may have queued and not written before its
-/// peer counts as not reading (see `cut_unread_connections`). Far above
-/// what windows let a working connection queue (a window of 4 KiB slices,
-/// their opens and acknowledgements).
+/// peer counts as not reading (see `cut_unread_connections`). Twice what the
+/// largest window lets a working connection queue (128 MiB of 4 KiB
+/// slices), with their opens and acknowledgements.
 const MAX_UNWRITTEN_FRAMES: u64 = 1 << 16;
 
 /// A connection's bit in a set of at most 64 (a session's connections);
@@ -58,6 +57,7 @@ fn conn_bit(conn: ConnId) -> u64 {
     1u64 << conn.min(63)
 }
 
+/// What a writer task puts on its connection.
 enum Outgoing {
     Control(Vec<u8>),
     Slice {
@@ -568,7 +568,6 @@ impl PeerLink {
         ]
     }
 
-    /// Stops the tasks of these connections (those still running) and counts them gone.
     /// Cuts the connections whose peer has stopped reading while it keeps
     /// sending (each ping, empty slice or repeated open queues a reply that
     /// its writer cannot write): their queues would grow without bound.
@@ -596,6 +595,7 @@ impl PeerLink {
         !unread.is_empty()
     }
 
+    /// Stops the tasks of these connections (those still running) and counts them gone.
     fn stop_connections(&self, st: &mut LinkState, conns: impl IntoIterator<Item = ConnId>) {
         for conn in conns {
             if st.conns.get_mut(conn).is_some_and(ConnHandle::stop) {

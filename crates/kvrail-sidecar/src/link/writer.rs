@@ -19,14 +19,15 @@ pub(super) async fn writer_task(
         .env
         .upgrade()
         .map_or((1, false), |e| (e.gpu_stage_depth(), e.counts_traffic()));
-    // Frames taken off the channel since the queue last ran dry.
+    // Frames taken off the channel and not yet written (or dropped): those
+    // in `queue` between iterations.
     let mut taken = 0u64;
     loop {
         if queue.is_empty() {
-            // Everything taken is written: the connection is idle unless more
-            // is already queued (see `inline`).
-            queued.fetch_sub(taken, std::sync::atomic::Ordering::AcqRel);
-            taken = 0;
+            // Everything taken is written (each write took its frames off
+            // the count below): the connection is idle unless more is
+            // already queued (see `inline`).
+            debug_assert_eq!(taken, 0);
             let idle = crate::trace_points::Stopwatch::start();
             let Some(first) = rx.recv().await else { return };
             idle.account(crate::trace_points::SUM_WRITER_IDLE);
@@ -139,6 +140,15 @@ pub(super) async fn writer_task(
         if let Err(e) = result {
             link.connection_failed(key, &format!("write failed: {e}"));
             return;
+        }
+        // Frames taken and no longer waiting here are written (or dropped):
+        // they leave the count now, so that it says what waits also when
+        // the queue never runs dry (a saturated connection); frames being
+        // written stay counted until their write is done (see `inline`).
+        let finished = taken - queue.len() as u64;
+        if finished > 0 {
+            queued.fetch_sub(finished, std::sync::atomic::Ordering::AcqRel);
+            taken -= finished;
         }
     }
 }
