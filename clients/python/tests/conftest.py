@@ -171,6 +171,9 @@ class Pair:
     def stop(self) -> None:
         self.prefill.kill()
         self.decode.kill()
+        # Every fixture that makes a pair stops it: its shared-memory files go too.
+        for f in kvrail.shm_dir().glob(f"kvrail-pytest-{os.getpid()}-{self.dir.name}-*"):
+            f.unlink(missing_ok=True)
 
 
 @pytest.fixture
