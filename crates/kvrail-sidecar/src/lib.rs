@@ -40,10 +40,10 @@ pub struct ServeArgs {
     /// TOML configuration file (see README "Configuration").
     #[arg(long, short)]
     pub config: Option<PathBuf>,
-    /// This node's name.
+    /// This node's name (default "node"; letters, digits, '-', '_', '.').
     #[arg(long)]
     pub node: Option<String>,
-    /// Unix socket of the local worker API (created with mode 0600).
+    /// Unix socket of the local worker API (created with mode 0600; default /tmp/kvrail.sock).
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Listen address of a rail; repeat once per rail.
@@ -52,25 +52,25 @@ pub struct ServeArgs {
     /// A peer: NAME=ADDR[,ADDR...] (one address per rail); repeatable.
     #[arg(long = "peer")]
     pub peers: Vec<String>,
-    /// TCP connections per rail to each peer.
+    /// TCP connections per rail to each peer (default 4; at most 64 over all rails).
     #[arg(long)]
     pub connections_per_rail: Option<usize>,
-    /// Slice size in bytes.
+    /// Slice size in bytes (default 1048576; 4 KiB to 64 MiB).
     #[arg(long)]
     pub slice_bytes: Option<u64>,
-    /// Unacknowledged bytes allowed per connection.
+    /// Unacknowledged bytes allowed per connection (default 8388608; slice size to 128 MiB).
     #[arg(long)]
     pub window_bytes: Option<u64>,
-    /// Fail a transfer after this long without progress.
+    /// Fail a transfer after this long without progress (default 10000; 100 to 3600000).
     #[arg(long)]
     pub progress_timeout_ms: Option<u64>,
-    /// Declare a rail down after its bytes go unacknowledged this long.
+    /// Declare a rail down after its bytes go unacknowledged this long (default 1000).
     #[arg(long)]
     pub rail_stall_ms: Option<u64>,
-    /// Fail transfers once every rail to the peer has been down this long.
+    /// Fail transfers once every rail to the peer has been down this long (default 5000).
     #[arg(long)]
     pub rail_deadline_ms: Option<u64>,
-    /// Serve Prometheus metrics on this address.
+    /// Serve Prometheus metrics on this address (default: not served).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
     /// Do not use RDMA even where devices exist.
@@ -79,7 +79,7 @@ pub struct ServeArgs {
     /// RDMA device of each rail, comma-separated (default: found by rail address).
     #[arg(long, value_delimiter = ',')]
     pub rdma_devices: Vec<String>,
-    /// Queue pairs per rail and peer.
+    /// Queue pairs per rail and peer (default 2; 1 to 8).
     #[arg(long)]
     pub rdma_qps_per_rail: Option<usize>,
     /// Transports in order of preference, comma-separated (default rdma,quic,tcp;
