@@ -11,6 +11,7 @@ use kvrail_client::proto::{
 };
 use kvrail_client::{blocks, dense_layout, Client, KvRegion};
 use kvrail_core::wire::{self, pb, Body, SliceHeader};
+use kvrail_e2e::raw_peer::{self, read_control};
 use kvrail_e2e::Pair;
 use kvrail_examples::{fill, verify};
 use tokio_stream::StreamExt;
@@ -403,37 +404,6 @@ async fn a_peer_dying_mid_transfer_fails_it_and_the_daemon_stays_up() {
     assert_eq!(err, Code::Unavailable);
 }
 
-/// A hand-written peer on a raw socket: handshakes, then misbehaves.
-fn raw_peer(addr: std::net::SocketAddr, node: &str) -> (TcpStream, Option<Body>) {
-    let mut sock = TcpStream::connect(addr).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let hello = pb::Hello {
-        protocol_version: 1,
-        node_name: node.into(),
-        session_id: 77,
-        transports: vec!["tcp".into()],
-        rail_count: 1,
-        expected_peer: "decode".into(),
-        ..Default::default()
-    };
-    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
-        .unwrap();
-    let reply = read_control(&mut sock);
-    (sock, reply)
-}
-
-fn read_control(sock: &mut TcpStream) -> Option<Body> {
-    let mut hdr = [0u8; 8];
-    sock.read_exact(&mut hdr).ok()?;
-    let wire::FrameHeader::Control { len } = wire::decode_frame_header(&hdr).ok()? else {
-        return None;
-    };
-    let mut body = vec![0u8; len as usize];
-    sock.read_exact(&mut body).ok()?;
-    wire::decode_control(&body).ok()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
     let mut s = setup(&[]).await;
@@ -453,14 +423,14 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
     );
 
     // A node that is not a configured peer.
-    let (_, reply) = raw_peer(addr, "mallory");
+    let (_, reply) = raw_peer::hello(addr, "mallory", 77);
     assert!(
         matches!(reply, Some(Body::Abort(ref a)) if a.message.contains("mallory")),
         "{reply:?}"
     );
 
     // A configured peer that sends a slice outside the transfer it opened.
-    let (mut sock, reply) = raw_peer(addr, "prefill");
+    let (mut sock, reply) = raw_peer::hello(addr, "prefill", 77);
     assert!(matches!(reply, Some(Body::HelloAck(_))), "{reply:?}");
     let open = pb::PushOpen {
         transfer_id: 1,
@@ -515,7 +485,7 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
     drop(sock);
 
     // A garbled frame in the middle of a session.
-    let (mut sock, _) = raw_peer(addr, "prefill");
+    let (mut sock, _) = raw_peer::hello(addr, "prefill", 77);
     sock.write_all(b"KR\x01\x09garbage-after-a-good-hello")
         .unwrap();
     let mut rest = Vec::new();

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, KvRegion};
 use kvrail_core::wire::{self, pb, Body, FRAME_HEADER_LEN};
+use kvrail_e2e::raw_peer::{self, read_control};
 use kvrail_e2e::Pair;
 use kvrail_examples::fill;
 
@@ -35,17 +36,6 @@ fn control_header(len: u32) -> Vec<u8> {
     frame.truncate(FRAME_HEADER_LEN);
     frame[4..8].copy_from_slice(&len.to_le_bytes());
     frame
-}
-
-fn read_control(sock: &mut TcpStream) -> Option<Body> {
-    let mut hdr = [0u8; 8];
-    sock.read_exact(&mut hdr).ok()?;
-    let wire::FrameHeader::Control { len } = wire::decode_frame_header(&hdr).ok()? else {
-        return None;
-    };
-    let mut body = vec![0u8; len as usize];
-    sock.read_exact(&mut body).ok()?;
-    wire::decode_control(&body).ok()
 }
 
 /// 64 connections each announce a 16 MiB hello (a 16 MiB node name) and send
@@ -190,23 +180,10 @@ async fn idle_connections_holding_every_handshake_slot_do_not_lock_peers_out() {
     // Every idle connection is accepted (and holds a slot, or was evicted)
     // before the peer dials: the daemon has answered a call since.
     d.list_peers().await.unwrap();
-    let mut sock = TcpStream::connect(addr).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let hello = pb::Hello {
-        protocol_version: 1,
-        node_name: "prefill".into(),
-        session_id: 55,
-        transports: vec!["tcp".into()],
-        rail_count: 1,
-        expected_peer: "decode".into(),
-        ..Default::default()
-    };
-    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
-        .unwrap();
+    let (_sock, reply) = raw_peer::hello(addr, "prefill", 55);
     assert!(
-        matches!(read_control(&mut sock), Some(Body::HelloAck(_))),
-        "the peer's handshake was refused"
+        matches!(reply, Some(Body::HelloAck(_))),
+        "the peer's handshake was refused: {reply:?}"
     );
     drop(idle);
 }
@@ -223,21 +200,7 @@ async fn a_pull_open_with_an_unbounded_plan_is_refused() {
     let region = d.register_region("d0", &kv, true).await.unwrap();
     let before = rss(pair.decode.pid());
 
-    let mut sock = TcpStream::connect(pair.decode.listen).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let hello = pb::Hello {
-        protocol_version: 1,
-        node_name: "prefill".into(),
-        session_id: 99,
-        transports: vec!["tcp".into()],
-        rail_count: 1,
-        expected_peer: "decode".into(),
-        ..Default::default()
-    };
-    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
-        .unwrap();
-    assert!(matches!(read_control(&mut sock), Some(Body::HelloAck(_))));
+    let mut sock = raw_peer::session(pair.decode.listen, 99);
     let open = pb::PullOpen {
         transfer_id: 1,
         request_id: "greedy".into(),
@@ -279,21 +242,7 @@ async fn a_peer_that_never_reads_its_replies_is_cut() {
     let pair = Pair::start(&[]);
     let mut d = pair.decode.client().await;
     let before = rss(pair.decode.pid());
-    let mut sock = TcpStream::connect(pair.decode.listen).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let hello = pb::Hello {
-        protocol_version: 1,
-        node_name: "prefill".into(),
-        session_id: 77,
-        transports: vec!["tcp".into()],
-        rail_count: 1,
-        expected_peer: "decode".into(),
-        ..Default::default()
-    };
-    sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
-        .unwrap();
-    assert!(matches!(read_control(&mut sock), Some(Body::HelloAck(_))));
+    let mut sock = raw_peer::session(pair.decode.listen, 77);
     // Pings in batches, never reading: the socket buffers fill (a few MiB of
     // pongs), then the daemon's queue, then it must cut the connection, which
     // ends our writes. 3 M pings (~60 MiB) is several times what it takes.
@@ -339,29 +288,7 @@ async fn a_peer_opening_session_after_session_is_capped() {
     let layout = dense_layout(1, 1, 4, 64);
     let kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
     let region = d.register_region("d0", &kv, false).await.unwrap();
-    let hello = |session_id| pb::Hello {
-        protocol_version: 1,
-        node_name: "prefill".into(),
-        session_id,
-        transports: vec!["tcp".into()],
-        rail_count: 1,
-        expected_peer: "decode".into(),
-        ..Default::default()
-    };
-    let open = |session_id: u64| {
-        let sock = TcpStream::connect(pair.decode.listen).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        let mut sock = sock;
-        sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello(
-            session_id,
-        )))))
-        .unwrap();
-        match read_control(&mut sock) {
-            Some(Body::HelloAck(_)) => sock,
-            other => panic!("session {session_id}: {other:?}"),
-        }
-    };
+    let open = |session_id| raw_peer::session(pair.decode.listen, session_id);
     // Idle sessions: twenty in a row are all accepted, older idle ones
     // closed to make room.
     let idle: Vec<TcpStream> = (1000..1020u64).map(open).collect();

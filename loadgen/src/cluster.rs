@@ -372,14 +372,19 @@ impl Drop for LocalCluster {
     /// Removes the shared-memory files made for this run, also when it ends
     /// early (an error, Ctrl-C): each holds memory until removed.
     fn drop(&mut self) {
-        let prefix = shm_prefix();
-        let Ok(entries) = std::fs::read_dir(kvrail_client::shm_dir()) else {
-            return;
-        };
-        for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_file(e.path());
-            }
+        remove_shm_files(&shm_prefix());
+    }
+}
+
+/// Removes the files of the shared-memory directory whose names start with
+/// `prefix` (best effort: a file already gone is no error).
+pub fn remove_shm_files(prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(kvrail_client::shm_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(prefix) {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }

@@ -359,15 +359,10 @@ impl Drop for Pair {
     /// until removed).
     fn drop(&mut self) {
         for port in [self.prefill.listen.port(), self.decode.listen.port()] {
-            let prefix = format!("kvrail-test-{}-{port}-", std::process::id());
-            let Ok(entries) = std::fs::read_dir(kvrail_client::shm_dir()) else {
-                continue;
-            };
-            for e in entries.flatten() {
-                if e.file_name().to_string_lossy().starts_with(&prefix) {
-                    let _ = std::fs::remove_file(e.path());
-                }
-            }
+            loadgen::cluster::remove_shm_files(&format!(
+                "kvrail-test-{}-{port}-",
+                std::process::id()
+            ));
         }
     }
 }
@@ -456,5 +451,57 @@ pub mod python {
             .expect("target dir")
             .to_path_buf();
         (kvrail, target)
+    }
+}
+
+/// A hand-written peer on a raw socket (for tests of what a hostile or broken
+/// peer can do): the handshake as the daemons' `--insecure` TCP speaks it, and
+/// control frames read back.
+pub mod raw_peer {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    use std::time::Duration;
+
+    use kvrail_core::wire::{self, pb, Body};
+
+    /// Connects to the decode sidecar's rail `addr` as `node` with session
+    /// `session_id` and sends its hello; the socket and the first answer.
+    pub fn hello(addr: SocketAddr, node: &str, session_id: u64) -> (TcpStream, Option<Body>) {
+        let mut sock = TcpStream::connect(addr).expect("connect to the rail");
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("read timeout");
+        let hello = pb::Hello {
+            protocol_version: 1,
+            node_name: node.into(),
+            session_id,
+            transports: vec!["tcp".into()],
+            rail_count: 1,
+            expected_peer: "decode".into(),
+            ..Default::default()
+        };
+        sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
+            .expect("send the hello");
+        let reply = read_control(&mut sock);
+        (sock, reply)
+    }
+
+    /// As [`hello`], as the configured peer `prefill`, which must be accepted.
+    pub fn session(addr: SocketAddr, session_id: u64) -> TcpStream {
+        match hello(addr, "prefill", session_id) {
+            (sock, Some(Body::HelloAck(_))) => sock,
+            (_, other) => panic!("session {session_id}: the handshake got {other:?}"),
+        }
+    }
+
+    /// The next control frame, or None (a data frame, a close, a timeout).
+    pub fn read_control(sock: &mut TcpStream) -> Option<Body> {
+        let mut hdr = [0u8; 8];
+        sock.read_exact(&mut hdr).ok()?;
+        let wire::FrameHeader::Control { len } = wire::decode_frame_header(&hdr).ok()? else {
+            return None;
+        };
+        let mut body = vec![0u8; len as usize];
+        sock.read_exact(&mut body).ok()?;
+        wire::decode_control(&body).ok()
     }
 }

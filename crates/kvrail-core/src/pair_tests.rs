@@ -125,6 +125,18 @@ impl Pair {
         id
     }
 
+    /// Flushes, then takes side 0's open off connection 0 and drops what
+    /// followed it there (its slices): the receiver can be handed the open
+    /// alone.
+    fn take_open(&mut self) -> crate::wire::Body {
+        self.flush();
+        let Some(Item::Control(open)) = self.wires[0][0].pop_front() else {
+            panic!("expected the open")
+        };
+        self.wires[0][0].clear();
+        open
+    }
+
     /// Moves everything each side wants to send onto the wires.
     fn flush(&mut self) {
         for dir in 0..2 {
@@ -556,11 +568,7 @@ fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
     // Deliver only the announcement.
-    p.flush();
-    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else {
-        panic!("expected the open")
-    };
-    p.wires[0][0].clear();
+    let open = p.take_open();
     let now = p.now;
     let b = &mut p.sides[1];
     b.session.handle_control(0, open, now, &b.regions);
@@ -677,11 +685,7 @@ fn an_abort_that_overtakes_its_open_leaves_no_orphan() {
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
-    p.flush();
-    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else {
-        panic!("expected the open")
-    };
-    p.wires[0][0].clear();
+    let open = p.take_open();
     p.wires[1][0].clear();
     let now = p.now;
     let abort = crate::wire::message(crate::wire::Body::Abort(crate::wire::pb::Abort {
@@ -1304,12 +1308,9 @@ fn a_peers_oversized_request_id_is_refused_and_its_long_messages_are_cut() {
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
-    p.flush();
-    let Some(Item::Control(crate::wire::Body::PushOpen(mut open))) = p.wires[0][0].pop_front()
-    else {
-        panic!("expected the open")
+    let crate::wire::Body::PushOpen(mut open) = p.take_open() else {
+        panic!("expected a push's open")
     };
-    p.wires[0][0].clear();
     open.request_id = "r".repeat(crate::wire::REQUEST_ID_MAX + 1);
     let now = p.now;
     let b = &mut p.sides[1];
@@ -1420,11 +1421,7 @@ fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
     p.add_region(0, 1, RegionLayout::dense(1, 1, 1, total), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 1, total), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
-    p.flush();
-    let Some(Item::Control(open)) = p.wires[0][0].pop_front() else {
-        panic!("expected the open")
-    };
-    p.wires[0][0].clear();
+    let open = p.take_open();
     let now = p.now;
     let b = &mut p.sides[1];
     b.session.handle_control(0, open, now, &b.regions);

@@ -585,14 +585,24 @@ impl PeerLink {
             .map(|(conn, _)| conn)
             .collect();
         for &conn in &unread {
-            let rail = st.conns.get(conn).map_or(0, |c| c.rail);
-            warn!(peer = %self.peer, conn, rail, "peer connection cut: the peer does not read what it asks for ({MAX_UNWRITTEN_FRAMES} frames unwritten)");
-            metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
-            self.stop_connections(st, [conn]);
-            st.session
-                .connection_lost(conn, "the peer stopped reading", now);
+            let reason = format!(
+                "cut: the peer does not read what it asks for ({MAX_UNWRITTEN_FRAMES} frames unwritten)"
+            );
+            self.lose_connection(st, conn, &reason, now);
         }
         !unread.is_empty()
+    }
+
+    /// Stops a connection's tasks, says why, counts it, and tells the
+    /// session (which moves what it carried elsewhere on the next pump).
+    fn lose_connection(&self, st: &mut LinkState, conn: ConnId, reason: &str, now: Instant) {
+        let (rail, queue_pair) = st.conns.get(conn).map_or((0, false), |c| {
+            (c.rail, matches!(c.writer, Some(Sink::QueuePair(_))))
+        });
+        self.stop_connections(st, [conn]);
+        warn!(peer = %self.peer, conn, rail, queue_pair, "peer connection lost: {reason}");
+        metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+        st.session.connection_lost(conn, reason, now);
     }
 
     /// Stops the tasks of these connections (those still running) and counts them gone.
@@ -735,10 +745,7 @@ impl PeerLink {
         }
         let rail = handle.rail;
         let queue_pair = matches!(handle.writer, Some(Sink::QueuePair(_)));
-        self.stop_connections(&mut st, [conn]);
-        warn!(peer = %self.peer, conn, rail, queue_pair, "peer connection lost: {reason}");
-        metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
-        st.session.connection_lost(conn, reason, Instant::now());
+        self.lose_connection(&mut st, conn, reason, Instant::now());
         self.pump(&mut st);
         let rebuild = queue_pair && self.dial.is_some() && !st.closed;
         drop(st);
