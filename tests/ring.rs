@@ -624,10 +624,32 @@ async fn client_transfers_use_the_ring_by_default_with_grpc_answers() {
 /// connection's writer is idle, and through the writer task while a large
 /// push keeps it busy; the receiver answers the lone ones inline too. On one
 /// shared connection every byte lands where it was meant to, the stream
-/// never breaks, and the inline paths were taken.
+/// never breaks, and the inline paths were taken. Readers spin for their
+/// next frame on 16-core machines (`reader_spin_us`), not on 2-core ones:
+/// both ways here.
 #[tokio::test(flavor = "multi_thread")]
 async fn inline_small_pushes_and_a_large_push_share_one_connection_intact() {
-    let pair = Pair::start(&["--connections-per-rail", "1"]);
+    small_and_large_pushes_on_one_connection("0").await;
+}
+
+/// As above with readers polling their sockets for the next frame: it lands
+/// the same, and the spin found frames.
+#[tokio::test(flavor = "multi_thread")]
+async fn readers_spinning_for_their_next_frame_lose_nothing() {
+    let (sent, received) = small_and_large_pushes_on_one_connection("2000").await;
+    let spun = metric_sum(&sent, "kvrail_reader_spin_frames_total", &[])
+        + metric_sum(&received, "kvrail_reader_spin_frames_total", &[]);
+    assert!(spun >= 1.0, "no reader found a frame by spinning");
+}
+
+/// The body of the two tests above; returns both sidecars' metrics.
+async fn small_and_large_pushes_on_one_connection(reader_spin_us: &str) -> (String, String) {
+    let pair = Pair::start(&[
+        "--connections-per-rail",
+        "1",
+        "--reader-spin-us",
+        reader_spin_us,
+    ]);
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
     // 2 layers x 2 planes x 1024 blocks of 4 KiB.
@@ -703,8 +725,17 @@ async fn inline_small_pushes_and_a_large_push_share_one_connection_intact() {
         assert_eq!(metric_sum(text, "kvrail_frames_rejected_total", &[]), 0.0);
         assert_eq!(metric_sum(text, "kvrail_connections_lost_total", &[]), 0.0);
     }
+    if reader_spin_us == "0" {
+        for text in [&sent, &received] {
+            assert_eq!(
+                metric_sum(text, "kvrail_reader_spin_frames_total", &[]),
+                0.0
+            );
+        }
+    }
     p_kv.unlink();
     d_kv.unlink();
+    (sent, received)
 }
 
 /// Takes one ring answer: a failure fails the test, PUSH_DONE is noted.

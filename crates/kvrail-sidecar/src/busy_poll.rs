@@ -23,6 +23,10 @@
 //! and the one before it have each carried under [`BULK_BYTES`] (the one
 //! before, so that a window opened by an acknowledgement in the middle of a
 //! bulk transfer does not wake the spinner for a moment each time).
+//!
+//! The same accounting tells connection readers whether to spin for their
+//! next frame (`reader_spin_us`, see `link::reader`): only while traffic is
+//! not bulk.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,10 +37,18 @@ use tokio::sync::Notify;
 /// Bytes per window above which traffic counts as bulk (no spin).
 pub const BULK_BYTES: u64 = 512 << 10;
 
+/// The accounting's window when only readers spin.
+pub const READER_SPIN_WINDOW: Duration = Duration::from_millis(1);
+
 /// The spinner and what wakes it; `touch` is cheap enough for every frame.
 #[derive(Debug)]
 pub struct BusyPoll {
+    /// The accounting's window; zero: no accounting, nothing spins.
     window: Duration,
+    /// Whether the runtime spinner runs (`runtime_busy_poll_us`).
+    runtime_spin: bool,
+    /// How long a reader spins for its next frame while traffic is not bulk.
+    reader_spin: Duration,
     epoch: Instant,
     /// Microseconds since `epoch` of the last traffic.
     last_us: AtomicU64,
@@ -50,10 +62,20 @@ pub struct BusyPoll {
 }
 
 impl BusyPoll {
-    /// A spinner that keeps polling for `window` after traffic (zero: never).
-    pub fn new(window: Duration) -> Arc<Self> {
+    /// A spinner that keeps polling for `runtime_window` after traffic (zero:
+    /// never), and readers that spin up to `reader_spin` for their next frame
+    /// (zero: never). Either on, traffic is counted in windows of
+    /// `runtime_window`, else of [`READER_SPIN_WINDOW`].
+    pub fn new(runtime_window: Duration, reader_spin: Duration) -> Arc<Self> {
+        let window = if !runtime_window.is_zero() || reader_spin.is_zero() {
+            runtime_window
+        } else {
+            READER_SPIN_WINDOW
+        };
         Arc::new(Self {
             window,
+            runtime_spin: !runtime_window.is_zero(),
+            reader_spin,
             epoch: Instant::now(),
             last_us: AtomicU64::new(0),
             window_start_us: AtomicU64::new(0),
@@ -64,8 +86,21 @@ impl BusyPoll {
         })
     }
 
+    /// Whether traffic is counted (`touch` does anything).
     pub fn enabled(&self) -> bool {
         !self.window.is_zero()
+    }
+
+    /// Whether the runtime spinner runs.
+    pub fn runtime_spin(&self) -> bool {
+        self.runtime_spin && self.enabled()
+    }
+
+    /// How long a reader that has nothing left to read may spin for its next
+    /// frame: `None` when off, or while traffic is bulk (a reader is then
+    /// seldom idle for long, and a spinning one takes CPU from the copies).
+    pub fn reader_spin(&self) -> Option<Duration> {
+        (!self.reader_spin.is_zero() && !self.bulk()).then_some(self.reader_spin)
     }
 
     fn now_us(&self) -> u64 {
@@ -128,7 +163,7 @@ impl BusyPoll {
 
     /// The spinning task; runs until the runtime drops it.
     pub async fn run(self: Arc<Self>) {
-        if !self.enabled() {
+        if !self.runtime_spin() {
             return;
         }
         loop {
@@ -155,7 +190,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn spins_after_traffic_then_sleeps_until_the_next() {
         // A window long enough for this thread to see the spin on a loaded machine.
-        let poll = BusyPoll::new(Duration::from_millis(500));
+        let poll = BusyPoll::new(Duration::from_millis(500), Duration::ZERO);
         let task = tokio::spawn(poll.clone().run());
         // No traffic yet: the spinner parks.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -189,7 +224,7 @@ mod tests {
 
     #[test]
     fn bulk_windows_hold_off_the_spin_until_a_quiet_window() {
-        let poll = BusyPoll::new(Duration::from_micros(1000));
+        let poll = BusyPoll::new(Duration::from_micros(1000), Duration::ZERO);
         poll.touch_at(0, 4096);
         assert!(poll.recent_at(10), "small traffic spins");
         assert!(!poll.recent_at(1001), "the window passed");
@@ -212,12 +247,32 @@ mod tests {
 
     #[tokio::test]
     async fn a_zero_window_never_spins() {
-        let poll = BusyPoll::new(Duration::ZERO);
+        let poll = BusyPoll::new(Duration::ZERO, Duration::ZERO);
         poll.touch(0);
         assert!(!poll.enabled());
+        assert!(poll.reader_spin().is_none());
         // Returns at once instead of looping.
         tokio::time::timeout(Duration::from_secs(10), poll.run())
             .await
             .expect("a zero window spun");
+    }
+
+    /// Readers alone: traffic is counted (in 1 ms windows), the runtime
+    /// spinner does not run, and readers spin except while traffic is bulk.
+    #[tokio::test]
+    async fn reader_spin_alone_counts_traffic_and_stops_for_bulk() {
+        let spin = Duration::from_micros(50);
+        let poll = BusyPoll::new(Duration::ZERO, spin);
+        assert!(poll.enabled() && !poll.runtime_spin());
+        tokio::time::timeout(Duration::from_secs(10), poll.clone().run())
+            .await
+            .expect("the runtime spinner ran");
+        assert_eq!(poll.reader_spin(), Some(spin));
+        let now = poll.now_us();
+        poll.touch_at(now, BULK_BYTES);
+        assert_eq!(poll.reader_spin(), None, "bulk traffic: no reader spin");
+        // Two quiet windows later small traffic spins again.
+        poll.touch_at(now + 3000, 4096);
+        assert_eq!(poll.reader_spin(), Some(spin));
     }
 }

@@ -62,6 +62,11 @@ pub struct Config {
     /// is 0 on smaller ones (there a spinning thread takes the core the worker
     /// and the sidecar's own tasks need: measured in docs/ring-format.md).
     pub ring_spin_us: Option<u64>,
+    /// How long a connection's reader, with nothing left to read, polls its
+    /// socket for the next frame before it sleeps in `epoll` (sparing a small
+    /// transfer the wake-up), while traffic is not bulk. Unset: 50 us on
+    /// machines with at least 4 CPUs, else 0 (as the ring's spin).
+    pub reader_spin_us: Option<u64>,
     /// A ring's thread writes a small transfer's frames itself when the
     /// connection's writer is idle (instead of waking the writer task).
     pub ring_inline_writes: bool,
@@ -152,6 +157,7 @@ impl Default for Config {
             rdma_busy_poll_us: 0,
             runtime_busy_poll_us: 0,
             ring_spin_us: None,
+            reader_spin_us: None,
             ring_inline_writes: true,
             inline_control_writes: true,
             rdma_eager_max_bytes: kvrail_core::session::DEFAULT_EAGER_MAX_BYTES,
@@ -212,6 +218,19 @@ impl Config {
         } else {
             SpinPolicy::fixed(Duration::ZERO)
         }
+    }
+
+    /// The spin of connection readers (see [`Config::reader_spin_us`]).
+    pub fn reader_spin(&self) -> std::time::Duration {
+        let us = self.reader_spin_us.unwrap_or_else(|| {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if kvrail_core::ring::spins_with(cpus) {
+                50
+            } else {
+                0
+            }
+        });
+        std::time::Duration::from_micros(us)
     }
 
     /// Largest slice of a staged (GPU) transfer: `gpu_slice_bytes`, at most
@@ -278,6 +297,9 @@ impl Config {
         }
         if self.ring_spin_us.is_some_and(|us| us > 1_000_000) {
             return bad("ring_spin_us must be at most 1000000 (1 s)");
+        }
+        if self.reader_spin_us.is_some_and(|us| us > 1_000_000) {
+            return bad("reader_spin_us must be at most 1000000 (1 s)");
         }
         if self.rdma_eager_max_bytes > (64 << 20) {
             return bad("rdma_eager_max_bytes must be at most 64 MiB");
@@ -615,6 +637,13 @@ mod tests {
                     ..ok.clone()
                 },
                 "ring_spin_us",
+            ),
+            (
+                Config {
+                    reader_spin_us: Some(2_000_000),
+                    ..ok.clone()
+                },
+                "reader_spin_us",
             ),
             (
                 Config {

@@ -958,6 +958,10 @@ impl LinkEnv for Shared {
         self.busy_poll.enabled()
     }
 
+    fn reader_spin(&self) -> Option<Duration> {
+        self.busy_poll.reader_spin()
+    }
+
     fn on_event(&self, peer: &str, event: Event) {
         Shared::on_event(self, peer, event);
     }

@@ -103,6 +103,11 @@ pub struct ServeArgs {
     /// 500, with at least 4 CPUs; else 0).
     #[arg(long)]
     pub ring_spin_us: Option<u64>,
+    /// Spin of a connection's reader for its next frame before it sleeps,
+    /// in microseconds, while traffic is not bulk (default 50 with at least
+    /// 4 CPUs; else 0).
+    #[arg(long)]
+    pub reader_spin_us: Option<u64>,
     /// RDMA: transfers of at most this many bytes travel behind their open
     /// on the stream connection instead of waiting for the peer's grant
     /// (default 65536; 0: every transfer one-sided).
@@ -209,6 +214,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.ring_spin_us {
             c.ring_spin_us = Some(v);
+        }
+        if let Some(v) = self.reader_spin_us {
+            c.reader_spin_us = Some(v);
         }
         if let Some(v) = self.rdma_eager_max_bytes {
             c.rdma_eager_max_bytes = v;

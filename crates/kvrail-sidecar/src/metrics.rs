@@ -19,6 +19,7 @@ pub const BYTES_RECEIVED: &str = "kvrail_bytes_received_total";
 pub const SLICES_SENT: &str = "kvrail_slices_sent_total";
 pub const INLINE_WRITES: &str = "kvrail_inline_writes_total";
 pub const SLICES_RECEIVED: &str = "kvrail_slices_received_total";
+pub const READER_SPIN_FRAMES: &str = "kvrail_reader_spin_frames_total";
 pub const TRANSFERS_STARTED: &str = "kvrail_transfers_started_total";
 pub const TRANSFERS_DONE: &str = "kvrail_transfers_done_total";
 pub const TRANSFERS_FAILED: &str = "kvrail_transfers_failed_total";
@@ -103,6 +104,10 @@ fn describe() {
         "Small transfers' frames written by the submitting ring thread (the connection's writer idle)"
     );
     describe_counter!(SLICES_RECEIVED, "Data slices placed into local regions");
+    describe_counter!(
+        READER_SPIN_FRAMES,
+        "Frames a connection's reader found by polling its socket (reader_spin_us) instead of sleeping"
+    );
     describe_counter!(TRANSFERS_STARTED, "Transfers started, by kind");
     describe_counter!(TRANSFERS_DONE, "Transfers completed, by kind");
     describe_counter!(TRANSFERS_FAILED, "Transfers failed, by kind and reason");
@@ -176,6 +181,7 @@ pub struct ConnCounters {
     pub slices_sent: Counter,
     pub bytes_received: Counter,
     pub slices_received: Counter,
+    pub reader_spin_frames: Counter,
 }
 
 impl ConnCounters {
@@ -190,6 +196,7 @@ impl ConnCounters {
             slices_sent: metrics::counter!(SLICES_SENT, &labels),
             bytes_received: metrics::counter!(BYTES_RECEIVED, &labels),
             slices_received: metrics::counter!(SLICES_RECEIVED, &labels),
+            reader_spin_frames: metrics::counter!(READER_SPIN_FRAMES, &labels),
         }
     }
 

@@ -107,7 +107,7 @@ impl Daemon {
             // As region ids: an id a worker kept from before a restart names
             // no transfer of this incarnation (until 2^32 transfers later).
             next_transfer: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
-            busy_poll: BusyPoll::new(config.runtime_busy_poll()),
+            busy_poll: BusyPoll::new(config.runtime_busy_poll(), config.reader_spin()),
         });
         if let Some(addr) = config.metrics_addr {
             m::install(addr).await?;
@@ -147,7 +147,7 @@ impl Daemon {
             }
         };
         tasks.push(api);
-        if shared.busy_poll.enabled() {
+        if shared.busy_poll.runtime_spin() {
             tasks.push(tokio::spawn(shared.busy_poll.clone().run()));
         }
         info!(node = %config.node, socket = %config.socket.display(), ?listen, transports = ?shared.offered_transports(), "kvrail sidecar ready");

@@ -132,6 +132,15 @@ pub trait FrameReader: Send {
     fn input_pending(&mut self) -> bool {
         true
     }
+    /// Polls the connection for input without sleeping until `until`: true
+    /// when input (or the connection's end or error, reported by the next
+    /// read) arrived, false when the time passed or the transport cannot
+    /// (the caller then waits as usual). It keeps a CPU busy, to spare a
+    /// caller expecting a reply within microseconds its wake-up from `epoll`.
+    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
+        let _ = until;
+        false
+    }
     /// Reads and drops `len` bytes.
     async fn discard(&mut self, len: u64) -> io::Result<()> {
         let mut scratch = vec![0u8; len.min(1 << 20) as usize];

@@ -5,11 +5,12 @@
 //! payload: five system calls otherwise); past it, payload is read straight
 //! into its blocks.
 
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut, Read};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -162,6 +163,9 @@ struct TcpFrameReader {
     ahead: Box<[u8]>,
     start: usize,
     end: usize,
+    /// What a spin for input met instead of bytes (the connection's end or
+    /// an error), for the next read to return.
+    met: Option<io::Error>,
 }
 
 impl TcpFrameReader {
@@ -180,6 +184,7 @@ impl TcpFrameReader {
             ahead: vec![0; len].into_boxed_slice(),
             start: 0,
             end: 0,
+            met: None,
         }
     }
 
@@ -191,10 +196,20 @@ impl TcpFrameReader {
         n
     }
 
+    /// What a spin met, once the bytes before it are consumed: the socket is
+    /// not read again after it.
+    fn take_met(&mut self) -> io::Result<()> {
+        match self.met.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Reads what the socket has, up to the read-ahead's size, into it (which
     /// must be empty).
     async fn fill_ahead(&mut self) -> io::Result<()> {
         debug_assert_eq!(self.start, self.end);
+        self.take_met()?;
         let n = self.inner.read(&mut self.ahead).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
@@ -207,7 +222,7 @@ impl TcpFrameReader {
 #[async_trait]
 impl FrameReader for TcpFrameReader {
     fn input_pending(&mut self) -> bool {
-        if self.start < self.end {
+        if self.start < self.end || self.met.is_some() {
             return true;
         }
         // A peek without waiting: Pending when the socket is (known) empty.
@@ -221,10 +236,48 @@ impl FrameReader for TcpFrameReader {
         }
     }
 
+    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
+        if self.start < self.end || self.met.is_some() {
+            return true;
+        }
+        // Bytes go into the read-ahead, which only the SIGBUS guard provides.
+        if self.ahead.is_empty() {
+            return false;
+        }
+        // A `recv` of our own: tokio's reads skip the system call until its
+        // driver has seen the socket readable, which is the wake-up this
+        // spin is for. The socket is non-blocking (tokio made it so).
+        let socket = socket2::SockRef::from(self.inner.as_ref());
+        loop {
+            match (&*socket).read(&mut self.ahead) {
+                Ok(0) => {
+                    self.met = Some(io::ErrorKind::UnexpectedEof.into());
+                    return true;
+                }
+                Ok(n) => {
+                    (self.start, self.end) = (0, n);
+                    return true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if std::time::Instant::now() >= until {
+                        return false;
+                    }
+                    std::hint::spin_loop();
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.met = Some(e);
+                    return true;
+                }
+            }
+        }
+    }
+
     async fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
         let mut done = self.take_ahead(buf);
         while done < buf.len() {
             if buf.len() - done >= self.ahead.len() {
+                self.take_met()?;
                 return self.inner.read_exact(&mut buf[done..]).await.map(|_| ());
             }
             self.fill_ahead().await?;
@@ -240,6 +293,9 @@ impl FrameReader for TcpFrameReader {
         while !dst.is_empty() && self.start < self.end {
             let n = self.take_ahead(&mut dst[0]);
             IoSliceMut::advance_slices(&mut dst, n);
+        }
+        if !dst.is_empty() {
+            self.take_met()?;
         }
         let mut touched = false;
         while !dst.is_empty() {
@@ -273,7 +329,7 @@ impl FrameReader for TcpFrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{read_frame, Frame};
+    use crate::{read_frame, Frame, TransportError};
     use kvrail_core::wire::{self, Body, SliceHeader};
 
     #[tokio::test]
@@ -453,6 +509,45 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A spin for input gives up at its deadline when nothing comes; takes a
+    /// frame written while it spins (by its own `recv`: this test's runtime
+    /// never polls its I/O driver during the spin), which then reads whole;
+    /// and returns when the peer closes, the next read reporting the end.
+    /// Without read-ahead there is nowhere to put bytes: it never spins.
+    #[tokio::test]
+    async fn a_spin_for_input_takes_a_frame_or_the_end_and_gives_up_in_time() {
+        use std::time::{Duration, Instant};
+        let (mut reader, _keep, client) = loopback_reader(READ_AHEAD_BYTES).await;
+        let started = Instant::now();
+        assert!(!reader.spin_for_input(started + Duration::from_millis(2)));
+        assert!(started.elapsed() >= Duration::from_millis(2));
+        let mut client = client.into_std().unwrap();
+        client.set_nonblocking(false).unwrap();
+        let msg = wire::message(Body::Complete(wire::pb::Complete { transfer_id: 7 }));
+        let bytes = wire::encode_control(&msg);
+        let writer = std::thread::spawn(move || {
+            std::io::Write::write_all(&mut client, &bytes).unwrap();
+            client
+        });
+        let far = || Instant::now() + Duration::from_secs(60);
+        assert!(reader.spin_for_input(far()), "the frame never came");
+        let client = writer.join().unwrap();
+        match read_frame(&mut reader).await.unwrap() {
+            Frame::Control(Body::Complete(c)) => assert_eq!(c.transfer_id, 7),
+            other => panic!("{other:?}"),
+        }
+        assert!(!reader.input_pending());
+        drop(client);
+        assert!(reader.spin_for_input(far()), "the close never came");
+        assert!(reader.input_pending());
+        match read_frame(&mut reader).await {
+            Err(TransportError::Io(e)) => assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof),
+            other => panic!("{other:?}"),
+        }
+        let (mut bare, _keep, _client) = loopback_reader(0).await;
+        assert!(!bare.spin_for_input(far()));
     }
 
     /// Small and large frames written back to back come out whole and in

@@ -29,8 +29,12 @@ pub trait LinkEnv: Send + Sync + 'static {
     /// A frame of `bytes` payload came or went: the runtime may stay awake
     /// for the next (`busy_poll`).
     fn on_traffic(&self, bytes: u64);
-    /// Whether `on_traffic` does anything (the runtime's busy poll is on).
+    /// Whether `on_traffic` does anything (the runtime's busy poll or the
+    /// readers' spin is on).
     fn counts_traffic(&self) -> bool;
+    /// How long a reader with nothing left to read may poll its socket for
+    /// the next frame before it sleeps (`None`: not now).
+    fn reader_spin(&self) -> Option<std::time::Duration>;
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).
