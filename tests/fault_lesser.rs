@@ -1,6 +1,7 @@
 //! The lesser findings of the outside review, each against real processes:
 //! notification streams resume without loss and are never taken over silently,
-//! and certificates together with `--insecure` are refused at start.
+//! certificates together with `--insecure` are refused at start, and a
+//! sidecar given `--parent-pid` does not outlive that parent.
 //! (An Abort overtaking its open is tested deterministically in kvrail-core:
 //! `an_abort_that_overtakes_its_open_leaves_no_orphan`; Python's default
 //! `:authority` in clients/python/tests/test_client.py.)
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use kvrail_client::proto::{NotificationKind, TransferState};
 use kvrail_client::{blocks, dense_layout, KvRegion};
-use kvrail_e2e::{command, Pair};
+use kvrail_e2e::{binary, command, wait_until, Pair};
 use kvrail_examples::fill;
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -125,4 +126,53 @@ fn certificates_with_insecure_are_refused_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("insecure and tls_dir together"), "{err}");
+}
+
+/// A sidecar given `--parent-pid` shuts down, removing its socket, once that
+/// parent is killed outright (loadgen and the tests pass theirs, so that no
+/// sidecar outlives a harness killed with SIGKILL).
+#[test]
+fn a_sidecar_goes_when_the_parent_it_was_given_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("orphan.sock");
+    let pid_file = dir.path().join("sidecar.pid");
+    // A shell starts the sidecar with the shell's own pid, then waits.
+    let mut shell = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(
+            r#""$0" serve --node orphan --socket "$1" --listen 127.0.0.1:0 --insecure \
+                 --parent-pid $$ >/dev/null 2>"$3" &
+               echo $! > "$2"; wait"#,
+        )
+        .arg(binary("kvrail"))
+        .arg(&socket)
+        .arg(&pid_file)
+        .arg(dir.path().join("orphan.log"))
+        .spawn()
+        .unwrap();
+    let read_pid = || {
+        std::fs::read_to_string(&pid_file)
+            .ok()?
+            .trim()
+            .parse::<u32>()
+            .ok()
+    };
+    wait_until("the sidecar serves", || {
+        socket.exists() && read_pid().is_some()
+    });
+    let pid = read_pid().unwrap();
+    let running = || {
+        // Gone, or a zombie nobody has reaped yet.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(false)
+    };
+    assert!(running(), "the sidecar stopped while its parent lived");
+    shell.kill().unwrap();
+    shell.wait().unwrap();
+    wait_until("the orphaned sidecar exits", || !running());
+    assert!(!socket.exists(), "the sidecar left its socket behind");
 }

@@ -198,7 +198,11 @@ impl LocalCluster {
     }
 
     async fn start_at(opts: &ClusterOptions, at: Placement<'_>) -> anyhow::Result<LocalCluster> {
-        let dir = tempfile::tempdir()?;
+        // What a loadgen killed outright (SIGKILL, the OOM killer) left: its
+        // sidecars are gone with it (`--parent-pid`), its files are not.
+        remove_stale_files(&kvrail_client::shm_dir(), SHM_FAMILY);
+        remove_stale_files(&std::env::temp_dir(), SHM_FAMILY);
+        let dir = tempfile::Builder::new().prefix(&shm_prefix()).tempdir()?;
         let (exe, sub) = match &opts.kvrail_binary {
             Some(p) => (p.clone(), "serve"),
             None => (std::env::current_exe()?, "sidecar"),
@@ -239,6 +243,8 @@ impl LocalCluster {
             let log = std::fs::File::create(dir.path().join(format!("{node}.log")))?;
             let mut cmd = command(at);
             cmd.arg(sub).args(["--node", node]);
+            // Gone with loadgen, however it ends.
+            cmd.args(["--parent-pid", &std::process::id().to_string()]);
             let metrics = if opts.metrics {
                 let addr = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), free_port()?);
                 cmd.args(["--metrics-addr", &addr.to_string()]);
@@ -364,8 +370,48 @@ impl LocalCluster {
     }
 }
 
+/// Names of this run's files start with the family, loadgen's process id and
+/// a dash.
+const SHM_FAMILY: &str = "kvrail-loadgen-";
+
 fn shm_prefix() -> String {
-    format!("kvrail-loadgen-{}-", std::process::id())
+    format!("{SHM_FAMILY}{}-", std::process::id())
+}
+
+/// Removes the entries of `dir` named `{family}{pid}-...` that belong to this
+/// user and whose process is gone (best effort). A live process's, another
+/// user's, and any other name are left alone.
+pub fn remove_stale_files(dir: &std::path::Path, family: &str) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(family)) else {
+            continue;
+        };
+        let Some(pid) = rest
+            .split_once('-')
+            .and_then(|(p, _)| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(meta) = e.path().symlink_metadata() else {
+            continue;
+        };
+        if meta.uid() != me || std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let _ = if meta.is_dir() {
+            std::fs::remove_dir_all(e.path())
+        } else {
+            std::fs::remove_file(e.path())
+        };
+    }
 }
 
 impl Drop for LocalCluster {
@@ -386,5 +432,35 @@ pub fn remove_shm_files(prefix: &str) {
         if e.file_name().to_string_lossy().starts_with(prefix) {
             let _ = std::fs::remove_file(e.path());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Files and folders of a process that is gone go; a live process's, and
+    /// names outside the family or without a process id, stay.
+    #[test]
+    fn stale_files_of_a_dead_run_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let me = std::process::id();
+        let path = |name: String| dir.path().join(name);
+        let dead_file = path(format!("{SHM_FAMILY}{dead}-p0"));
+        let dead_dir = path(format!("{SHM_FAMILY}{dead}-tmp"));
+        let live_file = path(format!("{SHM_FAMILY}{me}-p0"));
+        let no_pid = path(format!("{SHM_FAMILY}x{dead}-p0"));
+        let other = path(format!("kvrail-test-{dead}-p0"));
+        for f in [&dead_file, &live_file, &no_pid, &other] {
+            std::fs::write(f, b"kv").unwrap();
+        }
+        std::fs::create_dir(&dead_dir).unwrap();
+        std::fs::write(dead_dir.join("prefill.log"), b"log").unwrap();
+        remove_stale_files(dir.path(), SHM_FAMILY);
+        assert!(!dead_file.exists() && !dead_dir.exists());
+        assert!(live_file.exists() && no_pid.exists() && other.exists());
     }
 }

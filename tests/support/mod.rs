@@ -171,6 +171,8 @@ impl Sidecar {
         let child = command("kvrail")
             .arg("serve")
             .args(&self.args)
+            // Gone with this test process, however it ends.
+            .args(["--parent-pid", &std::process::id().to_string()])
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

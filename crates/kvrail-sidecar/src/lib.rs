@@ -148,6 +148,11 @@ pub struct ServeArgs {
     /// Accept and make TCP peer connections without authentication.
     #[arg(long)]
     pub insecure: bool,
+    /// Shut down (as on SIGTERM) once process PID is no longer this one's
+    /// parent: a harness that starts sidecars (loadgen, the tests) passes its
+    /// own, so that they never outlive it, even when it is killed.
+    #[arg(long, value_name = "PID")]
+    pub parent_pid: Option<u32>,
 }
 
 impl ServeArgs {
@@ -279,6 +284,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+        _ = parent_gone(args.parent_pid) => {
+            tracing::warn!("the process that started this sidecar exited");
+        }
     }
     tracing::info!("shutting down");
     #[cfg(feature = "profile")]
@@ -288,6 +296,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     trace_points::write();
     daemon.shutdown();
     Ok(())
+}
+
+/// Resolves once `pid` is no longer this process's parent (never for
+/// `None`). Polled: the kernel's parent-death signal follows the thread that
+/// forked, not the process, and a runtime's threads come and go.
+async fn parent_gone(pid: Option<u32>) {
+    let Some(pid) = pid else {
+        return std::future::pending().await;
+    };
+    while std::os::unix::process::parent_id() == pid {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// An error as one line for the terminal: its message, then each cause
