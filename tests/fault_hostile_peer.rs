@@ -331,3 +331,64 @@ async fn a_peer_opening_session_after_session_is_capped() {
     assert!(d.list_peers().await.is_ok(), "the daemon answers");
     kv.unlink();
 }
+
+/// A hello carrying a copy of a peer's certificate (public: anyone who saw a
+/// handshake has it) and then no proof holds a handshake slot until the
+/// handshake's deadline. With every slot held that way, a real peer's hello
+/// is still answered: the oldest stalled handshake makes room.
+#[tokio::test(flavor = "multi_thread")]
+async fn handshakes_stalled_after_the_hello_do_not_lock_peers_out() {
+    use kvrail_auth::generate::{self, Validity};
+    use kvrail_auth::{Identity, IdentityFiles};
+    let certs = tempfile::tempdir().unwrap();
+    generate::cluster(certs.path(), &["prefill", "decode"], Validity::days(1)).unwrap();
+    let pair = Pair::start(&["--tls-dir", certs.path().to_str().unwrap()]);
+    let _ = pair.decode.client().await;
+    let addr = pair.decode.listen;
+    let prefill =
+        Identity::load("prefill", &IdentityFiles::in_dir(certs.path(), "prefill")).unwrap();
+    let hello = |session_id| pb::Hello {
+        protocol_version: 1,
+        node_name: "prefill".into(),
+        session_id,
+        transports: vec!["tcp".into()],
+        rail_count: 1,
+        expected_peer: "decode".into(),
+        certificate: prefill.certificate().to_vec(),
+        nonce: vec![7; kvrail_core::handshake::NONCE_BYTES],
+        ..Default::default()
+    };
+    let connect = || {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    };
+    // Every slot held by a hello the acceptor answered and now awaits the
+    // proof of, which never comes.
+    let mut stalled: Vec<TcpStream> = (0..64u64)
+        .map(|i| match raw_peer::hello_as(connect(), hello(1000 + i)) {
+            (s, Some(Body::HelloAck(_))) => s,
+            (_, other) => panic!("stalled hello {i}: {other:?}"),
+        })
+        .collect();
+    let (_peer, reply) = raw_peer::hello_as(connect(), hello(1));
+    assert!(
+        matches!(reply, Some(Body::HelloAck(_))),
+        "a peer's hello was not answered: {reply:?}"
+    );
+    // The oldest stalled handshake made room: its connection is closed.
+    let mut b = [0u8; 1];
+    assert!(
+        matches!(stalled[0].read(&mut b), Ok(0) | Err(_)),
+        "the oldest stalled handshake is still open"
+    );
+    let text = kvrail_e2e::scrape(pair.decode.metrics.unwrap());
+    assert!(
+        kvrail_e2e::metric_sum(
+            &text,
+            "kvrail_handshakes_refused_total",
+            &["stalled_evicted"]
+        ) >= 1.0
+    );
+    drop(stalled);
+}

@@ -469,7 +469,7 @@ pub mod raw_peer {
     /// Connects to the decode sidecar's rail `addr` as `node` with session
     /// `session_id` and sends its hello; the socket and the first answer.
     pub fn hello(addr: SocketAddr, node: &str, session_id: u64) -> (TcpStream, Option<Body>) {
-        let mut sock = TcpStream::connect(addr).expect("connect to the rail");
+        let sock = TcpStream::connect(addr).expect("connect to the rail");
         sock.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("read timeout");
         let hello = pb::Hello {
@@ -481,6 +481,12 @@ pub mod raw_peer {
             expected_peer: "decode".into(),
             ..Default::default()
         };
+        hello_as(sock, hello)
+    }
+
+    /// Sends `hello` on `sock` (connected, with a read timeout); the socket
+    /// and the first answer.
+    pub fn hello_as(mut sock: TcpStream, hello: pb::Hello) -> (TcpStream, Option<Body>) {
         sock.write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
             .expect("send the hello");
         let reply = read_control(&mut sock);

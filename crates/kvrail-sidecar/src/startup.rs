@@ -195,10 +195,13 @@ async fn accept_loop(
 ) {
     // Handshakes in progress at once, per listener: each holds at most one
     // bounded handshake frame, so pre-authentication memory is bounded too.
-    // When all are taken, the oldest that has not sent a byte yet makes
-    // room: connections that only sit there (anyone who reaches the port can
-    // open them) cannot lock real peers out, whose handshakes take
-    // milliseconds.
+    // When all are taken, the oldest that has not sent a frame yet makes
+    // room, else the oldest of all (a hello with a copy of a peer's public
+    // certificate, then no proof, holds a slot until the handshake's
+    // deadline): connections that only sit there (anyone who reaches the
+    // port can open them) cannot lock real peers out, whose handshakes take
+    // milliseconds; to push one out, a flood would have to fill every slot
+    // within those milliseconds.
     let mut pending: std::collections::VecDeque<PendingHandshake> = Default::default();
     loop {
         match listener.accept().await {
@@ -208,20 +211,15 @@ async fn accept_loop(
                     let silent = pending
                         .iter()
                         .position(|p| !p.spoke.load(std::sync::atomic::Ordering::Acquire));
-                    match silent.and_then(|i| pending.remove(i)) {
-                        Some(oldest) => {
-                            oldest.task.abort();
-                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "silent_evicted")
-                                .increment(1);
-                        }
-                        None => {
-                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
-                                .increment(1);
-                            if let Some(suppressed) = shared.refusal_log.admit() {
-                                warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
-                            }
-                            drop(conn);
-                            continue;
+                    let (oldest, reason) = match silent {
+                        Some(i) => (i, "silent_evicted"),
+                        None => (0, "stalled_evicted"),
+                    };
+                    if let Some(evicted) = pending.remove(oldest) {
+                        evicted.task.abort();
+                        metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => reason).increment(1);
+                        if let Some(suppressed) = shared.refusal_log.admit() {
+                            warn!(%from, suppressed, reason, "{MAX_CONCURRENT_HANDSHAKES} peer handshakes in progress: the oldest was dropped to make room");
                         }
                     }
                 }
