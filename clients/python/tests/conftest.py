@@ -93,6 +93,8 @@ class Sidecar:
             "--listen", f"127.0.0.1:{port}",
             "--peer", f"{peer}=127.0.0.1:{peer_port}",
             "--insecure",
+            # Gone with this test process, however it ends.
+            "--parent-pid", str(os.getpid()),
             *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None

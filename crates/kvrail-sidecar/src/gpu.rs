@@ -19,6 +19,24 @@ pub struct GpuDevice {
     pub pool: StagingPool,
     pub to_host: CopyQueue,
     pub to_device: CopyQueue,
+    /// Received slices waiting for their device copy hold staging buffers:
+    /// at most [`RECEIVE_STAGING_MIB`] MiB of them at once (permits of 1
+    /// MiB), so a peer that sends faster than the device copies, windows or
+    /// not, waits on its connection instead of pinning host memory without
+    /// end.
+    pub receive_staging: Arc<tokio::sync::Semaphore>,
+}
+
+/// Pinned MiB that received slices may hold per device while their copies
+/// to the device are pending (a real peer's windows keep far fewer in
+/// flight: 16 connections of 8 MiB windows are 128 MiB).
+pub const RECEIVE_STAGING_MIB: u32 = 1024;
+
+/// The permits a received staged slice of `len` bytes takes: its MiB,
+/// rounded up, at least one and at most all.
+pub fn receive_staging_permits(len: usize) -> u32 {
+    let mib = len.div_ceil(1 << 20).max(1);
+    u32::try_from(mib).map_or(RECEIVE_STAGING_MIB, |m| m.min(RECEIVE_STAGING_MIB))
 }
 
 /// Devices, opened when a worker first registers memory on them.
@@ -64,6 +82,7 @@ impl GpuDevices {
                 self.batch_copies,
             )?,
             gpu,
+            receive_staging: Arc::new(tokio::sync::Semaphore::new(RECEIVE_STAGING_MIB as usize)),
         });
         info!(
             device = ordinal,
@@ -111,4 +130,19 @@ fn log_capabilities(gpu: &Gpu) {
 pub struct GpuMemory {
     pub device: Arc<GpuDevice>,
     pub memory: Arc<ImportedMemory>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_received_slice_takes_its_mib_of_the_staging_share_and_never_more_than_all() {
+        assert_eq!(receive_staging_permits(0), 1);
+        assert_eq!(receive_staging_permits(4096), 1);
+        assert_eq!(receive_staging_permits(1 << 20), 1);
+        assert_eq!(receive_staging_permits((1 << 20) + 1), 2);
+        assert_eq!(receive_staging_permits(64 << 20), 64);
+        assert_eq!(receive_staging_permits(usize::MAX), RECEIVE_STAGING_MIB);
+    }
 }

@@ -159,6 +159,21 @@ pub(super) async fn receive_staged(
     reader: &mut dyn FrameReader,
 ) -> Result<(), TransportError> {
     let len = payload_len as usize;
+    // Waits while received slices hold the device's share of staging memory.
+    let Ok(in_flight) = g
+        .device
+        .receive_staging
+        .clone()
+        .acquire_many_owned(gpu::receive_staging_permits(len))
+        .await
+    else {
+        // Never closed; were it, the slice is refused like a failed copy.
+        reader.discard(u64::from(payload_len)).await?;
+        link.with_session(|s, now| {
+            s.placement_failed(conn, header, "GPU staging is shut down", now)
+        });
+        return Ok(());
+    };
     let taking = crate::trace_points::Stopwatch::start();
     // A peer may cut larger staged slices than ours (`gpu_slice_bytes`):
     // the pool's buffers grow to them.
@@ -207,6 +222,8 @@ pub(super) async fn receive_staged(
                     }
                     Err(_) => Err("the copy queue stopped".to_string()),
                 };
+                // The buffer is back (or gone with the queue).
+                drop(in_flight);
                 match outcome {
                     Ok(()) => {
                         let rail = link.rail_of(conn);
