@@ -171,6 +171,24 @@ fn a_sidecar_goes_when_the_parent_it_was_given_is_killed() {
             .unwrap_or(false)
     };
     assert!(running(), "the sidecar stopped while its parent lived");
+    // A pid that is not its parent is refused at start, saying so.
+    let refused = command("kvrail")
+        .args([
+            "serve",
+            "--node",
+            "x",
+            "--insecure",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--socket")
+        .arg(dir.path().join("x.sock"))
+        .args(["--parent-pid", &pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("is not this process's parent"), "{err}");
     shell.kill().unwrap();
     shell.wait().unwrap();
     wait_until("the orphaned sidecar exits", || !running());

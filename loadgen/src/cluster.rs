@@ -106,6 +106,8 @@ pub struct LocalCluster {
     pub prefill: SidecarProcess,
     pub decode: SidecarProcess,
     pub dir: tempfile::TempDir,
+    /// Held while the run lives (see [`remove_stale_files`]).
+    _run_lock: Option<std::fs::File>,
 }
 
 /// Options every sidecar of the cluster gets.
@@ -200,8 +202,12 @@ impl LocalCluster {
     async fn start_at(opts: &ClusterOptions, at: Placement<'_>) -> anyhow::Result<LocalCluster> {
         // What a loadgen killed outright (SIGKILL, the OOM killer) left: its
         // sidecars are gone with it (`--parent-pid`), its files are not.
-        remove_stale_files(&kvrail_client::shm_dir(), SHM_FAMILY);
-        remove_stale_files(&std::env::temp_dir(), SHM_FAMILY);
+        let run_lock = lock_run();
+        remove_stale_files(
+            &[&kvrail_client::shm_dir(), &std::env::temp_dir()],
+            &kvrail_client::shm_dir(),
+            SHM_FAMILY,
+        );
         let dir = tempfile::Builder::new().prefix(&shm_prefix()).tempdir()?;
         let (exe, sub) = match &opts.kvrail_binary {
             Some(p) => (p.clone(), "serve"),
@@ -298,6 +304,7 @@ impl LocalCluster {
             prefill,
             decode,
             dir,
+            _run_lock: run_lock,
         };
         let mut cluster = cluster;
         cluster.wait_until_up().await?;
@@ -378,39 +385,87 @@ fn shm_prefix() -> String {
     format!("{SHM_FAMILY}{}-", std::process::id())
 }
 
-/// Removes the entries of `dir` named `{family}{pid}-...` that belong to this
-/// user and whose process is gone (best effort). A live process's, another
-/// user's, and any other name are left alone.
-pub fn remove_stale_files(dir: &std::path::Path, family: &str) {
+/// Takes this run's lock, `{family}{pid}-lock` in the shared-memory
+/// directory, held for the run's life: another loadgen's sweep, in any pid
+/// namespace that shares the directory, then leaves this run's files alone.
+/// `None` if the directory cannot hold it (the sweep then goes by `/proc`).
+fn lock_run() -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = kvrail_client::shm_dir().join(format!("{}lock", shm_prefix()));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .ok()?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).ok()?;
+    Some(file)
+}
+
+/// Whether the run of `pid` is gone, by its lock in `lock_dir` (free: gone;
+/// the lock is returned, to hold while its files go), else, for a run
+/// without one, by `/proc` (this pid namespace only).
+fn run_gone(lock_dir: &std::path::Path, family: &str, pid: u32) -> (bool, Option<std::fs::File>) {
+    let lock = lock_dir.join(format!("{family}{pid}-lock"));
+    match std::fs::OpenOptions::new().write(true).open(lock) {
+        Ok(file) => {
+            let free =
+                rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+                    .is_ok();
+            (free, free.then_some(file))
+        }
+        Err(_) => (
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            None,
+        ),
+    }
+}
+
+/// Removes the entries of `dirs` named `{family}{pid}-...` that belong to
+/// this user and whose run is gone (see [`run_gone`]; best effort). A live
+/// run's, another user's, and any other name are left alone; symbolic
+/// links are removed, never followed.
+pub fn remove_stale_files(dirs: &[&std::path::Path], lock_dir: &std::path::Path, family: &str) {
     use std::os::unix::fs::MetadataExt;
     let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
         return;
     };
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(family)) else {
+    let mut runs: std::collections::HashMap<u32, (bool, Option<std::fs::File>)> =
+        Default::default();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
         };
-        let Some(pid) = rest
-            .split_once('-')
-            .and_then(|(p, _)| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(meta) = e.path().symlink_metadata() else {
-            continue;
-        };
-        if meta.uid() != me || std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(family)) else {
+                continue;
+            };
+            let Some(pid) = rest
+                .split_once('-')
+                .and_then(|(p, _)| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(meta) = e.path().symlink_metadata() else {
+                continue;
+            };
+            if meta.uid() != me || pid == std::process::id() {
+                continue;
+            }
+            let (gone, _) = runs
+                .entry(pid)
+                .or_insert_with(|| run_gone(lock_dir, family, pid));
+            if !*gone {
+                continue;
+            }
+            let _ = if meta.is_dir() {
+                std::fs::remove_dir_all(e.path())
+            } else {
+                std::fs::remove_file(e.path())
+            };
         }
-        let _ = if meta.is_dir() {
-            std::fs::remove_dir_all(e.path())
-        } else {
-            std::fs::remove_file(e.path())
-        };
     }
 }
 
@@ -439,28 +494,59 @@ pub fn remove_shm_files(prefix: &str) {
 mod tests {
     use super::*;
 
-    /// Files and folders of a process that is gone go; a live process's, and
-    /// names outside the family or without a process id, stay.
+    /// Files and folders of a run that is gone go (its lock free, or no
+    /// lock and no process); a run holding its lock keeps its files even
+    /// when its pid is not seen here (another pid namespace); names outside
+    /// the family or without a process id stay.
     #[test]
     fn stale_files_of_a_dead_run_are_removed_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let me = std::process::id();
+        let dead_pid = || {
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            let pid = child.id();
+            child.wait().unwrap();
+            pid
+        };
+        let (dead, unlocked, held) = (dead_pid(), dead_pid(), dead_pid());
         let path = |name: String| dir.path().join(name);
         let dead_file = path(format!("{SHM_FAMILY}{dead}-p0"));
         let dead_dir = path(format!("{SHM_FAMILY}{dead}-tmp"));
-        let live_file = path(format!("{SHM_FAMILY}{me}-p0"));
+        let unlocked_file = path(format!("{SHM_FAMILY}{unlocked}-p0"));
+        let unlocked_lock = path(format!("{SHM_FAMILY}{unlocked}-lock"));
+        let held_file = path(format!("{SHM_FAMILY}{held}-p0"));
+        let held_lock = path(format!("{SHM_FAMILY}{held}-lock"));
         let no_pid = path(format!("{SHM_FAMILY}x{dead}-p0"));
         let other = path(format!("kvrail-test-{dead}-p0"));
-        for f in [&dead_file, &live_file, &no_pid, &other] {
+        for f in [
+            &dead_file,
+            &unlocked_file,
+            &unlocked_lock,
+            &held_file,
+            &held_lock,
+            &no_pid,
+            &other,
+        ] {
             std::fs::write(f, b"kv").unwrap();
         }
         std::fs::create_dir(&dead_dir).unwrap();
         std::fs::write(dead_dir.join("prefill.log"), b"log").unwrap();
-        remove_stale_files(dir.path(), SHM_FAMILY);
-        assert!(!dead_file.exists() && !dead_dir.exists());
-        assert!(live_file.exists() && no_pid.exists() && other.exists());
+        // A live run elsewhere holds its lock (its pid means nothing here).
+        let holder = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&held_lock)
+            .unwrap();
+        rustix::fs::flock(
+            &holder,
+            rustix::fs::FlockOperation::NonBlockingLockExclusive,
+        )
+        .unwrap();
+        remove_stale_files(&[dir.path()], dir.path(), SHM_FAMILY);
+        for gone in [&dead_file, &dead_dir, &unlocked_file, &unlocked_lock] {
+            assert!(!gone.exists(), "{} stayed", gone.display());
+        }
+        for kept in [&held_file, &held_lock, &no_pid, &other] {
+            assert!(kept.exists(), "{} was removed", kept.display());
+        }
+        drop(holder);
     }
 }

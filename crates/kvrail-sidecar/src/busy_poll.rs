@@ -26,9 +26,11 @@
 //!
 //! The same accounting tells connection readers whether to spin for their
 //! next frame (`reader_spin_us`, see `link::reader`): only while traffic is
-//! not bulk.
+//! not bulk, and at most a quarter of the CPUs' worth of readers at once
+//! (many connections with sparse small frames would otherwise keep every
+//! runtime worker spinning).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,6 +51,9 @@ pub struct BusyPoll {
     runtime_spin: bool,
     /// How long a reader spins for its next frame while traffic is not bulk.
     reader_spin: Duration,
+    /// Readers spinning now, and how many may at once.
+    readers_spinning: AtomicUsize,
+    max_readers_spinning: usize,
     epoch: Instant,
     /// Microseconds since `epoch` of the last traffic.
     last_us: AtomicU64,
@@ -76,6 +81,10 @@ impl BusyPoll {
             window,
             runtime_spin: !runtime_window.is_zero(),
             reader_spin,
+            readers_spinning: AtomicUsize::new(0),
+            max_readers_spinning: max_readers_spinning(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
             epoch: Instant::now(),
             last_us: AtomicU64::new(0),
             window_start_us: AtomicU64::new(0),
@@ -96,11 +105,28 @@ impl BusyPoll {
         self.runtime_spin && self.enabled()
     }
 
-    /// How long a reader that has nothing left to read may spin for its next
-    /// frame: `None` when off, or while traffic is bulk (a reader is then
+    /// Whether a reader that has nothing left to read may spin for its next
+    /// frame now: not when off, nor while traffic is bulk (a reader is then
     /// seldom idle for long, and a spinning one takes CPU from the copies).
-    pub fn reader_spin(&self) -> Option<Duration> {
-        (!self.reader_spin.is_zero() && !self.bulk()).then_some(self.reader_spin)
+    pub fn reader_spin_on(&self) -> bool {
+        !self.reader_spin.is_zero() && !self.bulk()
+    }
+
+    /// Leave for one reader to spin (while the ticket lives), unless off,
+    /// bulk, or as many readers spin already as may.
+    pub fn reader_spin(self: &Arc<Self>) -> Option<ReaderSpin> {
+        if !self.reader_spin_on() {
+            return None;
+        }
+        self.readers_spinning
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_readers_spinning).then_some(n + 1)
+            })
+            .ok()?;
+        Some(ReaderSpin {
+            poll: self.clone(),
+            length: self.reader_spin,
+        })
     }
 
     fn now_us(&self) -> u64 {
@@ -183,6 +209,24 @@ impl BusyPoll {
     }
 }
 
+/// Readers that may spin at once with `cpus` CPUs: a quarter, at least one.
+fn max_readers_spinning(cpus: usize) -> usize {
+    (cpus / 4).max(1)
+}
+
+/// One reader's leave to spin, for [`ReaderSpin::length`] at most.
+#[derive(Debug)]
+pub struct ReaderSpin {
+    poll: Arc<BusyPoll>,
+    pub length: Duration,
+}
+
+impl Drop for ReaderSpin {
+    fn drop(&mut self) {
+        self.poll.readers_spinning.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,7 +294,7 @@ mod tests {
         let poll = BusyPoll::new(Duration::ZERO, Duration::ZERO);
         poll.touch(0);
         assert!(!poll.enabled());
-        assert!(poll.reader_spin().is_none());
+        assert!(!poll.reader_spin_on());
         // Returns at once instead of looping.
         tokio::time::timeout(Duration::from_secs(10), poll.run())
             .await
@@ -267,12 +311,27 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), poll.clone().run())
             .await
             .expect("the runtime spinner ran");
-        assert_eq!(poll.reader_spin(), Some(spin));
+        assert_eq!(poll.reader_spin().map(|t| t.length), Some(spin));
         let now = poll.now_us();
         poll.touch_at(now, BULK_BYTES);
-        assert_eq!(poll.reader_spin(), None, "bulk traffic: no reader spin");
+        assert!(poll.reader_spin().is_none(), "bulk traffic: no reader spin");
         // Two quiet windows later small traffic spins again.
         poll.touch_at(now + 3000, 4096);
-        assert_eq!(poll.reader_spin(), Some(spin));
+        assert!(poll.reader_spin_on());
+        // At most the cap at once; a ticket dropped makes room.
+        let tickets: Vec<ReaderSpin> = std::iter::from_fn(|| poll.reader_spin())
+            .take(1000)
+            .collect();
+        assert_eq!(tickets.len(), poll.max_readers_spinning);
+        drop(tickets);
+        assert!(poll.reader_spin().is_some());
+    }
+
+    #[test]
+    fn a_quarter_of_the_cpus_may_spin_readers_at_once() {
+        assert_eq!(max_readers_spinning(1), 1);
+        assert_eq!(max_readers_spinning(4), 1);
+        assert_eq!(max_readers_spinning(16), 4);
+        assert_eq!(max_readers_spinning(64), 16);
     }
 }

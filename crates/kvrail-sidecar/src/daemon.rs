@@ -958,7 +958,11 @@ impl LinkEnv for Shared {
         self.busy_poll.enabled()
     }
 
-    fn reader_spin(&self) -> Option<Duration> {
+    fn reader_spin_on(&self) -> bool {
+        self.busy_poll.reader_spin_on()
+    }
+
+    fn reader_spin(&self) -> Option<crate::busy_poll::ReaderSpin> {
         self.busy_poll.reader_spin()
     }
 

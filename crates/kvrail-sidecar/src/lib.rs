@@ -279,6 +279,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let profile = profile::start_from_env();
     trace_points::start_from_env();
     let config = args.to_config()?;
+    if let Some(pid) = args.parent_pid {
+        let parent = std::os::unix::process::parent_id();
+        if parent != pid {
+            anyhow::bail!(
+                "--parent-pid {pid} is not this process's parent ({parent}): it has exited, \
+                 or a wrapper that forks started this one"
+            );
+        }
+    }
     let daemon = Daemon::start(config).await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

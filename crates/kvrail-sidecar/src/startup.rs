@@ -186,7 +186,13 @@ struct PendingHandshake {
     /// Its first frame arrived (until then, aborting it loses nothing).
     spoke: Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::AbortHandle,
+    accepted: std::time::Instant,
+    from: SocketAddr,
 }
+
+/// A handshake that has spoken may be dropped for a newcomer once it has run
+/// this long: real ones take a round trip and a signature (milliseconds).
+const STALLED_HANDSHAKE_AGE: Duration = Duration::from_millis(250);
 
 async fn accept_loop(
     shared: Arc<Shared>,
@@ -196,12 +202,13 @@ async fn accept_loop(
     // Handshakes in progress at once, per listener: each holds at most one
     // bounded handshake frame, so pre-authentication memory is bounded too.
     // When all are taken, the oldest that has not sent a frame yet makes
-    // room, else the oldest of all (a hello with a copy of a peer's public
-    // certificate, then no proof, holds a slot until the handshake's
-    // deadline): connections that only sit there (anyone who reaches the
-    // port can open them) cannot lock real peers out, whose handshakes take
-    // milliseconds; to push one out, a flood would have to fill every slot
-    // within those milliseconds.
+    // room, else the oldest of all once it has run for
+    // STALLED_HANDSHAKE_AGE (a hello with a copy of a peer's public
+    // certificate, then no proof, would hold a slot until the handshake's
+    // deadline), else the newcomer is closed: connections that only sit
+    // there (anyone who reaches the port can open them) cannot lock real
+    // peers out, and a burst of real handshakes (a reconnect storm) does not
+    // push out the ones about to finish.
     let mut pending: std::collections::VecDeque<PendingHandshake> = Default::default();
     loop {
         match listener.accept().await {
@@ -211,15 +218,31 @@ async fn accept_loop(
                     let silent = pending
                         .iter()
                         .position(|p| !p.spoke.load(std::sync::atomic::Ordering::Acquire));
-                    let (oldest, reason) = match silent {
-                        Some(i) => (i, "silent_evicted"),
-                        None => (0, "stalled_evicted"),
+                    let stalled = pending
+                        .front()
+                        .is_some_and(|p| p.accepted.elapsed() >= STALLED_HANDSHAKE_AGE);
+                    let evict = match (silent, stalled) {
+                        (Some(i), _) => Some((i, "silent_evicted")),
+                        (None, true) => Some((0, "stalled_evicted")),
+                        (None, false) => None,
                     };
-                    if let Some(evicted) = pending.remove(oldest) {
-                        evicted.task.abort();
-                        metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => reason).increment(1);
-                        if let Some(suppressed) = shared.refusal_log.admit() {
-                            warn!(%from, suppressed, reason, "{MAX_CONCURRENT_HANDSHAKES} peer handshakes in progress: the oldest was dropped to make room");
+                    match evict.and_then(|(i, reason)| Some((pending.remove(i)?, reason))) {
+                        Some((evicted, reason)) => {
+                            evicted.task.abort();
+                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => reason)
+                                .increment(1);
+                            if let Some(suppressed) = shared.refusal_log.admit() {
+                                warn!(from = %evicted.from, suppressed, reason, "{MAX_CONCURRENT_HANDSHAKES} peer handshakes in progress: the oldest was dropped to make room");
+                            }
+                        }
+                        None => {
+                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
+                                .increment(1);
+                            if let Some(suppressed) = shared.refusal_log.admit() {
+                                warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
+                            }
+                            drop(conn);
+                            continue;
                         }
                     }
                 }
@@ -232,6 +255,8 @@ async fn accept_loop(
                 pending.push_back(PendingHandshake {
                     spoke,
                     task: task.abort_handle(),
+                    accepted: std::time::Instant::now(),
+                    from,
                 });
             }
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {

@@ -132,11 +132,17 @@ pub trait FrameReader: Send {
     fn input_pending(&mut self) -> bool {
         true
     }
-    /// Polls the connection for input without sleeping until `until`: true
-    /// when input (or the connection's end or error, reported by the next
-    /// read) arrived, false when the time passed or the transport cannot
-    /// (the caller then waits as usual). It keeps a CPU busy, to spare a
-    /// caller expecting a reply within microseconds its wake-up from `epoll`.
+    /// Whether [`FrameReader::spin_for_input`] can poll this connection.
+    fn can_spin(&self) -> bool {
+        false
+    }
+    /// Polls the connection for input without sleeping until `until`, for a
+    /// caller that has none at hand: true when input (or the connection's
+    /// end or error, reported by the next read) arrived after the spin found
+    /// the connection empty, false when it was not empty to begin with, the
+    /// time passed, or the transport cannot (the caller then reads or waits
+    /// as usual). It keeps a CPU busy, to spare a caller expecting a reply
+    /// within microseconds its wake-up from `epoll`.
     fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
         let _ = until;
         false

@@ -10,7 +10,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -236,38 +235,41 @@ impl FrameReader for TcpFrameReader {
         }
     }
 
-    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
-        if self.start < self.end || self.met.is_some() {
-            return true;
-        }
+    fn can_spin(&self) -> bool {
         // Bytes go into the read-ahead, which only the SIGBUS guard provides.
-        if self.ahead.is_empty() {
+        !self.ahead.is_empty()
+    }
+
+    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
+        if self.start < self.end || self.met.is_some() || !self.can_spin() {
             return false;
         }
         // A `recv` of our own: tokio's reads skip the system call until its
         // driver has seen the socket readable, which is the wake-up this
         // spin is for. The socket is non-blocking (tokio made it so).
         let socket = socket2::SockRef::from(self.inner.as_ref());
+        let mut waited = false;
         loop {
             match (&*socket).read(&mut self.ahead) {
                 Ok(0) => {
                     self.met = Some(io::ErrorKind::UnexpectedEof.into());
-                    return true;
+                    return waited;
                 }
                 Ok(n) => {
                     (self.start, self.end) = (0, n);
-                    return true;
+                    return waited;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if std::time::Instant::now() >= until {
                         return false;
                     }
+                    waited = true;
                     std::hint::spin_loop();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     self.met = Some(e);
-                    return true;
+                    return waited;
                 }
             }
         }
@@ -514,12 +516,14 @@ mod tests {
     /// A spin for input gives up at its deadline when nothing comes; takes a
     /// frame written while it spins (by its own `recv`: this test's runtime
     /// never polls its I/O driver during the spin), which then reads whole;
-    /// and returns when the peer closes, the next read reporting the end.
-    /// Without read-ahead there is nowhere to put bytes: it never spins.
+    /// does not spin with input at hand; and returns when the peer closes,
+    /// the next read reporting the end. Without read-ahead there is nowhere
+    /// to put bytes: it never spins.
     #[tokio::test]
     async fn a_spin_for_input_takes_a_frame_or_the_end_and_gives_up_in_time() {
         use std::time::{Duration, Instant};
         let (mut reader, _keep, client) = loopback_reader(READ_AHEAD_BYTES).await;
+        assert!(reader.can_spin());
         let started = Instant::now();
         assert!(!reader.spin_for_input(started + Duration::from_millis(2)));
         assert!(started.elapsed() >= Duration::from_millis(2));
@@ -527,12 +531,20 @@ mod tests {
         client.set_nonblocking(false).unwrap();
         let msg = wire::message(Body::Complete(wire::pb::Complete { transfer_id: 7 }));
         let bytes = wire::encode_control(&msg);
+        let (go, wait) = std::sync::mpsc::channel::<()>();
         let writer = std::thread::spawn(move || {
+            wait.recv().unwrap();
             std::io::Write::write_all(&mut client, &bytes).unwrap();
             client
         });
         let far = || Instant::now() + Duration::from_secs(60);
-        assert!(reader.spin_for_input(far()), "the frame never came");
+        go.send(()).unwrap();
+        // True when the frame came after the spin began (almost always:
+        // the writer thread must wake first); in either case it is taken.
+        let _ = reader.spin_for_input(far());
+        assert!(reader.start < reader.end, "the spin did not take the frame");
+        // Input at hand: no spin.
+        assert!(!reader.spin_for_input(far()));
         let client = writer.join().unwrap();
         match read_frame(&mut reader).await.unwrap() {
             Frame::Control(Body::Complete(c)) => assert_eq!(c.transfer_id, 7),
@@ -540,13 +552,14 @@ mod tests {
         }
         assert!(!reader.input_pending());
         drop(client);
-        assert!(reader.spin_for_input(far()), "the close never came");
-        assert!(reader.input_pending());
+        let _ = reader.spin_for_input(far());
+        assert!(reader.input_pending(), "the close was not seen");
         match read_frame(&mut reader).await {
             Err(TransportError::Io(e)) => assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof),
             other => panic!("{other:?}"),
         }
         let (mut bare, _keep, _client) = loopback_reader(0).await;
+        assert!(!bare.can_spin());
         assert!(!bare.spin_for_input(far()));
     }
 

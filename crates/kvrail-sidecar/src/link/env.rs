@@ -32,9 +32,11 @@ pub trait LinkEnv: Send + Sync + 'static {
     /// Whether `on_traffic` does anything (the runtime's busy poll or the
     /// readers' spin is on).
     fn counts_traffic(&self) -> bool;
-    /// How long a reader with nothing left to read may poll its socket for
-    /// the next frame before it sleeps (`None`: not now).
-    fn reader_spin(&self) -> Option<std::time::Duration>;
+    /// Whether a reader with nothing left to read may poll its socket for
+    /// the next frame before it sleeps (cheap: asked per frame).
+    fn reader_spin_on(&self) -> bool;
+    /// Leave to do so, and for how long (`None`: not now).
+    fn reader_spin(&self) -> Option<crate::busy_poll::ReaderSpin>;
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).

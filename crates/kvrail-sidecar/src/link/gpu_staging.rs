@@ -159,12 +159,15 @@ pub(super) async fn receive_staged(
     reader: &mut dyn FrameReader,
 ) -> Result<(), TransportError> {
     let len = payload_len as usize;
-    // Waits while received slices hold the device's share of staging memory.
-    let Ok(in_flight) = g
-        .device
-        .receive_staging
+    // Waits while received slices hold the device's share of staging memory,
+    // counted by the pinned buffer each takes (the pool's size, or the
+    // slice's if larger).
+    let staging = &g.device.receive_staging;
+    let Ok(mut in_flight) = staging
         .clone()
-        .acquire_many_owned(gpu::receive_staging_permits(len))
+        .acquire_many_owned(gpu::receive_staging_permits(
+            len.max(g.device.pool.buffer_bytes()),
+        ))
         .await
     else {
         // Never closed; were it, the slice is refused like a failed copy.
@@ -189,6 +192,24 @@ pub(super) async fn receive_staged(
             return Ok(());
         }
     };
+    let need = gpu::receive_staging_permits(buffer.len());
+    if need > in_flight.num_permits() as u32 {
+        // The pool grew meanwhile (another peer's larger slice): count the
+        // buffer as it is. All permits are given back before waiting, so two
+        // readers never each hold a part and wait for the rest.
+        drop(in_flight);
+        in_flight = match staging.clone().acquire_many_owned(need).await {
+            Ok(p) => p,
+            Err(_) => {
+                g.device.pool.give(buffer);
+                reader.discard(u64::from(payload_len)).await?;
+                link.with_session(|s, now| {
+                    s.placement_failed(conn, header, "GPU staging is shut down", now)
+                });
+                return Ok(());
+            }
+        };
+    }
     let reading = crate::trace_points::Stopwatch::start();
     let read = reader
         .read_payload(&mut [std::io::IoSliceMut::new(&mut buffer.as_mut_slice()[..len])])

@@ -156,24 +156,23 @@ async fn read_loop(
         let Some(env) = link.env.upgrade() else {
             return Ok(());
         };
-        if !held.is_empty() && !reader.input_pending() {
+        let may_spin = reader.can_spin() && env.reader_spin_on();
+        if (!held.is_empty() || may_spin) && !reader.input_pending() {
             // Nothing at hand: the session hears of what is held before this
             // reader waits for the peer.
             held.settle(true);
-        }
-        let frame = {
-            if held.is_empty() {
-                // The reply to what was just settled may be microseconds
-                // away: poll for it rather than sleep. A yield first, so that
-                // a task this one woke (kept in this worker's slot, which
-                // others do not steal) runs before the spin, not after it.
-                if let Some(spin) = env.reader_spin() {
-                    tokio::task::yield_now().await;
-                    if reader.spin_for_input(std::time::Instant::now() + spin) {
-                        counters.reader_spin_frames.increment(1);
-                    }
+            // The reply to what was just settled may be microseconds away:
+            // poll for it rather than sleep. A yield first, so that a task
+            // this one woke (kept in this worker's slot, which others do not
+            // steal) runs before the spin, not after it.
+            if let Some(spin) = may_spin.then(|| env.reader_spin()).flatten() {
+                tokio::task::yield_now().await;
+                if reader.spin_for_input(std::time::Instant::now() + spin.length) {
+                    counters.reader_spin_frames.increment(1);
                 }
             }
+        }
+        let frame = {
             let mut next = std::pin::pin!(read_frame(reader));
             if held.is_empty() {
                 next.await?
