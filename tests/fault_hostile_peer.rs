@@ -180,11 +180,19 @@ async fn idle_connections_holding_every_handshake_slot_do_not_lock_peers_out() {
     // Every idle connection is accepted (and holds a slot, or was evicted)
     // before the peer dials: the daemon has answered a call since.
     d.list_peers().await.unwrap();
-    let (_sock, reply) = raw_peer::hello(addr, "prefill", 55);
-    assert!(
-        matches!(reply, Some(Body::HelloAck(_))),
-        "the peer's handshake was refused: {reply:?}"
-    );
+    // Idle connections younger than 20 ms are not dropped yet: a peer whose
+    // dial is closed dials again, as peers do, well within the handshake
+    // deadline (5 s) that would free the slots anyway.
+    let dialing = Instant::now();
+    loop {
+        match raw_peer::hello(addr, "prefill", 55) {
+            (_, Some(Body::HelloAck(_))) => break,
+            (_, None) if dialing.elapsed() < Duration::from_secs(3) => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (_, reply) => panic!("the peer's handshake was refused: {reply:?}"),
+        }
+    }
     drop(idle);
 }
 
@@ -367,6 +375,7 @@ async fn handshakes_stalled_after_the_hello_do_not_lock_peers_out() {
     };
     // Every slot held by a hello the acceptor answered and now awaits the
     // proof of, which never comes.
+    let first_stalled = Instant::now();
     let mut stalled: Vec<TcpStream> = (0..64u64)
         .map(|i| match raw_peer::hello_as(connect(), hello(1000 + i)) {
             (s, Some(Body::HelloAck(_))) => s,
@@ -374,11 +383,14 @@ async fn handshakes_stalled_after_the_hello_do_not_lock_peers_out() {
         })
         .collect();
     let stalled_since = Instant::now();
+    let young = stalled_since.duration_since(first_stalled) < Duration::from_millis(200);
+    let mut refused = 0;
     let _peer = loop {
         match raw_peer::hello_as(connect(), hello(1)) {
             (sock, Some(Body::HelloAck(_))) => break sock,
             (_, None) => {
                 // Closed at once: every slot is young yet. Dial again.
+                refused += 1;
                 assert!(
                     stalled_since.elapsed() < Duration::from_secs(4),
                     "the stalled handshakes kept a peer out"
@@ -388,6 +400,11 @@ async fn handshakes_stalled_after_the_hello_do_not_lock_peers_out() {
             (_, other) => panic!("a peer's hello got {other:?}"),
         }
     };
+    // Handshakes under 250 ms old are not pushed out (a burst of real ones
+    // finishes): a dial while all were young was closed instead.
+    if young {
+        assert!(refused >= 1, "a young handshake was pushed out");
+    }
     // The oldest stalled handshake made room: its connection is closed.
     let mut b = [0u8; 1];
     let read = stalled[0].read(&mut b);

@@ -106,6 +106,8 @@ pub struct LocalCluster {
     pub prefill: SidecarProcess,
     pub decode: SidecarProcess,
     pub dir: tempfile::TempDir,
+    /// Names of this run's files start with it (see [`SHM_FAMILY`]).
+    prefix: String,
     /// Held while the run lives (see [`remove_stale_files`]).
     _run_lock: Option<std::fs::File>,
 }
@@ -202,13 +204,17 @@ impl LocalCluster {
     async fn start_at(opts: &ClusterOptions, at: Placement<'_>) -> anyhow::Result<LocalCluster> {
         // What a loadgen killed outright (SIGKILL, the OOM killer) left: its
         // sidecars are gone with it (`--parent-pid`), its files are not.
-        let run_lock = lock_run();
+        let prefix = new_run_prefix();
+        let run_lock = lock_run(&prefix);
+        if run_lock.is_none() {
+            eprintln!("loadgen: cannot lock {prefix}lock in the shared-memory directory: a loadgen sweeping from another pid namespace may take this run's files");
+        }
         remove_stale_files(
             &[&kvrail_client::shm_dir(), &std::env::temp_dir()],
             &kvrail_client::shm_dir(),
             SHM_FAMILY,
         );
-        let dir = tempfile::Builder::new().prefix(&shm_prefix()).tempdir()?;
+        let dir = tempfile::Builder::new().prefix(&prefix).tempdir()?;
         let (exe, sub) = match &opts.kvrail_binary {
             Some(p) => (p.clone(), "serve"),
             None => (std::env::current_exe()?, "sidecar"),
@@ -304,6 +310,7 @@ impl LocalCluster {
             prefill,
             decode,
             dir,
+            prefix,
             _run_lock: run_lock,
         };
         let mut cluster = cluster;
@@ -373,65 +380,108 @@ impl LocalCluster {
     /// A path for a shared-memory file (under /dev/shm when it exists).
     pub fn shm_path(&self, name: &str) -> PathBuf {
         let dir = kvrail_client::shm_dir();
-        dir.join(format!("{}{name}", shm_prefix()))
+        dir.join(format!("{}{name}", self.prefix))
     }
 }
 
-/// Names of this run's files start with the family, loadgen's process id and
-/// a dash.
+/// Names of a run's files: the family, the run's id (loadgen's process id,
+/// a dot and a random token: pids repeat across pid namespaces that share a
+/// directory, and within one as they are reused), a dash.
 const SHM_FAMILY: &str = "kvrail-loadgen-";
 
-fn shm_prefix() -> String {
-    format!("{SHM_FAMILY}{}-", std::process::id())
+fn new_run_prefix() -> String {
+    format!(
+        "{SHM_FAMILY}{}.{:08x}-",
+        std::process::id(),
+        rand::random::<u32>()
+    )
 }
 
-/// Takes this run's lock, `{family}{pid}-lock` in the shared-memory
-/// directory, held for the run's life: another loadgen's sweep, in any pid
-/// namespace that shares the directory, then leaves this run's files alone.
-/// `None` if the directory cannot hold it (the sweep then goes by `/proc`).
-fn lock_run() -> Option<std::fs::File> {
+/// Flags to open a lock file with: never through a link, never blocking (a
+/// FIFO planted under the name), not inherited by the sidecars.
+fn lock_open_flags() -> i32 {
+    use rustix::fs::OFlags;
+    (OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC).bits() as i32
+}
+
+/// Whether `file` is still what `path` names (a sweeper may have removed
+/// the lock file between our open and our lock).
+fn still_named(file: &std::fs::File, path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Takes this run's lock, `{prefix}lock` in the shared-memory directory,
+/// held for the run's life: another loadgen's sweep, in any pid namespace
+/// that shares the directory, then leaves this run's files alone. `None`
+/// if the directory cannot hold it (a sweep then goes by `/proc`).
+fn lock_run(prefix: &str) -> Option<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let path = kvrail_client::shm_dir().join(format!("{}lock", shm_prefix()));
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(path)
-        .ok()?;
-    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).ok()?;
-    Some(file)
+    let path = kvrail_client::shm_dir().join(format!("{prefix}lock"));
+    // A sweeper that took the file for a dead run's removes it: open anew.
+    for _ in 0..3 {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(lock_open_flags())
+            .open(&path)
+            .ok()?;
+        let locked =
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok();
+        if locked && still_named(&file, &path) {
+            return Some(file);
+        }
+    }
+    None
 }
 
-/// Whether the run of `pid` is gone, by its lock in `lock_dir` (free: gone;
-/// the lock is returned, to hold while its files go), else, for a run
-/// without one, by `/proc` (this pid namespace only).
-fn run_gone(lock_dir: &std::path::Path, family: &str, pid: u32) -> (bool, Option<std::fs::File>) {
-    let lock = lock_dir.join(format!("{family}{pid}-lock"));
-    match std::fs::OpenOptions::new().write(true).open(lock) {
-        Ok(file) => {
+/// Whether run `run` (process `pid`) is gone: by its lock `{family}{run}-lock`
+/// in `lock_dir`, a regular file of this user's (free: gone; returned, to
+/// hold while the run's files go), else by `/proc` (this pid namespace only).
+fn run_gone(
+    lock_dir: &std::path::Path,
+    family: &str,
+    run: &str,
+    pid: u32,
+    me: u32,
+) -> (bool, Option<std::fs::File>) {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let lock = lock_dir.join(format!("{family}{run}-lock"));
+    let opened = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(lock_open_flags())
+        .open(&lock);
+    match opened {
+        Ok(file) if file.metadata().is_ok_and(|m| m.is_file() && m.uid() == me) => {
             let free =
                 rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-                    .is_ok();
+                    .is_ok()
+                    && still_named(&file, &lock);
             (free, free.then_some(file))
         }
-        Err(_) => (
+        _ => (
             !std::path::Path::new(&format!("/proc/{pid}")).exists(),
             None,
         ),
     }
 }
 
-/// Removes the entries of `dirs` named `{family}{pid}-...` that belong to
-/// this user and whose run is gone (see [`run_gone`]; best effort). A live
-/// run's, another user's, and any other name are left alone; symbolic
+/// Removes the entries of `dirs` named `{family}{run}-...` (`run`: a
+/// process id, optionally `.` and a hex token) that belong to this user and
+/// whose run is gone (see [`run_gone`]; best effort). A live run's, this
+/// process's, another user's, and any other name are left alone; symbolic
 /// links are removed, never followed.
 pub fn remove_stale_files(dirs: &[&std::path::Path], lock_dir: &std::path::Path, family: &str) {
     use std::os::unix::fs::MetadataExt;
     let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
         return;
     };
-    let mut runs: std::collections::HashMap<u32, (bool, Option<std::fs::File>)> =
+    let mut runs: std::collections::HashMap<String, (bool, Option<std::fs::File>)> =
         Default::default();
     for dir in dirs {
         let Ok(entries) = std::fs::read_dir(dir) else {
@@ -442,12 +492,16 @@ pub fn remove_stale_files(dirs: &[&std::path::Path], lock_dir: &std::path::Path,
             let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(family)) else {
                 continue;
             };
-            let Some(pid) = rest
-                .split_once('-')
-                .and_then(|(p, _)| p.parse::<u32>().ok())
-            else {
+            let Some((run, _)) = rest.split_once('-') else {
                 continue;
             };
+            let (pid, token) = run.split_once('.').unwrap_or((run, ""));
+            let Ok(pid) = pid.parse::<u32>() else {
+                continue;
+            };
+            if !token.chars().all(|c| c.is_ascii_hexdigit()) {
+                continue;
+            }
             let Ok(meta) = e.path().symlink_metadata() else {
                 continue;
             };
@@ -455,8 +509,8 @@ pub fn remove_stale_files(dirs: &[&std::path::Path], lock_dir: &std::path::Path,
                 continue;
             }
             let (gone, _) = runs
-                .entry(pid)
-                .or_insert_with(|| run_gone(lock_dir, family, pid));
+                .entry(run.to_string())
+                .or_insert_with(|| run_gone(lock_dir, family, run, pid, me));
             if !*gone {
                 continue;
             }
@@ -473,7 +527,7 @@ impl Drop for LocalCluster {
     /// Removes the shared-memory files made for this run, also when it ends
     /// early (an error, Ctrl-C): each holds memory until removed.
     fn drop(&mut self) {
-        remove_shm_files(&shm_prefix());
+        remove_shm_files(&self.prefix);
     }
 }
 
@@ -496,8 +550,9 @@ mod tests {
 
     /// Files and folders of a run that is gone go (its lock free, or no
     /// lock and no process); a run holding its lock keeps its files even
-    /// when its pid is not seen here (another pid namespace); names outside
-    /// the family or without a process id stay.
+    /// when its pid is not seen here (another pid namespace); a FIFO planted
+    /// as a lock does not hang the sweep; names outside the family, without
+    /// a process id, or of this process stay.
     #[test]
     fn stale_files_of_a_dead_run_are_removed_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
@@ -507,15 +562,20 @@ mod tests {
             child.wait().unwrap();
             pid
         };
-        let (dead, unlocked, held) = (dead_pid(), dead_pid(), dead_pid());
+        let (dead, unlocked, held, fifo) = (dead_pid(), dead_pid(), dead_pid(), dead_pid());
+        let me = std::process::id();
         let path = |name: String| dir.path().join(name);
         let dead_file = path(format!("{SHM_FAMILY}{dead}-p0"));
-        let dead_dir = path(format!("{SHM_FAMILY}{dead}-tmp"));
-        let unlocked_file = path(format!("{SHM_FAMILY}{unlocked}-p0"));
-        let unlocked_lock = path(format!("{SHM_FAMILY}{unlocked}-lock"));
-        let held_file = path(format!("{SHM_FAMILY}{held}-p0"));
-        let held_lock = path(format!("{SHM_FAMILY}{held}-lock"));
+        let dead_dir = path(format!("{SHM_FAMILY}{dead}.0badf00d-tmp"));
+        let unlocked_file = path(format!("{SHM_FAMILY}{unlocked}.00000001-p0"));
+        let unlocked_lock = path(format!("{SHM_FAMILY}{unlocked}.00000001-lock"));
+        let held_file = path(format!("{SHM_FAMILY}{held}.00000002-p0"));
+        let held_lock = path(format!("{SHM_FAMILY}{held}.00000002-lock"));
+        let fifo_file = path(format!("{SHM_FAMILY}{fifo}.00000003-p0"));
+        let fifo_lock = path(format!("{SHM_FAMILY}{fifo}.00000003-lock"));
+        let mine = path(format!("{SHM_FAMILY}{me}.00000004-p0"));
         let no_pid = path(format!("{SHM_FAMILY}x{dead}-p0"));
+        let bad_token = path(format!("{SHM_FAMILY}{dead}.zz-p0"));
         let other = path(format!("kvrail-test-{dead}-p0"));
         for f in [
             &dead_file,
@@ -523,13 +583,21 @@ mod tests {
             &unlocked_lock,
             &held_file,
             &held_lock,
+            &fifo_file,
+            &mine,
             &no_pid,
+            &bad_token,
             &other,
         ] {
             std::fs::write(f, b"kv").unwrap();
         }
         std::fs::create_dir(&dead_dir).unwrap();
         std::fs::write(dead_dir.join("prefill.log"), b"log").unwrap();
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&fifo_lock)
+            .status()
+            .unwrap()
+            .success());
         // A live run elsewhere holds its lock (its pid means nothing here).
         let holder = std::fs::OpenOptions::new()
             .write(true)
@@ -541,12 +609,35 @@ mod tests {
         )
         .unwrap();
         remove_stale_files(&[dir.path()], dir.path(), SHM_FAMILY);
-        for gone in [&dead_file, &dead_dir, &unlocked_file, &unlocked_lock] {
+        for gone in [
+            &dead_file,
+            &dead_dir,
+            &unlocked_file,
+            &unlocked_lock,
+            &fifo_file,
+        ] {
             assert!(!gone.exists(), "{} stayed", gone.display());
         }
-        for kept in [&held_file, &held_lock, &no_pid, &other] {
+        for kept in [&held_file, &held_lock, &mine, &no_pid, &bad_token, &other] {
             assert!(kept.exists(), "{} was removed", kept.display());
         }
         drop(holder);
+    }
+
+    /// A run's prefix carries a token, and its lock is taken and held.
+    #[test]
+    fn each_run_locks_a_name_of_its_own() {
+        let (a, b) = (new_run_prefix(), new_run_prefix());
+        assert_ne!(a, b);
+        let lock = lock_run(&a).expect("lock");
+        let path = kvrail_client::shm_dir().join(format!("{a}lock"));
+        let again = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        assert!(
+            rustix::fs::flock(&again, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+                .is_err(),
+            "the run's lock is not held"
+        );
+        remove_shm_files(&a);
+        drop(lock);
     }
 }

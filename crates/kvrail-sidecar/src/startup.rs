@@ -194,6 +194,11 @@ struct PendingHandshake {
 /// this long: real ones take a round trip and a signature (milliseconds).
 const STALLED_HANDSHAKE_AGE: Duration = Duration::from_millis(250);
 
+/// A connection that has not spoken yet may be dropped for a newcomer once
+/// it has had this long to: a real peer's hello follows its connect at once,
+/// but it is read only when its task runs.
+const SILENT_HANDSHAKE_AGE: Duration = Duration::from_millis(20);
+
 async fn accept_loop(
     shared: Arc<Shared>,
     transport: &'static str,
@@ -201,8 +206,8 @@ async fn accept_loop(
 ) {
     // Handshakes in progress at once, per listener: each holds at most one
     // bounded handshake frame, so pre-authentication memory is bounded too.
-    // When all are taken, the oldest that has not sent a frame yet makes
-    // room, else the oldest of all once it has run for
+    // When all are taken, the oldest that has not sent a frame within
+    // SILENT_HANDSHAKE_AGE makes room, else the oldest of all once it has run for
     // STALLED_HANDSHAKE_AGE (a hello with a copy of a peer's public
     // certificate, then no proof, would hold a slot until the handshake's
     // deadline), else the newcomer is closed: connections that only sit
@@ -215,9 +220,10 @@ async fn accept_loop(
             Ok((conn, from)) => {
                 pending.retain(|p| !p.task.is_finished());
                 if pending.len() >= MAX_CONCURRENT_HANDSHAKES {
-                    let silent = pending
-                        .iter()
-                        .position(|p| !p.spoke.load(std::sync::atomic::Ordering::Acquire));
+                    let silent = pending.iter().position(|p| {
+                        !p.spoke.load(std::sync::atomic::Ordering::Acquire)
+                            && p.accepted.elapsed() >= SILENT_HANDSHAKE_AGE
+                    });
                     let stalled = pending
                         .front()
                         .is_some_and(|p| p.accepted.elapsed() >= STALLED_HANDSHAKE_AGE);

@@ -165,10 +165,12 @@ async fn read_loop(
             // poll for it rather than sleep. A yield first, so that a task
             // this one woke (kept in this worker's slot, which others do not
             // steal) runs before the spin, not after it.
-            if let Some(spin) = may_spin.then(|| env.reader_spin()).flatten() {
+            if may_spin {
                 tokio::task::yield_now().await;
-                if reader.spin_for_input(std::time::Instant::now() + spin.length) {
-                    counters.reader_spin_frames.increment(1);
+                if let Some(spin) = env.reader_spin() {
+                    if reader.spin_for_input(std::time::Instant::now() + spin.length) {
+                        counters.reader_spin_frames.increment(1);
+                    }
                 }
             }
         }
