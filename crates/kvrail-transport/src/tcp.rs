@@ -264,7 +264,9 @@ impl FrameReader for TcpFrameReader {
                         return false;
                     }
                     waited = true;
-                    std::hint::spin_loop();
+                    // The CPU goes to any other runnable thread first: on a
+                    // small machine the one that sends the next frame.
+                    std::thread::yield_now();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
