@@ -21,7 +21,9 @@ LAYERS, BLOCK_SHAPE, NUM_BLOCKS, PROMPT = 32, (16, 8, 128), 136, 2000
 def engines(pair, mode: str, **extra):
     def engine(side, name, role):
         kv = kvrail.HostKvCache(pair.shm(name), LAYERS, NUM_BLOCKS, BLOCK_SHAPE, np.uint16)
-        return MiniEngine(side.socket, mode, name, role, kv, **extra)
+        # The region table among the pair's files, which it removes.
+        own = {"region_table": str(pair.shm(f"{name}-regions.json")), **extra}
+        return MiniEngine(side.socket, mode, name, role, kv, **own)
 
     return engine(pair.prefill, "p", "kv_producer"), engine(pair.decode, "d", "kv_consumer")
 

@@ -77,6 +77,8 @@ class Engine:
                 "socket": str(socket),
                 "mode": mode,
                 "worker_id": self.worker_id,
+                # In the test's folder: a killed engine's table stays there.
+                "region_table": str(dir / f"{self.worker_id}-regions.json"),
                 "timeout_s": TIMEOUT_S,
             },
         }
