@@ -358,21 +358,11 @@ async fn handshakes_stalled_after_the_hello_do_not_lock_peers_out() {
     let prefill =
         Identity::load("prefill", &IdentityFiles::in_dir(certs.path(), "prefill")).unwrap();
     let hello = |session_id| pb::Hello {
-        protocol_version: 1,
-        node_name: "prefill".into(),
-        session_id,
-        transports: vec!["tcp".into()],
-        rail_count: 1,
-        expected_peer: "decode".into(),
         certificate: prefill.certificate().to_vec(),
         nonce: vec![7; kvrail_core::handshake::NONCE_BYTES],
-        ..Default::default()
+        ..raw_peer::hello_message("prefill", session_id)
     };
-    let connect = || {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s
-    };
+    let connect = || raw_peer::connect(addr);
     // Every slot held by a hello the acceptor answered and now awaits the
     // proof of, which never comes.
     let first_stalled = Instant::now();

@@ -469,10 +469,21 @@ pub mod raw_peer {
     /// Connects to the decode sidecar's rail `addr` as `node` with session
     /// `session_id` and sends its hello; the socket and the first answer.
     pub fn hello(addr: SocketAddr, node: &str, session_id: u64) -> (TcpStream, Option<Body>) {
+        hello_as(connect(addr), hello_message(node, session_id))
+    }
+
+    /// A connection to rail `addr` whose reads give up after 10 s.
+    pub fn connect(addr: SocketAddr) -> TcpStream {
         let sock = TcpStream::connect(addr).expect("connect to the rail");
         sock.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("read timeout");
-        let hello = pb::Hello {
+        sock
+    }
+
+    /// The hello of `node` dialing the decode sidecar over one TCP rail,
+    /// without credentials.
+    pub fn hello_message(node: &str, session_id: u64) -> pb::Hello {
+        pb::Hello {
             protocol_version: 1,
             node_name: node.into(),
             session_id,
@@ -480,8 +491,7 @@ pub mod raw_peer {
             rail_count: 1,
             expected_peer: "decode".into(),
             ..Default::default()
-        };
-        hello_as(sock, hello)
+        }
     }
 
     /// Sends `hello` on `sock` (connected, with a read timeout); the socket

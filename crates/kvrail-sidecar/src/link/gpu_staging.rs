@@ -149,6 +149,25 @@ impl PeerLink {
 /// Reads a GPU region's slice into a pinned buffer and hands it to the
 /// host-to-device queue; the slice is placed when that copy is done, while this
 /// connection already reads the next one.
+/// Why a staged slice is refused if the device's staging share is closed
+/// (it never is while the device is open).
+const STAGING_CLOSED: &str = "GPU staging is shut down";
+
+/// Drops a staged slice's payload off the connection and fails its
+/// placement with `reason` (the connection goes on).
+async fn refuse(
+    link: &Arc<PeerLink>,
+    conn: ConnId,
+    header: kvrail_core::wire::SliceHeader,
+    payload_len: u32,
+    reader: &mut dyn FrameReader,
+    reason: &str,
+) -> Result<(), TransportError> {
+    reader.discard(u64::from(payload_len)).await?;
+    link.with_session(|s, now| s.placement_failed(conn, header, reason, now));
+    Ok(())
+}
+
 pub(super) async fn receive_staged(
     link: &Arc<PeerLink>,
     conn: ConnId,
@@ -171,11 +190,7 @@ pub(super) async fn receive_staged(
         .await
     else {
         // Never closed; were it, the slice is refused like a failed copy.
-        reader.discard(u64::from(payload_len)).await?;
-        link.with_session(|s, now| {
-            s.placement_failed(conn, header, "GPU staging is shut down", now)
-        });
-        return Ok(());
+        return refuse(link, conn, header, payload_len, reader, STAGING_CLOSED).await;
     };
     let taking = crate::trace_points::Stopwatch::start();
     // A peer may cut larger staged slices than ours (`gpu_slice_bytes`):
@@ -185,12 +200,7 @@ pub(super) async fn receive_staged(
     taking.account(crate::trace_points::SUM_READER_POOL_TAKE);
     let mut buffer = match taken {
         Ok(b) => b,
-        Err(e) => {
-            let reason = e.to_string();
-            reader.discard(u64::from(payload_len)).await?;
-            link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
-            return Ok(());
-        }
+        Err(e) => return refuse(link, conn, header, payload_len, reader, &e.to_string()).await,
     };
     let need = gpu::receive_staging_permits(buffer.len());
     if need > in_flight.num_permits() as u32 {
@@ -202,11 +212,7 @@ pub(super) async fn receive_staged(
             Ok(p) => p,
             Err(_) => {
                 g.device.pool.give(buffer);
-                reader.discard(u64::from(payload_len)).await?;
-                link.with_session(|s, now| {
-                    s.placement_failed(conn, header, "GPU staging is shut down", now)
-                });
-                return Ok(());
+                return refuse(link, conn, header, payload_len, reader, STAGING_CLOSED).await;
             }
         };
     }
