@@ -105,7 +105,7 @@ pub struct ServeArgs {
     pub ring_spin_us: Option<u64>,
     /// Spin of a connection's reader for its next frame before it sleeps,
     /// in microseconds, while traffic is not bulk (default 50 with at least
-    /// 4 CPUs; else 200).
+    /// 4 CPUs; else 0).
     #[arg(long)]
     pub reader_spin_us: Option<u64>,
     /// RDMA: transfers of at most this many bytes travel behind their open
