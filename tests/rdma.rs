@@ -623,11 +623,12 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
     );
     assert!(
         s.rdma_bytes("0") > r0 && s.rdma_bytes("1") > r1,
-        "rebuilt queue pairs carried nothing (rail 0 {r0} -> {}, rail 1 {r1} -> {}; {:?}):\n{}",
+        "rebuilt queue pairs carried nothing (rail 0 {r0} -> {}, rail 1 {r1} -> {}; {:?}):\nprefill:\n{}\ndecode:\n{}",
         s.rdma_bytes("0"),
         s.rdma_bytes("1"),
         s.p.list_peers().await.unwrap().peers,
-        s.pair.prefill.log()
+        s.pair.prefill.log(),
+        s.pair.decode.log()
     );
     s.p_kv.unlink();
     s.d_kv.unlink();
