@@ -6,7 +6,7 @@
 //! in; the sidecar creates and connects the verbs objects and moves the
 //! messages.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::rail::RailId;
@@ -40,6 +40,9 @@ pub enum QpSetupError {
     /// Dialer: no answer in time.
     #[error("no answer from the peer in {0:?}")]
     Timeout(Duration),
+    /// Dialer: another setup of this rail is under way.
+    #[error("another queue-pair setup of rail {0} is under way")]
+    Busy(RailId),
 }
 
 /// Acceptor: whether to create queue pairs for `req`, which arrived on a
@@ -89,6 +92,9 @@ struct Pending {
 #[derive(Debug, Default)]
 pub struct QpSetups {
     pending: HashMap<u64, Pending>,
+    /// Rails with a setup under way, from its offer until its queue pairs are
+    /// attached or it failed (see [`QpSetups::begin`]).
+    busy: HashSet<RailId>,
 }
 
 /// What became of one setup.
@@ -101,6 +107,31 @@ pub struct SetupOutcome {
 }
 
 impl QpSetups {
+    /// Claims `rail` for one setup, to be given back with [`QpSetups::end`]
+    /// once its queue pairs are attached or it failed. The acceptor keeps
+    /// only the queue pairs of the last request it read for a rail and
+    /// retires the others, while the dialer attaches every set whose answer
+    /// came: two setups of one rail at once (a rail's probe and the rebuild
+    /// of its queue pairs, each on its own connection) could leave the
+    /// dialer writing to queue pairs the acceptor had destroyed.
+    pub fn begin(&mut self, rail: RailId) -> Result<(), QpSetupError> {
+        if self.busy.insert(rail) {
+            Ok(())
+        } else {
+            Err(QpSetupError::Busy(rail))
+        }
+    }
+
+    /// Gives `rail` back (see [`QpSetups::begin`]).
+    pub fn end(&mut self, rail: RailId) {
+        self.busy.remove(&rail);
+    }
+
+    /// Whether a setup of `rail` is under way.
+    pub fn is_busy(&self, rail: RailId) -> bool {
+        self.busy.contains(&rail)
+    }
+
     /// Starts a setup on `rail` offering `endpoints`: the message to send.
     /// `nonce` must be fresh (random); a reused one replaces the older setup.
     pub fn start(
@@ -244,6 +275,20 @@ mod tests {
         let why = check_connect(&req, Some(0)).unwrap_err().to_string();
         let out = dialer.on_accept(answer(7, Err(why.clone()))).unwrap();
         assert_eq!(out.result, Err(QpSetupError::Declined(why)));
+    }
+
+    #[test]
+    fn a_rail_has_one_setup_at_a_time() {
+        let mut dialer = QpSetups::default();
+        dialer.begin(0).unwrap();
+        assert!(dialer.is_busy(0));
+        assert_eq!(dialer.begin(0), Err(QpSetupError::Busy(0)));
+        // Other rails are set up meanwhile.
+        dialer.begin(1).unwrap();
+        dialer.end(0);
+        assert!(!dialer.is_busy(0));
+        dialer.begin(0).unwrap();
+        assert_eq!(dialer.begin(1), Err(QpSetupError::Busy(1)));
     }
 
     #[test]

@@ -53,6 +53,12 @@ impl PeerLink {
     /// connection `conn`. Ok(n) with the number attached.
     pub async fn setup_rdma(self: &Arc<Self>, rail: RailId, conn: ConnId) -> Result<usize, String> {
         let env = self.env.upgrade().ok_or("daemon is shutting down")?;
+        let generation = {
+            let mut st = self.lock();
+            st.qp_setups.begin(rail).map_err(|e| e.to_string())?;
+            st.conns.get(conn).map(|h| h.generation)
+        };
+        let _claim = SetupClaim { link: self, rail };
         let count = env.rdma().qps_per_rail;
         let mut qps = rdma::create_qps(env.rdma(), rail, count)?;
         let endpoints = qps
@@ -80,6 +86,12 @@ impl PeerLink {
             .await
             .map_err(|_| "the link closed during setup".to_string())?;
         let accept_qps = outcome.result.map_err(|e| e.to_string())?;
+        // A rail retired meanwhile took the acceptor's side of these queue
+        // pairs with it: attaching ours would revive the rail with queue
+        // pairs that reach nothing.
+        if self.live_generation(conn) != generation || generation.is_none() {
+            return Err("the rail's connection closed during setup".into());
+        }
         for (qp, remote) in qps.iter_mut().zip(&accept_qps) {
             qp.connect(&rdma::endpoint_of(remote)?)
                 .map_err(|e| e.to_string())?;
@@ -115,8 +127,16 @@ impl PeerLink {
                 .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| e.to_string())?;
-            for qp in qps {
-                self.attach_qp(qp, req.rail_index);
+            let asked = qps.len();
+            let attached = qps
+                .into_iter()
+                .filter_map(|qp| self.attach_qp(qp, req.rail_index))
+                .count();
+            if attached < asked {
+                // The dialer would write to the ones we could not keep.
+                return Err(format!(
+                    "only {attached} of {asked} queue pairs could be attached (session closed or full)"
+                ));
             }
             info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
             Ok(endpoints)
@@ -126,6 +146,20 @@ impl PeerLink {
         }
         let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
         self.send_control(conn, Body::RdmaAccept(answer));
+    }
+
+    /// Whether a queue-pair setup of `rail` is under way (dialer).
+    pub fn rdma_setup_under_way(&self, rail: RailId) -> bool {
+        self.lock().qp_setups.is_busy(rail)
+    }
+
+    /// The generation of connection `conn` while it is open.
+    fn live_generation(&self, conn: ConnId) -> Option<u64> {
+        let st = self.lock();
+        st.conns
+            .get(conn)
+            .filter(|h| h.writer.is_some())
+            .map(|h| h.generation)
     }
 
     pub(super) fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
@@ -146,6 +180,19 @@ impl PeerLink {
                 let _ = tx.send(outcome);
             }
         }
+    }
+}
+
+/// A rail's claim for one queue-pair setup (`QpSetups::begin`), given back
+/// however the setup ends.
+struct SetupClaim<'a> {
+    link: &'a PeerLink,
+    rail: RailId,
+}
+
+impl Drop for SetupClaim<'_> {
+    fn drop(&mut self) {
+        self.link.lock().qp_setups.end(self.rail);
     }
 }
 
