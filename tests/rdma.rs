@@ -615,23 +615,18 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Each push is verified. A rebuilt queue pair that then stalls is taken
-    // down by the rail's stall detector and built again (phase 1's failover),
-    // so a later push may be the first to find both rails' queue pairs
-    // working: seen twice in CI runs on 2026-11-27 (rail 0 unacknowledged for
-    // about 1 s right after its rebuild; the cause was not found). Every
-    // extra push is printed; three without both rails on RDMA fail.
-    let (r0, r1) = (s.rdma_bytes("0"), s.rdma_bytes("1"));
+    // Each push is verified, and one push must move bytes over both rails'
+    // rebuilt queue pairs. A rebuilt queue pair that then stalls is taken
+    // down by the rail's stall detector and built again (phase 1's
+    // failover), so a later push may be the first to find both working:
+    // seen twice in CI runs on 2026-11-27 (rail 0 unacknowledged for about
+    // 1 s right after its rebuild), before queue-pair setups of one rail
+    // were made one at a time. Extra pushes are printed (shown with
+    // `--nocapture` or when the suite fails); three pushes without one that
+    // moved both rails fail.
+    let (mut r0, mut r1) = (s.rdma_bytes("0"), s.rdma_bytes("1"));
     let mut pushes = 0;
-    while pushes < 3 && (s.rdma_bytes("0") <= r0 || s.rdma_bytes("1") <= r1) {
-        if pushes > 0 {
-            println!(
-                "after push {pushes} since the rails came back: rail 0 {r0} -> {}, rail 1 {r1} -> {} RDMA bytes; pushing again\n{}",
-                s.rdma_bytes("0"),
-                s.rdma_bytes("1"),
-                rxe_counters()
-            );
-        }
+    loop {
         let seed = 13 + pushes;
         let (id, dst) = s.push(seed, 0..4, 96).await;
         s.done(id).await;
@@ -640,10 +635,19 @@ async fn rdma_rail_cut_fails_over_then_tcp_then_back() {
             4 * 2 * 96 * BLOCK_BYTES
         );
         pushes += 1;
+        let (n0, n1) = (s.rdma_bytes("0"), s.rdma_bytes("1"));
+        if (n0 > r0 && n1 > r1) || pushes == 3 {
+            break;
+        }
+        println!(
+            "push {pushes} since the rails came back: rail 0 {r0} -> {n0}, rail 1 {r1} -> {n1} RDMA bytes; pushing again\n{}",
+            rxe_counters()
+        );
+        (r0, r1) = (n0, n1);
     }
     assert!(
         s.rdma_bytes("0") > r0 && s.rdma_bytes("1") > r1,
-        "rebuilt queue pairs carried nothing in {pushes} pushes (rail 0 {r0} -> {}, rail 1 {r1} -> {}; {:?}):\n{}\nprefill:\n{}\ndecode:\n{}",
+        "no push of {pushes} moved bytes over both rails' rebuilt queue pairs (last: rail 0 {r0} -> {}, rail 1 {r1} -> {}; {:?}):\n{}\nprefill:\n{}\ndecode:\n{}",
         s.rdma_bytes("0"),
         s.rdma_bytes("1"),
         s.p.list_peers().await.unwrap().peers,
@@ -998,7 +1002,6 @@ impl Cutter {
     }
 }
 
-/// The last `n` lines of a log, for failure messages.
 /// Every Soft-RoCE port's hardware counters (retries, RNR, sequence errors),
 /// one line per device, for failure messages.
 fn rxe_counters() -> String {
@@ -1032,6 +1035,7 @@ fn rxe_counters() -> String {
     out
 }
 
+/// The last `n` lines of a log, for failure messages.
 fn tail(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")

@@ -480,11 +480,16 @@ impl Shared {
                 Some(format!("rail {rail}: peer offers {peer_offers:?}, no rdma"))
             }
             (None, Ok(_)) => None,
-            // An earlier setup of this rail (its rebuild) goes on; a second
-            // one at once would leave the two sides with different queue pairs.
-            (Some(_), Ok(_)) if link.rdma_setup_under_way(rail) => Some(format!(
-                "rail {rail}: queue pairs being set up by an earlier attempt"
-            )),
+            // An earlier setup of this rail goes on; a second one at once
+            // would leave the two sides with different queue pairs. Should
+            // that one fail for good, the rebuild (one per rail) sets the
+            // rail up once it is free, and ends as soon as queue pairs exist.
+            (Some(_), Ok(_)) if link.rdma_setup_under_way(rail) => {
+                link.spawn_rdma_rebuild(rail);
+                Some(format!(
+                    "rail {rail}: queue pairs being set up by an earlier attempt"
+                ))
+            }
             (Some(first), Ok(_)) => {
                 // Queue pairs ride on the rail's first connection; the stream transport
                 // carries on without them.

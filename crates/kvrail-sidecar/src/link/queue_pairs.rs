@@ -70,6 +70,10 @@ impl PeerLink {
         let (tx, rx) = oneshot::channel();
         let request = {
             let mut st = self.lock();
+            if st.closed {
+                // Its timer is gone: nothing would end the wait.
+                return Err("the link closed before setup".into());
+            }
             st.qp_waiters.insert(nonce, tx);
             st.qp_setups.start(rail, nonce, endpoints, Instant::now())
         };
@@ -133,7 +137,12 @@ impl PeerLink {
                 .filter_map(|qp| self.attach_qp(qp, req.rail_index))
                 .count();
             if attached < asked {
-                // The dialer would write to the ones we could not keep.
+                // The dialer drops its side on our refusal: the ones we kept
+                // would reach nothing.
+                let mut st = self.lock();
+                let kept = st.session.retire_one_sided_connections(req.rail_index);
+                self.stop_connections(&mut st, kept);
+                self.pump(&mut st);
                 return Err(format!(
                     "only {attached} of {asked} queue pairs could be attached (session closed or full)"
                 ));
