@@ -626,13 +626,17 @@ impl Shared {
             if sessions >= MAX_INBOUND_SESSIONS_PER_PEER {
                 // A dialer makes a new session each time it dials again; one
                 // whose connections outlived a crash or a partition may never
-                // notice. A session with nothing in flight gives way to the
-                // new one; only sessions all carrying transfers refuse it.
+                // notice. The oldest session with nothing in flight gives way
+                // to the new one; only sessions all carrying transfers refuse
+                // it. (Not any idle one: the youngest may be a session whose
+                // first open is still on its way, and its peer was told it
+                // was accepted.)
                 let idle = self
                     .inbound
                     .iter()
                     .filter(|e| e.key().0 == hello.node_name)
-                    .find(|e| e.value().inspect(|s| s.active_transfers()) == 0)
+                    .filter(|e| e.value().inspect(|s| s.active_transfers()) == 0)
+                    .min_by_key(|e| e.value().created)
                     .map(|e| e.key().clone());
                 match idle.and_then(|k| self.inbound.remove(&k)) {
                     Some((old, link)) => {

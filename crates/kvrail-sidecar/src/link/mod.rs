@@ -163,6 +163,8 @@ pub struct PeerLink {
     me: Weak<PeerLink>,
     /// Payload of this link's sending transfers still queued or held by a writer.
     held: HeldPayload,
+    /// When the session began (which idle session gives way first).
+    pub created: Instant,
 }
 
 /// How often the estimated-throughput gauges are refreshed.
@@ -180,6 +182,7 @@ impl PeerLink {
             peer: peer.to_string(),
             transport,
             direction: if dial.is_some() { "out" } else { "in" },
+            created: Instant::now(),
             state: Mutex::new(LinkState {
                 session: Session::new(session),
                 conns: Vec::new(),
