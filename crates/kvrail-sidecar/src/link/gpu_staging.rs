@@ -146,9 +146,6 @@ impl PeerLink {
     }
 }
 
-/// Reads a GPU region's slice into a pinned buffer and hands it to the
-/// host-to-device queue; the slice is placed when that copy is done, while this
-/// connection already reads the next one.
 /// Why a staged slice is refused if the device's staging share is closed
 /// (it never is while the device is open).
 const STAGING_CLOSED: &str = "GPU staging is shut down";
@@ -168,6 +165,9 @@ async fn refuse(
     Ok(())
 }
 
+/// Reads a GPU region's slice into a pinned buffer and hands it to the
+/// host-to-device queue; the slice is placed when that copy is done, while this
+/// connection already reads the next one.
 pub(super) async fn receive_staged(
     link: &Arc<PeerLink>,
     conn: ConnId,
