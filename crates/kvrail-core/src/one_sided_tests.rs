@@ -616,6 +616,48 @@ fn repeated_opens_get_a_bounded_number_of_grants() {
         1 + usize::from(MAX_REGRANTS),
         "fifty copies of the open"
     );
+    // Past the bound the receiver fails the transfer and says so, so the
+    // pusher fails now instead of waiting out its progress timeout.
+    let failed_here = f.sides[1].events.iter().find_map(|e| match e {
+        Event::Failed {
+            transfer_id: 7,
+            error,
+            ..
+        } => Some(error.clone()),
+        _ => None,
+    });
+    assert!(
+        matches!(
+            &failed_here,
+            Some(TransferError::Peer { code: ErrorCode::Protocol, message }) if message.contains("again more than")
+        ),
+        "the receiver failed it as the peer's fault: {failed_here:?}"
+    );
+    while f.deliver_control() {
+        f.flush();
+    }
+    let failed_there = f.sides[0].events.iter().find_map(|e| match e {
+        Event::Failed {
+            transfer_id: 7,
+            error,
+            ..
+        } => Some(error.clone()),
+        _ => None,
+    });
+    assert!(
+        matches!(
+            &failed_there,
+            Some(TransferError::Peer { code: ErrorCode::Protocol, message }) if message.contains("again more than")
+        ),
+        "the pusher heard why: {failed_there:?}"
+    );
+    assert!(
+        !f.sides[0]
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::Done { transfer_id: 7, .. })),
+        "and did not complete"
+    );
 }
 
 /// A one-sided pull lost its queue pairs and asked the server to send instead;

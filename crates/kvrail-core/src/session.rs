@@ -982,7 +982,7 @@ impl Session {
             {
                 // A one-sided open sent again: our grant may have died with
                 // the connection that carried the first.
-                self.grant_again(conn, id, open.block_bytes, open.total_bytes, regions);
+                self.grant_again(conn, id, open.block_bytes, open.total_bytes, regions, now);
             }
             return;
         }
@@ -1024,8 +1024,10 @@ impl Session {
     }
 
     /// Answers an open sent again with our grant, a few times per transfer at
-    /// most: a peer repeating an open gets no more back. A serve that
-    /// declined one-sided access declines again.
+    /// most: a peer that opens it once more after that is told the transfer
+    /// failed (and it fails here), rather than waiting out its progress
+    /// timeout for a grant that never comes. A serve that declined one-sided
+    /// access declines again.
     fn grant_again(
         &mut self,
         conn: ConnId,
@@ -1033,12 +1035,21 @@ impl Session {
         block_bytes: u64,
         total_bytes: u64,
         regions: &dyn RegionDirectory,
+        now: Instant,
     ) {
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
         if t.regrants >= MAX_REGRANTS {
-            return;
+            let message = format!(
+                "the peer opened transfer {id} again more than {MAX_REGRANTS} times \
+                 (each repeat asks for a new grant)"
+            );
+            let error = TransferError::Peer {
+                code: ErrorCode::Protocol,
+                message: message.clone(),
+            };
+            return self.abort(id, ErrorCode::Protocol, &message, error, now);
         }
         let access = match t.kind {
             TransferKind::PushReceive => Access::Write,
@@ -1085,7 +1096,7 @@ impl Session {
                 // connection died before we read the first one: serving
                 // already. Our grant may have died with it: granted again.
                 if open.one_sided {
-                    self.grant_again(conn, id, open.block_bytes, open.total_bytes, regions);
+                    self.grant_again(conn, id, open.block_bytes, open.total_bytes, regions, now);
                 }
                 return;
             }
