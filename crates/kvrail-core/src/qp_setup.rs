@@ -43,6 +43,14 @@ pub enum QpSetupError {
     /// Dialer: another setup of this rail is under way.
     #[error("another queue-pair setup of rail {0} is under way")]
     Busy(RailId),
+    /// Acceptor: the request is older than one already taken for its rail
+    /// (it timed out at the dialer, which has moved on).
+    #[error("setup {attempt} of rail {rail} is stale: setup {latest} was already taken")]
+    Stale {
+        rail: RailId,
+        attempt: u64,
+        latest: u64,
+    },
 }
 
 /// Acceptor: whether to create queue pairs for `req`, which arrived on a
@@ -61,6 +69,37 @@ pub fn check_connect(
         return Err(QpSetupError::Count(req.qps.len()));
     }
     Ok(())
+}
+
+/// Acceptor: the setups taken per rail, so that a request read late (after
+/// its successor, which may come on another connection) is declined instead
+/// of replacing the queue pairs the dialer now uses.
+#[derive(Debug, Default)]
+pub struct QpAcceptor {
+    latest: HashMap<RailId, u64>,
+}
+
+impl QpAcceptor {
+    /// [`check_connect`], then whether `req` is newer than every request
+    /// taken for its rail; a request that passes is taken (recorded).
+    pub fn take(
+        &mut self,
+        req: &pb::RdmaConnect,
+        connection_rail: Option<RailId>,
+    ) -> Result<(), QpSetupError> {
+        check_connect(req, connection_rail)?;
+        match self.latest.get(&req.rail_index) {
+            Some(&latest) if req.attempt <= latest => Err(QpSetupError::Stale {
+                rail: req.rail_index,
+                attempt: req.attempt,
+                latest,
+            }),
+            _ => {
+                self.latest.insert(req.rail_index, req.attempt);
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Acceptor: the answer to the request with `nonce`: our queue pairs'
@@ -95,6 +134,8 @@ pub struct QpSetups {
     /// Rails with a setup under way, from its offer until its queue pairs are
     /// attached or it failed (see [`QpSetups::begin`]).
     busy: HashSet<RailId>,
+    /// Setups started per rail (the requests' `attempt`, see [`QpAcceptor`]).
+    attempts: HashMap<RailId, u64>,
 }
 
 /// What became of one setup.
@@ -109,11 +150,12 @@ pub struct SetupOutcome {
 impl QpSetups {
     /// Claims `rail` for one setup, to be given back with [`QpSetups::end`]
     /// once its queue pairs are attached or it failed. The acceptor keeps
-    /// only the queue pairs of the last request it read for a rail and
+    /// only the queue pairs of the newest request it took for a rail and
     /// retires the others, while the dialer attaches every set whose answer
     /// came: two setups of one rail at once (a rail's probe and the rebuild
     /// of its queue pairs, each on its own connection) could leave the
-    /// dialer writing to queue pairs the acceptor had destroyed.
+    /// dialer writing to queue pairs the acceptor had destroyed. (A request
+    /// that timed out is declined by its number, see [`QpAcceptor`].)
     pub fn begin(&mut self, rail: RailId) -> Result<(), QpSetupError> {
         if self.busy.insert(rail) {
             Ok(())
@@ -149,10 +191,13 @@ impl QpSetups {
                 deadline: now + SETUP_TIMEOUT,
             },
         );
+        let attempt = self.attempts.entry(rail).or_insert(0);
+        *attempt += 1;
         pb::RdmaConnect {
             rail_index: rail,
             nonce,
             qps: endpoints,
+            attempt: *attempt,
         }
     }
 
@@ -275,6 +320,44 @@ mod tests {
         let why = check_connect(&req, Some(0)).unwrap_err().to_string();
         let out = dialer.on_accept(answer(7, Err(why.clone()))).unwrap();
         assert_eq!(out.result, Err(QpSetupError::Declined(why)));
+    }
+
+    /// The dialer's first request on a rail timed out and is read by the
+    /// acceptor after its second (sent on another connection): the first is
+    /// declined and the second's queue pairs stay. Rails count apart.
+    #[test]
+    fn a_request_read_after_its_successor_is_declined() {
+        let t0 = Instant::now();
+        let mut dialer = QpSetups::default();
+        let mut acceptor = QpAcceptor::default();
+        let first = dialer.start(0, 1, endpoints(2), t0);
+        assert_eq!(dialer.handle_timeout(t0 + SETUP_TIMEOUT).len(), 1);
+        let second = dialer.start(0, 2, endpoints(2), t0 + SETUP_TIMEOUT);
+        assert_eq!((first.attempt, second.attempt), (1, 2));
+        let other_rail = dialer.start(1, 3, endpoints(2), t0);
+        assert_eq!(other_rail.attempt, 1);
+        acceptor.take(&second, Some(0)).unwrap();
+        assert_eq!(
+            acceptor.take(&first, Some(0)),
+            Err(QpSetupError::Stale {
+                rail: 0,
+                attempt: 1,
+                latest: 2
+            })
+        );
+        // A copy of the taken request is stale too; the other rail is not.
+        assert!(matches!(
+            acceptor.take(&second, Some(0)),
+            Err(QpSetupError::Stale { .. })
+        ));
+        acceptor.take(&other_rail, Some(1)).unwrap();
+        // A request for the wrong rail is refused as before, and is not taken.
+        let third = dialer.start(0, 4, endpoints(2), t0 + SETUP_TIMEOUT);
+        assert!(matches!(
+            acceptor.take(&third, Some(1)),
+            Err(QpSetupError::WrongRail { .. })
+        ));
+        acceptor.take(&third, Some(0)).unwrap();
     }
 
     #[test]

@@ -204,6 +204,13 @@ pub struct RdmaConnect {
     pub nonce: u64,
     #[prost(message, repeated, tag = "3")]
     pub qps: ::prost::alloc::vec::Vec<RdmaEndpoint>,
+    /// The dialer's count of setups of this rail in this session, from 1 and
+    /// rising with each. The acceptor declines a request numbered at or below
+    /// one it already took for the rail: a request that timed out and is read
+    /// after its successor (on another connection) must not replace the queue
+    /// pairs the dialer now uses.
+    #[prost(uint64, tag = "4")]
+    pub attempt: u64,
 }
 /// The acceptor's queue pairs, in the same order, or why there are none.
 #[derive(Clone, PartialEq, ::prost::Message)]

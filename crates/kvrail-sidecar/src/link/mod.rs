@@ -113,6 +113,9 @@ struct LinkState {
     gauged_rails: usize,
     /// RdmaConnect requests waiting for the peer's RdmaAccept, by nonce.
     qp_setups: kvrail_core::qp_setup::QpSetups,
+    /// Acceptor: the queue-pair setups taken per rail (a late request is
+    /// declined).
+    qp_acceptor: kvrail_core::qp_setup::QpAcceptor,
     /// Who waits for each queue-pair setup's outcome, by nonce.
     qp_waiters: HashMap<u64, oneshot::Sender<kvrail_core::qp_setup::SetupOutcome>>,
     /// Rails whose queue pairs are being (re)built right now.
@@ -192,6 +195,7 @@ impl PeerLink {
                 gauges_at: None,
                 gauged_rails: 0,
                 qp_setups: Default::default(),
+                qp_acceptor: Default::default(),
                 qp_waiters: HashMap::new(),
                 rdma_building: HashSet::new(),
                 timer_armed: None,

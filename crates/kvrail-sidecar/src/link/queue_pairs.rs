@@ -53,12 +53,14 @@ impl PeerLink {
     /// connection `conn`. Ok(n) with the number attached.
     pub async fn setup_rdma(self: &Arc<Self>, rail: RailId, conn: ConnId) -> Result<usize, String> {
         let env = self.env.upgrade().ok_or("daemon is shutting down")?;
-        let generation = {
+        {
             let mut st = self.lock();
             st.qp_setups.begin(rail).map_err(|e| e.to_string())?;
-            st.conns.get(conn).map(|h| h.generation)
-        };
+        }
         let _claim = SetupClaim { link: self, rail };
+        let generation = self
+            .live_generation(conn)
+            .ok_or("the rail's connection closed before setup")?;
         let count = env.rdma().qps_per_rail;
         let mut qps = rdma::create_qps(env.rdma(), rail, count)?;
         let endpoints = qps
@@ -93,7 +95,7 @@ impl PeerLink {
         // A rail retired meanwhile took the acceptor's side of these queue
         // pairs with it: attaching ours would revive the rail with queue
         // pairs that reach nothing.
-        if self.live_generation(conn) != generation || generation.is_none() {
+        if self.live_generation(conn) != Some(generation) {
             return Err("the rail's connection closed during setup".into());
         }
         for (qp, remote) in qps.iter_mut().zip(&accept_qps) {
@@ -114,8 +116,11 @@ impl PeerLink {
         let Some(env) = self.env.upgrade() else {
             return;
         };
-        let rail = self.lock().session.connection_rail(conn);
-        let checked = kvrail_core::qp_setup::check_connect(&req, rail).map_err(|e| e.to_string());
+        let checked = {
+            let mut st = self.lock();
+            let rail = st.session.connection_rail(conn);
+            st.qp_acceptor.take(&req, rail).map_err(|e| e.to_string())
+        };
         if checked.is_ok() {
             // The dialer replaces its queue pairs on this rail: ours are stale.
             // (Only a request the check accepted, for the rail it came on.)
