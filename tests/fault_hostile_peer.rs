@@ -449,3 +449,94 @@ async fn handshakes_stalled_after_the_hello_do_not_lock_peers_out() {
     );
     drop(stalled);
 }
+
+/// A peer that sends a slice's header and half its payload, then goes silent
+/// with its connection open (a partition without a reset looks the same to
+/// the reader): the slice used to count as being placed for ever, so its
+/// transfer never ended and the region stayed in use. The reader now waits
+/// for the rest for the progress timeout, then cuts the connection; the
+/// transfer fails and the region can be unregistered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_that_stops_mid_payload_is_cut_and_its_transfer_ends() {
+    let pair = Pair::start(&["--progress-timeout-ms", "1000"]);
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 4, 4096);
+    let kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let region = d.register_region("d0", &kv, false).await.unwrap();
+    let mut sock = raw_peer::session(pair.decode.listen, 5);
+    let open = pb::PushOpen {
+        transfer_id: 1,
+        request_id: "stalls".into(),
+        destination: Some(pb::BlockSet {
+            region_id: region,
+            layer_start: 0,
+            layer_count: 1,
+            block_ids: vec![0, 1],
+            generations: Vec::new(),
+        }),
+        block_bytes: 4096,
+        total_bytes: 8192,
+        one_sided: false,
+    };
+    sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
+        .unwrap();
+    sock.write_all(&wire::encode_data_header(
+        wire::SliceHeader {
+            transfer_id: 1,
+            offset: 0,
+        },
+        8192,
+    ))
+    .unwrap();
+    sock.write_all(&[0xAB; 4096]).unwrap();
+    let started = Instant::now();
+    // The daemon ends the connection: past whatever it says first (an
+    // abort), our read meets the end.
+    sock.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!(
+                "the connection was not cut ({e}) after {:?}: {}",
+                started.elapsed(),
+                pair.decode.log_tail(20)
+            ),
+        }
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "cut after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        pair.decode.log().contains("not all of its payload"),
+        "{}",
+        pair.decode.log_tail(20)
+    );
+    // The transfer ended with it: the region is free again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match d.unregister_region(region).await {
+            Ok(()) => break,
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the region stayed in use: {e}; {}",
+                    pair.decode.log_tail(20)
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    // Nothing outside the two blocks was written; the next bytes of block 0
+    // were never sent.
+    let mut rest = vec![0xFFu8; 8192];
+    kv.memory.read_at(8192, &mut rest).unwrap();
+    assert!(rest.iter().all(|&b| b == 0), "bytes outside the slice");
+    assert!(d.list_peers().await.is_ok(), "the daemon answers");
+    kv.unlink();
+}

@@ -168,6 +168,12 @@ pub struct PeerLink {
     held: HeldPayload,
     /// When the session began (which idle session gives way first).
     pub created: Instant,
+    /// How long a reader waits for the rest of a slice whose header it read
+    /// (the session's progress timeout): a peer that stops mid-payload and
+    /// keeps its connection open has its connection cut, so the slice is
+    /// abandoned and its transfer fails or goes on elsewhere, instead of
+    /// being held as "being placed" forever.
+    payload_deadline: Duration,
 }
 
 /// How often the estimated-throughput gauges are refreshed.
@@ -186,6 +192,7 @@ impl PeerLink {
             transport,
             direction: if dial.is_some() { "out" } else { "in" },
             created: Instant::now(),
+            payload_deadline: session.progress_timeout,
             state: Mutex::new(LinkState {
                 session: Session::new(session),
                 conns: Vec::new(),

@@ -247,14 +247,39 @@ async fn read_loop(
                     crate::trace_points::mark(crate::trace_points::SLICE_GATE_LEARNED);
                     admission = held.placer.admit(header, payload_len);
                 }
-                match admission {
-                    Admission::Place(slice) => {
-                        place_admitted(&env, counters, reader, held, slice).await?;
+                // The payload is usually at hand already (no timer then).
+                let deadline = link.payload_deadline;
+                let placed = tokio::time::timeout(deadline, async {
+                    match admission {
+                        Admission::Place(slice) => {
+                            place_admitted(&env, counters, reader, held, slice).await
+                        }
+                        Admission::AskSession => {
+                            held.settle(false);
+                            place_by_session(
+                                link,
+                                &env,
+                                conn,
+                                counters,
+                                reader,
+                                header,
+                                payload_len,
+                            )
+                            .await
+                        }
                     }
-                    Admission::AskSession => {
-                        held.settle(false);
-                        place_by_session(link, &env, conn, counters, reader, header, payload_len)
-                            .await?;
+                })
+                .await;
+                match placed {
+                    Ok(done) => done?,
+                    Err(_) => {
+                        return Err(TransportError::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!(
+                                "the peer sent the header of a {payload_len}-byte slice of transfer {id} \
+                                 and not all of its payload within {deadline:?}"
+                            ),
+                        )))
                     }
                 }
             }
