@@ -540,3 +540,54 @@ async fn a_peer_that_stops_mid_payload_is_cut_and_its_transfer_ends() {
     assert!(d.list_peers().await.is_ok(), "the daemon answers");
     kv.unlink();
 }
+
+/// As above with queue-pair requests: each is declined on the connection it
+/// came on (this sidecar has no RDMA, and the rail is wrong anyway), and
+/// those answers bypassed the bound on unwritten frames, so a peer that
+/// never read them grew the daemon's memory without end. The connection is
+/// cut, and the declines are not logged one line each.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_that_never_reads_its_queue_pair_answers_is_cut() {
+    let pair = Pair::start(&[]);
+    let mut d = pair.decode.client().await;
+    let before = rss(pair.decode.pid());
+    let mut sock = raw_peer::session(pair.decode.listen, 78);
+    let ask = wire::encode_control(&wire::message(Body::RdmaConnect(pb::RdmaConnect {
+        rail_index: 5,
+        nonce: u64::MAX,
+        qps: Vec::new(),
+        attempt: 1,
+    })));
+    let batch: Vec<u8> = ask.repeat(10_000);
+    sock.set_write_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut sent = 0usize;
+    let cut = loop {
+        match sock.write_all(&batch) {
+            Ok(()) => sent += 10_000,
+            Err(e) => break e,
+        }
+        assert!(sent < 3_000_000, "never cut after {sent} requests");
+    };
+    assert!(
+        matches!(
+            cut.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        "{cut:?} after {sent} requests"
+    );
+    let grew = rss(pair.decode.pid()).saturating_sub(before);
+    assert!(grew < 256 << 20, "grew by {} MiB", grew >> 20);
+    let log = pair.decode.log();
+    assert!(
+        log.contains("does not read"),
+        "{}",
+        pair.decode.log_tail(10)
+    );
+    let declines = log.matches("declined RDMA queue pairs").count();
+    assert!(
+        declines < 1000,
+        "{declines} decline lines for {sent} requests"
+    );
+    assert!(d.list_peers().await.is_ok(), "the daemon answers");
+}

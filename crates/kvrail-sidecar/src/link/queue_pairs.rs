@@ -24,15 +24,28 @@ impl PeerLink {
         self.env.upgrade()?.rdma().mr(region_id, rail)
     }
 
-    /// Queues a driver-level control message on one connection.
+    /// Queues a driver-level control message on one connection. A peer that
+    /// keeps asking (queue-pair requests are answered on the connection they
+    /// came on) without reading the answers has that connection cut, as
+    /// `cut_unread_connections` does for what the session queues.
     pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
-        let st = self.lock();
-        match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-            Some(Sink::Stream(sink)) => {
-                sink.queue(Outgoing::Control(encode_control(&wire::message(body))))
-            }
-            _ => false,
+        let mut st = self.lock();
+        let (queued, unread) = match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            Some(Sink::Stream(sink)) => (
+                sink.queue(Outgoing::Control(encode_control(&wire::message(body)))),
+                sink.unwritten() > MAX_UNWRITTEN_FRAMES,
+            ),
+            _ => (false, false),
+        };
+        if unread {
+            let reason = format!(
+                "cut: the peer does not read what it asks for ({MAX_UNWRITTEN_FRAMES} frames unwritten)"
+            );
+            self.lose_connection(&mut st, conn, &reason, Instant::now());
+            self.pump(&mut st);
+            return false;
         }
+        queued
     }
 
     /// Adds a connected queue pair on `rail` as a one-sided connection.
@@ -156,7 +169,10 @@ impl PeerLink {
             Ok(endpoints)
         });
         if let Err(e) = &outcome {
-            info!(peer = %self.peer, rail = req.rail_index, "declined RDMA queue pairs: {e}");
+            // The peer decides how often this happens: rate limited.
+            if let Some(suppressed) = QP_DECLINE_LOG.admit() {
+                info!(peer = %self.peer, rail = req.rail_index, suppressed, "declined RDMA queue pairs: {e}");
+            }
         }
         let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
         self.send_control(conn, Body::RdmaAccept(answer));
@@ -196,6 +212,10 @@ impl PeerLink {
         }
     }
 }
+
+/// Declined queue-pair requests logged, at most a few a second.
+static QP_DECLINE_LOG: std::sync::LazyLock<crate::ratelog::RateLimitedLog> =
+    std::sync::LazyLock::new(|| crate::ratelog::RateLimitedLog::new(5));
 
 /// A rail's claim for one queue-pair setup (`QpSetups::begin`), given back
 /// however the setup ends.
