@@ -595,7 +595,7 @@ fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
     p.flush();
     assert!(matches!(
         &p.failures(1)[..],
-        [TransferError::Local {
+        [TransferError::Peer {
             code: ErrorCode::Protocol,
             ..
         }]
@@ -1080,7 +1080,7 @@ fn a_gate_admits_nothing_outside_its_transfer_and_the_session_aborts_it() {
     assert!(matches!(
         a.poll_event(),
         Some(Event::Failed {
-            error: TransferError::Local {
+            error: TransferError::Peer {
                 code: ErrorCode::Protocol,
                 ..
             },
@@ -1444,7 +1444,7 @@ fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
     p.flush();
     assert!(matches!(
         &p.failures(1)[..],
-        [TransferError::Local {
+        [TransferError::Peer {
             code: ErrorCode::Protocol,
             ..
         }]

@@ -40,7 +40,8 @@ pub enum QpSetupError {
     /// Dialer: no answer in time.
     #[error("no answer from the peer in {0:?}")]
     Timeout(Duration),
-    /// Dialer: another setup of this rail is under way.
+    /// Another setup of this rail is under way (on the dialer; on the
+    /// acceptor, a request read on another connection and not answered yet).
     #[error("another queue-pair setup of rail {0} is under way")]
     Busy(RailId),
     /// Acceptor: the request is older than one already taken for its rail
@@ -74,31 +75,49 @@ pub fn check_connect(
 /// Acceptor: the setups taken per rail, so that a request read late (after
 /// its successor, which may come on another connection) is declined instead
 /// of replacing the queue pairs the dialer now uses.
+/// Requests of one rail are also taken one at a time: two read at once on
+/// different connections would each retire the other's queue pairs.
 #[derive(Debug, Default)]
 pub struct QpAcceptor {
     latest: HashMap<RailId, u64>,
+    busy: HashSet<RailId>,
 }
 
 impl QpAcceptor {
     /// [`check_connect`], then whether `req` is newer than every request
-    /// taken for its rail; a request that passes is taken (recorded).
+    /// taken for its rail and no other is being answered; a request that
+    /// passes is taken (recorded), and its rail is busy until
+    /// [`QpAcceptor::done`]. A request numbered 0 (from a dialer that does
+    /// not number them) is neither compared nor recorded.
     pub fn take(
         &mut self,
         req: &pb::RdmaConnect,
         connection_rail: Option<RailId>,
     ) -> Result<(), QpSetupError> {
         check_connect(req, connection_rail)?;
-        match self.latest.get(&req.rail_index) {
-            Some(&latest) if req.attempt <= latest => Err(QpSetupError::Stale {
-                rail: req.rail_index,
-                attempt: req.attempt,
-                latest,
-            }),
-            _ => {
-                self.latest.insert(req.rail_index, req.attempt);
-                Ok(())
-            }
+        let rail = req.rail_index;
+        if self.busy.contains(&rail) {
+            return Err(QpSetupError::Busy(rail));
         }
+        if req.attempt != 0 {
+            if let Some(&latest) = self.latest.get(&rail) {
+                if req.attempt <= latest {
+                    return Err(QpSetupError::Stale {
+                        rail,
+                        attempt: req.attempt,
+                        latest,
+                    });
+                }
+            }
+            self.latest.insert(rail, req.attempt);
+        }
+        self.busy.insert(rail);
+        Ok(())
+    }
+
+    /// The request taken for `rail` was answered.
+    pub fn done(&mut self, rail: RailId) {
+        self.busy.remove(&rail);
     }
 }
 
@@ -337,6 +356,9 @@ mod tests {
         let other_rail = dialer.start(1, 3, endpoints(2), t0);
         assert_eq!(other_rail.attempt, 1);
         acceptor.take(&second, Some(0)).unwrap();
+        // Read while the second is being answered: busy, whatever its number.
+        assert_eq!(acceptor.take(&first, Some(0)), Err(QpSetupError::Busy(0)));
+        acceptor.done(0);
         assert_eq!(
             acceptor.take(&first, Some(0)),
             Err(QpSetupError::Stale {
@@ -358,6 +380,15 @@ mod tests {
             Err(QpSetupError::WrongRail { .. })
         ));
         acceptor.take(&third, Some(0)).unwrap();
+        acceptor.done(0);
+        // Unnumbered requests (an older dialer) are always taken in turn.
+        let unnumbered = pb::RdmaConnect {
+            attempt: 0,
+            ..third.clone()
+        };
+        acceptor.take(&unnumbered, Some(0)).unwrap();
+        acceptor.done(0);
+        acceptor.take(&unnumbered, Some(0)).unwrap();
     }
 
     #[test]

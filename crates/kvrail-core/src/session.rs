@@ -1371,7 +1371,8 @@ impl Session {
                     id,
                     ErrorCode::Protocol,
                     &format!("slice outside the transfer: {e}"),
-                    TransferError::Local {
+                    // The peer broke the protocol: its side, not ours.
+                    TransferError::Peer {
                         code: ErrorCode::Protocol,
                         message: format!("peer sent a slice outside the transfer: {e}"),
                     },
@@ -1434,9 +1435,9 @@ impl Session {
                 id,
                 ErrorCode::Protocol,
                 &message,
-                TransferError::Local {
+                TransferError::Peer {
                     code: ErrorCode::Protocol,
-                    message: message.clone(),
+                    message: format!("the peer's slices: {message}"),
                 },
                 now,
             );

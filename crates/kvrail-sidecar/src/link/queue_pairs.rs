@@ -142,6 +142,7 @@ impl PeerLink {
             self.stop_connections(&mut st, stale);
             self.pump(&mut st);
         }
+        let taken = checked.is_ok();
         let result = checked.and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
         let outcome = result.and_then(|qps| {
             let endpoints = qps
@@ -173,6 +174,9 @@ impl PeerLink {
             if let Some(suppressed) = QP_DECLINE_LOG.admit() {
                 info!(peer = %self.peer, rail = req.rail_index, suppressed, "declined RDMA queue pairs: {e}");
             }
+        }
+        if taken {
+            self.lock().qp_acceptor.done(req.rail_index);
         }
         let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
         self.send_control(conn, Body::RdmaAccept(answer));
