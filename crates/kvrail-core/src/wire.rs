@@ -82,6 +82,10 @@ pub enum WireError {
     Decode(String),
     #[error("control message has no body")]
     EmptyMessage,
+    /// One message of a control frame is larger than its kind ever needs
+    /// (decoding it could take many times its size in memory).
+    #[error("a control message of field {field} has {len} bytes (at most {max} for its kind)")]
+    MessageTooLong { field: u32, len: u64, max: u32 },
 }
 
 /// What follows a frame header.
@@ -203,8 +207,63 @@ pub fn decode_slice_trailer(b: &[u8]) -> Option<(SliceHeader, u32)> {
 
 /// Decodes a control body into its message.
 pub fn decode_control(body: &[u8]) -> Result<Body, WireError> {
+    check_message_sizes(body)?;
     let msg = PeerMessage::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
     msg.body.ok_or(WireError::EmptyMessage)
+}
+
+/// Most bytes of a control message other than an open: every other kind is
+/// a few fields (a certificate in a `HelloAck`, a worker message's 16 KiB
+/// payload), and a frame of 16 MiB of empty repeated entries (an
+/// `RdmaConnect` of millions of queue pairs) decodes to 20-40 times its
+/// size before any count is checked.
+pub const MAX_SMALL_CONTROL_BYTES: u32 = 64 << 10;
+
+/// The limit on one message of the `PeerMessage` field `field`: opens name
+/// up to [`crate::plan::MAX_BLOCKS_PER_TRANSFER`] blocks with their
+/// generations, so they may fill a frame; nothing else comes close.
+fn max_message_bytes(field: u32) -> u32 {
+    match field {
+        3 | 4 => MAX_CONTROL_BYTES, // PushOpen, PullOpen
+        _ => MAX_SMALL_CONTROL_BYTES,
+    }
+}
+
+/// Walks the top-level fields of a `PeerMessage` (a peer may send several;
+/// the last wins) and refuses one larger than its kind allows, before
+/// anything is decoded.
+fn check_message_sizes(mut body: &[u8]) -> Result<(), WireError> {
+    use prost::encoding::{decode_varint, WireType};
+    let bad = |e: prost::DecodeError| WireError::Decode(e.to_string());
+    while !body.is_empty() {
+        let key = decode_varint(&mut body).map_err(bad)?;
+        let field = u32::try_from(key >> 3).unwrap_or(u32::MAX);
+        let len = match WireType::try_from(key & 7).map_err(bad)? {
+            WireType::LengthDelimited => decode_varint(&mut body).map_err(bad)?,
+            WireType::Varint => {
+                decode_varint(&mut body).map_err(bad)?;
+                continue;
+            }
+            WireType::SixtyFourBit => 8,
+            WireType::ThirtyTwoBit => 4,
+            WireType::StartGroup | WireType::EndGroup => {
+                return Err(WireError::Decode("groups are not used".into()))
+            }
+        };
+        let max = max_message_bytes(field);
+        if len > u64::from(max) {
+            return Err(WireError::MessageTooLong { field, len, max });
+        }
+        let len = len as usize; // <= max, a u32
+        if len > body.len() {
+            return Err(WireError::Decode(format!(
+                "field {field} claims {len} bytes, {} remain",
+                body.len()
+            )));
+        }
+        body = &body[len..];
+    }
+    Ok(())
 }
 
 /// Wraps a body into a message.
@@ -314,5 +373,77 @@ mod tests {
         ));
         assert!(decode_control(&[0xff, 0xff, 0xff]).is_err());
         assert_eq!(decode_control(&[]), Err(WireError::EmptyMessage));
+    }
+
+    /// A frame of millions of empty queue-pair entries is refused from its
+    /// length, before prost builds them (320 MiB for a 16 MiB frame); so is
+    /// one hidden behind a small first message (the last of several wins).
+    /// Opens may be large, and real messages of every kind pass.
+    #[test]
+    fn oversized_messages_are_refused_by_kind_before_decoding() {
+        let huge = message(Body::RdmaConnect(pb::RdmaConnect {
+            rail_index: 0,
+            nonce: 1,
+            qps: vec![pb::RdmaEndpoint::default(); 100_000],
+            attempt: 1,
+        }))
+        .encode_to_vec();
+        assert!(matches!(
+            decode_control(&huge),
+            Err(WireError::MessageTooLong { field: 12, max, .. }) if max == MAX_SMALL_CONTROL_BYTES
+        ));
+        let mut hidden = message(Body::Ping(pb::Ping { nonce: 1 })).encode_to_vec();
+        hidden.extend_from_slice(&huge);
+        assert!(matches!(
+            decode_control(&hidden),
+            Err(WireError::MessageTooLong { field: 12, .. })
+        ));
+        let open = message(Body::PushOpen(pb::PushOpen {
+            transfer_id: 1,
+            request_id: "r".into(),
+            destination: Some(pb::BlockSet {
+                block_ids: (0..1_000_000).collect(),
+                generations: vec![u64::MAX; 1_000_000],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+        .encode_to_vec();
+        assert!(open.len() > MAX_SMALL_CONTROL_BYTES as usize);
+        assert!(open.len() < MAX_CONTROL_BYTES as usize);
+        assert!(matches!(decode_control(&open), Ok(Body::PushOpen(_))));
+        let small = message(Body::RdmaConnect(pb::RdmaConnect {
+            rail_index: 1,
+            nonce: 2,
+            qps: vec![
+                pb::RdmaEndpoint {
+                    qp_num: 7,
+                    psn: 9,
+                    gid: vec![0xfe; 16],
+                    mtu: 4096
+                };
+                16
+            ],
+            attempt: 3,
+        }));
+        assert_eq!(
+            decode_control(&small.encode_to_vec()),
+            Ok(small.body.unwrap())
+        );
+        let note = message(Body::WorkerMessage(pb::WorkerMessage {
+            from_worker: "w".repeat(256),
+            to_worker: "v".repeat(256),
+            topic: "t".repeat(256),
+            payload: vec![1; crate::message::MAX_PAYLOAD_BYTES],
+        }));
+        assert_eq!(
+            decode_control(&note.encode_to_vec()),
+            Ok(note.body.unwrap())
+        );
+        // A length past the body's end is a decode error, not a panic.
+        assert!(matches!(
+            decode_control(&[0x62, 0x10, 0x08]),
+            Err(WireError::Decode(_))
+        ));
     }
 }

@@ -43,7 +43,7 @@ pub(super) fn wire_reason(e: &wire::WireError) -> &'static str {
         wire::WireError::BadMagic(_) => "bad_magic",
         wire::WireError::Version(_) => "version",
         wire::WireError::UnknownKind(_) => "unknown_kind",
-        wire::WireError::TooLong { .. } => "too_long",
+        wire::WireError::TooLong { .. } | wire::WireError::MessageTooLong { .. } => "too_long",
         wire::WireError::ShortData => "short_data",
         wire::WireError::Decode(_) | wire::WireError::EmptyMessage => "decode",
     }
