@@ -549,7 +549,7 @@ async fn contiguous_reference(
     block_bytes: u64,
     reference_for: &str,
 ) -> anyhow::Result<f64> {
-    let block = if total % (1 << 20) == 0 {
+    let block = if total.is_multiple_of(1 << 20) {
         1 << 20
     } else {
         block_bytes

@@ -97,9 +97,18 @@ pub fn node(dir: &Path, name: &str, validity: Validity) -> Result<PathBuf, AuthE
         what,
     })?;
     let ca_key_path = dir.join("ca.key");
-    let ca_pem = std::fs::read_to_string(&ca_key_path).map_err(|source| AuthError::Read {
-        path: ca_key_path.clone(),
-        source,
+    let ca_pem = std::fs::read_to_string(&ca_key_path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => AuthError::Pem {
+            path: ca_key_path.clone(),
+            what: format!(
+                "no CA key here: run `kvrail certs init --dir {}` first",
+                dir.display()
+            ),
+        },
+        _ => AuthError::Read {
+            path: ca_key_path.clone(),
+            source,
+        },
     })?;
     let ca_key = KeyPair::from_pem(&ca_pem)?;
     // The same subject and key as the stored CA certificate, so the issuer matches.

@@ -1172,7 +1172,10 @@ fn check_words(
     len: u64,
     first_word: u64,
 ) -> Result<(u64, u64, u64), CudaError> {
-    if offset % 4 != 0 || len % 4 != 0 || offset.checked_add(len).is_none_or(|e| e > size) {
+    if !offset.is_multiple_of(4)
+        || !len.is_multiple_of(4)
+        || offset.checked_add(len).is_none_or(|e| e > size)
+    {
         return Err(CudaError::OutOfBounds(format!(
             "range {offset}+{len} of {size} bytes (offset and length must be multiples of 4)"
         )));

@@ -11,40 +11,69 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let target = args.next().unwrap_or_default();
-    if !kvrail_fuzz::TARGETS.contains(&target.as_str()) {
-        anyhow::bail!(
-            "usage: kvrail-fuzz TARGET [--seconds N] [--corpus DIR] [--seed S]; targets: {}",
+use clap::Parser;
+
+/// A mutation fuzzer for kvrail's decoders, on stable Rust.
+#[derive(Parser)]
+#[command(name = "kvrail-fuzz", version)]
+struct Args {
+    /// What to fuzz: one of kvrail_fuzz::TARGETS (`kvrail-fuzz list` prints them).
+    target: String,
+    /// How long to run.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Seed inputs (default: this crate's corpus/TARGET).
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// The random seed (default: a fresh one, printed in the report).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Add up to N of the inputs kept to the corpus directory.
+    #[arg(long, default_value_t = 0)]
+    save: usize,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    if args.target == "list" {
+        println!("{}", kvrail_fuzz::TARGETS.join("\n"));
+        return std::process::ExitCode::SUCCESS;
+    }
+    if !kvrail_fuzz::TARGETS.contains(&args.target.as_str()) {
+        eprintln!(
+            "error: unknown target {:?}; targets: {}",
+            args.target,
             kvrail_fuzz::TARGETS.join(", ")
         );
+        return std::process::ExitCode::from(2);
     }
-    let mut seconds = 10u64;
-    let mut corpus = PathBuf::from(env_dir()).join("corpus").join(&target);
-    let mut seed = rand::random::<u64>();
-    let mut save = 0usize;
-    while let Some(flag) = args.next() {
-        let value = args.next().unwrap_or_default();
-        match flag.as_str() {
-            "--seconds" => seconds = value.parse()?,
-            "--corpus" => corpus = PathBuf::from(value),
-            "--seed" => seed = value.parse()?,
-            "--save" => save = value.parse()?,
-            other => anyhow::bail!("unknown flag {other}"),
+    match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(2)
         }
     }
-    let report = kvrail_fuzz::mutate::run(&target, &corpus, Duration::from_secs(seconds), seed)?;
+}
+
+fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let target = args.target;
+    let corpus = args
+        .corpus
+        .unwrap_or_else(|| PathBuf::from(env_dir()).join("corpus").join(&target));
+    let seed = args.seed.unwrap_or_else(rand::random::<u64>);
+    let report =
+        kvrail_fuzz::mutate::run(&target, &corpus, Duration::from_secs(args.seconds), seed)?;
     println!("{}", report.to_json());
-    if save > 0 && report.crash.is_none() {
-        let n = report.save(&corpus, save)?;
+    if args.save > 0 && report.crash.is_none() {
+        let n = report.save(&corpus, args.save)?;
         eprintln!("{target}: {n} inputs added to {}", corpus.display());
     }
     if let Some(path) = report.crash {
         eprintln!("{target}: an input panicked; saved to {}", path.display());
-        std::process::exit(1);
+        return Ok(std::process::ExitCode::FAILURE);
     }
-    Ok(())
+    Ok(std::process::ExitCode::SUCCESS)
 }
 
 /// The crate's directory at run time (cargo sets it), else the current one.

@@ -382,7 +382,7 @@ impl SharedRegion {
     /// other process mapping the file (ring indices, futex words).
     pub fn atomic_u32(&self, offset: u64) -> Result<&AtomicU32, ShmError> {
         self.check(offset, 4)?;
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return Err(ShmError::Misaligned { offset, align: 4 });
         }
         // SAFETY: in bounds and 4-aligned (the mapping is page-aligned); the
@@ -395,7 +395,7 @@ impl SharedRegion {
     /// As [`atomic_u32`](Self::atomic_u32), for an aligned 64-bit word.
     pub fn atomic_u64(&self, offset: u64) -> Result<&AtomicU64, ShmError> {
         self.check(offset, 8)?;
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(ShmError::Misaligned { offset, align: 8 });
         }
         // SAFETY: as in `atomic_u32`, with 8-byte alignment.

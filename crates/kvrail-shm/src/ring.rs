@@ -83,7 +83,7 @@ fn wait_on(
             return true;
         }
         i = i.wrapping_add(1);
-        if i % 64 == 0 && start.elapsed() >= spin {
+        if i.is_multiple_of(64) && start.elapsed() >= spin {
             break;
         }
         std::hint::spin_loop();

@@ -73,14 +73,36 @@ pub async fn serve(
                 std::fs::remove_file(socket)?;
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => anyhow::bail!(
+                "{} belongs to another user ({e}): give this sidecar a --socket of its own",
+                socket.display()
+            ),
             Err(e) => anyhow::bail!(
                 "{} exists and cannot be checked for a running sidecar: {e}",
                 socket.display()
             ),
         }
     }
-    let listener = bind_private(socket)
-        .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", socket.display()))?;
+    let listener = bind_private(socket).map_err(|e| {
+        let dir = socket
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        match e.kind() {
+            std::io::ErrorKind::NotFound => anyhow::anyhow!(
+                "cannot bind {}: the directory {} does not exist (create it, e.g. `install -d -m 0755 {}`, or systemd's RuntimeDirectory=)",
+                socket.display(),
+                dir.display(),
+                dir.display()
+            ),
+            std::io::ErrorKind::PermissionDenied => anyhow::anyhow!(
+                "cannot bind {}: no permission to create it in {} ({e}); choose a --socket in a directory this user may write",
+                socket.display(),
+                dir.display()
+            ),
+            _ => anyhow::anyhow!("cannot bind {}: {e}", socket.display()),
+        }
+    })?;
     let bound = BoundSocket::of(socket);
     let service = SidecarServer::new(Api { shared }).max_decoding_message_size(64 << 20);
     let incoming = UnixListenerStream::new(listener);

@@ -11,6 +11,7 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields)]
 pub struct PeerConfig {
     pub name: String,
+    #[serde(deserialize_with = "rail_addrs")]
     pub rails: Vec<SocketAddr>,
 }
 
@@ -23,6 +24,7 @@ pub struct Config {
     /// Unix socket of the local worker API.
     pub socket: PathBuf,
     /// One listen address per local rail.
+    #[serde(deserialize_with = "rail_addrs")]
     pub listen: Vec<SocketAddr>,
     pub peers: Vec<PeerConfig>,
     /// TCP connections opened per rail to each peer.
@@ -188,6 +190,25 @@ impl Default for Config {
     }
 }
 
+/// A rail's address, `IP:PORT`; the error says so, and that host names are
+/// not resolved (a rail is one interface's address).
+pub fn parse_rail_addr(text: &str) -> Result<SocketAddr, String> {
+    text.parse().map_err(|_| {
+        format!(
+            "{text:?} is not IP:PORT (e.g. 10.0.0.1:7400 or [fd00::1]:7400; host names are not resolved: a rail is an interface's address)"
+        )
+    })
+}
+
+/// Rail addresses in the TOML file, with [`parse_rail_addr`]'s error.
+fn rail_addrs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SocketAddr>, D::Error> {
+    let texts: Vec<String> = Deserialize::deserialize(d)?;
+    texts
+        .iter()
+        .map(|t| parse_rail_addr(t).map_err(serde::de::Error::custom))
+        .collect()
+}
+
 /// A configuration that cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -201,7 +222,7 @@ pub enum ConfigError {
         path: PathBuf,
         source: toml::de::Error,
     },
-    #[error("invalid peer {0:?}: expected NAME=ADDR[,ADDR...]")]
+    #[error("invalid peer {0:?}: expected NAME=IP:PORT[,IP:PORT...], one address per rail (host names are not resolved: a rail is an interface's address)")]
     PeerSyntax(String),
     #[error("{0}")]
     Invalid(String),
@@ -273,7 +294,7 @@ impl Config {
             .ok_or_else(|| ConfigError::PeerSyntax(spec.into()))?;
         let rails = addrs
             .split(',')
-            .map(|a| a.trim().parse::<SocketAddr>())
+            .map(|a| parse_rail_addr(a.trim()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|_| ConfigError::PeerSyntax(spec.into()))?;
         if name.is_empty() || rails.is_empty() {
@@ -333,10 +354,22 @@ impl Config {
         {
             return bad("rail_stall_ms must be 100..=60000, rail_deadline_ms 100..=600000, rail_probe_max_ms 50..=60000");
         }
-        if !(1..=8).contains(&self.rdma_qps_per_rail)
-            || (self.connections_per_rail + self.rdma_qps_per_rail) * self.listen.len() > 64
-        {
-            return bad("rdma_qps_per_rail must be 1..=8, and connections plus queue pairs at most 64 over all rails");
+        if !(1..=8).contains(&self.rdma_qps_per_rail) {
+            return bad("rdma_qps_per_rail must be 1..=8");
+        }
+        // A session holds at most 64 connections: stream connections, and
+        // queue pairs where RDMA may be used.
+        let qps = if self.rdma && self.wants("rdma") {
+            self.rdma_qps_per_rail
+        } else {
+            0
+        };
+        let rails = self.listen.len().max(1);
+        if (self.connections_per_rail + qps) * rails > 64 {
+            return Err(ConfigError::Invalid(format!(
+                "connections_per_rail ({}) plus rdma_qps_per_rail ({qps} with RDMA on) times {rails} rail(s) is more than 64 connections per session",
+                self.connections_per_rail
+            )));
         }
         if self.rdma_timeout > 31
             || self.rdma_retry_cnt > 7
@@ -485,6 +518,56 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A host name where a rail address goes is refused saying that rails
+    /// are IP:PORT, on the command line and in the file alike.
+    #[test]
+    fn rail_addresses_must_be_ip_and_port_and_say_so() {
+        let e = Config::parse_peer("b=localhost:7470")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("host names are not resolved"), "{e}");
+        let e = parse_rail_addr("localhost:7470").unwrap_err();
+        assert!(e.contains("\"localhost:7470\" is not IP:PORT"), "{e}");
+        let e = toml::from_str::<Config>("node = \"a\"\nlisten = [\"host:1\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("host names are not resolved"), "{e}");
+        let e = toml::from_str::<Config>(
+            "node = \"a\"\n[[peers]]\nname = \"b\"\nrails = [\"b.example:7470\"]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("\"b.example:7470\" is not IP:PORT"), "{e}");
+        assert_eq!(
+            Config::parse_peer("b=127.0.0.1:1,[::1]:2").unwrap().rails,
+            vec![
+                "127.0.0.1:1".parse::<SocketAddr>().unwrap(),
+                "[::1]:2".parse().unwrap()
+            ]
+        );
+    }
+
+    /// Queue pairs count toward a session's 64 connections only where RDMA
+    /// may be used, and the refusal names the setting.
+    #[test]
+    fn the_connection_limit_counts_queue_pairs_only_with_rdma() {
+        let mut c = Config {
+            listen: vec!["127.0.0.1:7400".parse().unwrap()],
+            connections_per_rail: 63,
+            insecure: true,
+            ..Config::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("connections_per_rail (63)"), "{e}");
+        c.rdma = false;
+        c.validate().unwrap();
+        c.rdma = true;
+        c.transports = vec!["tcp".into()];
+        c.validate().unwrap();
+        c.connections_per_rail = 65;
+        assert!(c.validate().is_err());
+    }
 
     #[test]
     fn parses_toml_and_peer_flags() {

@@ -46,13 +46,13 @@ pub struct ServeArgs {
     /// Unix socket of the local worker API (created with mode 0600; default /tmp/kvrail.sock).
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Listen address of a rail; repeat once per rail.
-    #[arg(long)]
+    /// Listen address of a rail, IP:PORT; repeat once per rail.
+    #[arg(long, value_parser = config::parse_rail_addr)]
     pub listen: Vec<SocketAddr>,
-    /// A peer: NAME=ADDR[,ADDR...] (one address per rail); repeatable.
+    /// A peer: NAME=IP:PORT[,IP:PORT...] (one address per rail); repeatable.
     #[arg(long = "peer")]
     pub peers: Vec<String>,
-    /// TCP connections per rail to each peer (default 4; at most 64 over all rails).
+    /// TCP connections per rail to each peer (default 4; with RDMA's queue pairs at most 64 over all rails).
     #[arg(long)]
     pub connections_per_rail: Option<usize>,
     /// Slice size in bytes (default 1048576; 4 KiB to 64 MiB).

@@ -48,7 +48,7 @@ impl Daemon {
         let identity = match &config.tls_dir {
             Some(dir) => Some(Arc::new(
                 Identity::load(&config.node, &IdentityFiles::in_dir(dir, &config.node))
-                    .map_err(|e| anyhow::anyhow!("node identity: {e}"))?,
+                    .map_err(|e| identity_error(e, dir, &config.node))?,
             )),
             None => None,
         };
@@ -278,5 +278,31 @@ async fn accept_loop(
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+/// Why the node's identity could not be loaded, with what to do about a
+/// missing file.
+fn identity_error(e: kvrail_auth::AuthError, dir: &std::path::Path, node: &str) -> anyhow::Error {
+    let missing = match &e {
+        kvrail_auth::AuthError::Read { path, source }
+            if source.kind() == std::io::ErrorKind::NotFound =>
+        {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string)
+        }
+        _ => None,
+    };
+    match missing.as_deref() {
+        Some("ca.pem") => anyhow::anyhow!(
+            "node identity: {e}; copy the cluster's ca.pem into {} (made once by `kvrail certs init --dir DIR`)",
+            dir.display()
+        ),
+        Some(_) => anyhow::anyhow!(
+            "node identity: {e}; make this node's certificate with `kvrail certs node --dir CA_DIR {node}` and copy {node}.pem and {node}.key into {} (this node is named {node:?}: --node)",
+            dir.display()
+        ),
+        None => anyhow::anyhow!("node identity: {e}"),
     }
 }
