@@ -171,6 +171,12 @@ impl RingGeometry {
         })
     }
 
+    /// Bytes of the largest ring any valid header describes: the sidecar
+    /// maps no more of a ring file than this, however large the file.
+    pub const MAX_TOTAL_BYTES: u64 = HEADER_BYTES
+        + SQ_ENTRIES_MAX as u64 * SQ_SLOT_BYTES_MAX as u64
+        + CQ_ENTRIES_MAX as u64 * CQ_SLOT_BYTES as u64;
+
     /// Bytes of the whole ring file.
     pub fn total_bytes(&self) -> u64 {
         self.cq_offset() + u64::from(self.cq_entries) * u64::from(CQ_SLOT_BYTES)

@@ -303,16 +303,27 @@ impl SharedRegion {
         })
     }
 
-    /// Creates (or truncates) a file of `len` zero bytes and maps it (the worker's side).
+    /// Creates (or truncates) a file of `len` zero bytes and maps it (the
+    /// worker's side). The file is its user's alone (mode 0600, also when it
+    /// existed with a wider one): a KV cache is no other user's to read. A
+    /// symlink at `path` is refused, and the file opened is the one mapped.
     pub fn create(path: impl AsRef<Path>, len: u64) -> Result<Self, ShmError> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let path = path.as_ref().to_path_buf();
-        {
+        let file = {
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&path)
+                .map_err(|source| ShmError::Open {
+                    path: path.clone(),
+                    source,
+                })?;
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
                 .map_err(|source| ShmError::Open {
                     path: path.clone(),
                     source,
@@ -331,8 +342,9 @@ impl SharedRegion {
                     source,
                 }
             })?;
-        }
-        Self::open(path)
+            file
+        };
+        Self::map_file(file, path)
     }
 
     /// Start of the mapping, for registering it with an RDMA device.
@@ -646,6 +658,33 @@ mod tests {
         assert!(r.check_intact(0, 16).is_err(), "poisoned is sticky");
         drop(r);
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A KV cache file is its user's alone, also when the path held a file
+    /// with a wider mode; a symlink planted at the path is not followed.
+    #[test]
+    fn created_files_are_private_and_symlinks_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let p = shm_file("private");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let r = SharedRegion::create(&p, 8192).unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(r.len(), 8192);
+        drop(r);
+        std::fs::remove_file(&p).unwrap();
+        let target = shm_file("target");
+        let link =
+            Path::new("/dev/shm").join(format!("kvrail-shm-test-{}-link", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(matches!(
+            SharedRegion::create(&link, 8192),
+            Err(ShmError::Open { .. })
+        ));
+        assert_eq!(std::fs::metadata(&target).unwrap().len(), 4096, "untouched");
+        std::fs::remove_file(&link).unwrap();
+        std::fs::remove_file(&target).unwrap();
     }
 
     #[test]

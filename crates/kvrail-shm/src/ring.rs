@@ -132,15 +132,10 @@ pub struct WorkerRing {
 }
 
 impl WorkerRing {
-    /// Creates the ring file (0600 under the caller's umask-independent mode:
-    /// shared memory files are created by the worker's own user) and writes
-    /// its header.
+    /// Creates the ring file (mode 0600, see [`SharedRegion::create`]) and
+    /// writes its header.
     pub fn create(path: impl AsRef<Path>, geometry: RingGeometry) -> Result<Self, RingIoError> {
         let mem = SharedRegion::create(path, geometry.total_bytes())?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(mem.path(), std::fs::Permissions::from_mode(0o600));
-        }
         mem.write_at(0, &geometry.encode_header())?;
         Ok(Self {
             sq_tail: Mutex::new((0, vec![0; geometry.sq_slot_bytes as usize])),
@@ -306,7 +301,10 @@ impl SidecarRing {
     /// Maps a worker's ring file under the region registration policy (the
     /// caller's own tmpfs file), checks its header and claims it.
     pub fn open(path: impl AsRef<Path>, caller: Caller) -> Result<Self, RingIoError> {
-        let mem = SharedRegion::open_registered(path, caller)?;
+        // No more than the largest ring is mapped: a sparse file of many TiB
+        // would otherwise take the daemon's address space.
+        let mem =
+            SharedRegion::open_registered_within(path, caller, RingGeometry::MAX_TOTAL_BYTES)?;
         let mut header = [0u8; 28];
         mem.read_at(0, &mut header)?;
         let geometry = RingGeometry::decode_header(&header, mem.len())?;
@@ -563,6 +561,25 @@ mod tests {
                 next_done += 1;
             }
         });
+    }
+
+    /// A ring file grown to many TiB (sparse on tmpfs, so it costs the
+    /// worker nothing) is mapped no further than the largest ring.
+    #[test]
+    fn a_huge_ring_file_maps_no_more_than_the_largest_ring() {
+        let p = path("huge");
+        let g = RingGeometry::new(8, 8, 1024).unwrap();
+        let worker = WorkerRing::create(&p, g).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(64 << 40)
+            .unwrap();
+        let sidecar = SidecarRing::open(&p, Caller { uid: None }).unwrap();
+        assert_eq!(sidecar.mem.len(), RingGeometry::MAX_TOTAL_BYTES);
+        drop((sidecar, worker));
+        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]
