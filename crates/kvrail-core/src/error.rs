@@ -116,8 +116,8 @@ pub enum FailureSide {
 /// Why a transfer failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransferError {
-    /// The peer refused or aborted the transfer.
-    #[error("peer aborted the transfer ({code:?}): {message}")]
+    /// The peer refused or aborted the transfer, or broke the protocol.
+    #[error("the peer's side failed the transfer ({code:?}): {message}")]
     Peer { code: ErrorCode, message: String },
     /// This sidecar could not go on.
     #[error("local failure ({code:?}): {message}")]

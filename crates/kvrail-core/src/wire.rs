@@ -229,12 +229,15 @@ fn max_message_bytes(field: u32) -> u32 {
     }
 }
 
-/// Walks the top-level fields of a `PeerMessage` (a peer may send several;
-/// the last wins) and refuses one larger than its kind allows, before
-/// anything is decoded.
+/// Walks the top-level fields of a `PeerMessage` and refuses a kind whose
+/// bytes pass its limit, before anything is decoded. A field may come many
+/// times (prost merges the copies into one message, appending their repeated
+/// entries), so what counts is the sum of its copies.
 fn check_message_sizes(mut body: &[u8]) -> Result<(), WireError> {
     use prost::encoding::{decode_varint, WireType};
     let bad = |e: prost::DecodeError| WireError::Decode(e.to_string());
+    // Bytes per field number; numbers past the last known share the last slot.
+    let mut seen = [0u64; 17];
     while !body.is_empty() {
         let key = decode_varint(&mut body).map_err(bad)?;
         let field = u32::try_from(key >> 3).unwrap_or(u32::MAX);
@@ -251,8 +254,14 @@ fn check_message_sizes(mut body: &[u8]) -> Result<(), WireError> {
             }
         };
         let max = max_message_bytes(field);
-        if len > u64::from(max) {
-            return Err(WireError::MessageTooLong { field, len, max });
+        let total = &mut seen[(field as usize).min(16)];
+        *total = total.saturating_add(len);
+        if *total > u64::from(max) {
+            return Err(WireError::MessageTooLong {
+                field,
+                len: *total,
+                max,
+            });
         }
         let len = len as usize; // <= max, a u32
         if len > body.len() {
@@ -377,7 +386,8 @@ mod tests {
 
     /// A frame of millions of empty queue-pair entries is refused from its
     /// length, before prost builds them (320 MiB for a 16 MiB frame); so is
-    /// one hidden behind a small first message (the last of several wins).
+    /// one behind a small first message, and one cut into copies of the
+    /// field that prost would merge.
     /// Opens may be large, and real messages of every kind pass.
     #[test]
     fn oversized_messages_are_refused_by_kind_before_decoding() {
@@ -396,6 +406,20 @@ mod tests {
         hidden.extend_from_slice(&huge);
         assert!(matches!(
             decode_control(&hidden),
+            Err(WireError::MessageTooLong { field: 12, .. })
+        ));
+        // Copies of one field, each under the limit, are merged by prost
+        // into one message: their sum counts.
+        let part = message(Body::RdmaConnect(pb::RdmaConnect {
+            qps: vec![pb::RdmaEndpoint::default(); 30_000],
+            ..Default::default()
+        }))
+        .encode_to_vec();
+        assert!(part.len() < MAX_SMALL_CONTROL_BYTES as usize);
+        assert!(decode_control(&part).is_ok());
+        let copies = part.repeat(256);
+        assert!(matches!(
+            decode_control(&copies),
             Err(WireError::MessageTooLong { field: 12, .. })
         ));
         let open = message(Body::PushOpen(pb::PushOpen {

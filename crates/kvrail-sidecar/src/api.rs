@@ -339,6 +339,9 @@ impl Sidecar for Api {
                         Status::invalid_argument(format!("invalid layout: {l}"))
                     }
                     RegisterError::Gpu(g) => gpu_status(&g),
+                    e @ RegisterError::TooManyBlocks { .. } => {
+                        Status::resource_exhausted(e.to_string())
+                    }
                 })?;
             shared.rdma.register_region(&region);
             Ok(region)

@@ -125,7 +125,16 @@ pub enum RegisterError {
     Layout(#[from] LayoutError),
     #[error(transparent)]
     Gpu(#[from] CudaError),
+    /// The node's regions already list this many blocks in all.
+    #[error("the registered regions already hold {held} blocks; {asked} more would pass the node's {MAX_REGISTERED_BLOCKS} (unregister regions first)")]
+    TooManyBlocks { held: u64, asked: u64 },
 }
+
+/// Blocks all registered regions may list together. Each costs 8 bytes of
+/// generation counter here, and one region may list 2^24: without a node
+/// budget, a worker registering one file again and again could make the
+/// daemon allocate without end. 2^26 is 64 regions of the largest size.
+pub const MAX_REGISTERED_BLOCKS: u64 = 1 << 26;
 
 /// What a worker registers.
 pub enum RegionSource<'a> {
@@ -145,6 +154,8 @@ pub enum RegionSource<'a> {
 pub struct Registry {
     regions: DashMap<u64, Arc<Region>>,
     next_id: AtomicU64,
+    /// Blocks the regions list in all (see [`MAX_REGISTERED_BLOCKS`]).
+    blocks: AtomicU64,
 }
 
 impl Registry {
@@ -153,10 +164,33 @@ impl Registry {
         Registry {
             regions: DashMap::new(),
             next_id: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
+            blocks: AtomicU64::new(0),
         }
     }
 
     pub fn register(
+        &self,
+        worker_id: &str,
+        owner_pid: Option<i32>,
+        source: RegionSource<'_>,
+        layout: RegionLayout,
+        exposed: bool,
+    ) -> Result<Arc<Region>, RegisterError> {
+        let asked = u64::from(layout.num_blocks);
+        self.blocks
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(asked)
+                    .filter(|&total| total <= MAX_REGISTERED_BLOCKS)
+            })
+            .map_err(|held| RegisterError::TooManyBlocks { held, asked })?;
+        let registered = self.register_counted(worker_id, owner_pid, source, layout, exposed);
+        if registered.is_err() {
+            self.blocks.fetch_sub(asked, Ordering::AcqRel);
+        }
+        registered
+    }
+
+    fn register_counted(
         &self,
         worker_id: &str,
         owner_pid: Option<i32>,
@@ -210,7 +244,10 @@ impl Registry {
     }
 
     pub fn remove(&self, id: u64) -> Option<Arc<Region>> {
-        self.regions.remove(&id).map(|(_, r)| r)
+        let (_, region) = self.regions.remove(&id)?;
+        self.blocks
+            .fetch_sub(u64::from(region.layout.num_blocks), Ordering::AcqRel);
+        Some(region)
     }
 
     pub fn len(&self) -> usize {

@@ -43,6 +43,12 @@ impl PeerLink {
             );
             self.lose_connection(&mut st, conn, &reason, Instant::now());
             self.pump(&mut st);
+            // The loss may have set a deadline (a rail's probe or failover).
+            let nudge = st.timer_needs_nudge();
+            drop(st);
+            if nudge {
+                self.timer.notify_one();
+            }
             return false;
         }
         queued
@@ -134,6 +140,11 @@ impl PeerLink {
             let rail = st.session.connection_rail(conn);
             st.qp_acceptor.take(&req, rail).map_err(|e| e.to_string())
         };
+        // The rail's request is answered however this ends.
+        let _taken = checked.is_ok().then_some(AcceptClaim {
+            link: self,
+            rail: req.rail_index,
+        });
         if checked.is_ok() {
             // The dialer replaces its queue pairs on this rail: ours are stale.
             // (Only a request the check accepted, for the rail it came on.)
@@ -142,7 +153,6 @@ impl PeerLink {
             self.stop_connections(&mut st, stale);
             self.pump(&mut st);
         }
-        let taken = checked.is_ok();
         let result = checked.and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
         let outcome = result.and_then(|qps| {
             let endpoints = qps
@@ -174,9 +184,6 @@ impl PeerLink {
             if let Some(suppressed) = QP_DECLINE_LOG.admit() {
                 info!(peer = %self.peer, rail = req.rail_index, suppressed, "declined RDMA queue pairs: {e}");
             }
-        }
-        if taken {
-            self.lock().qp_acceptor.done(req.rail_index);
         }
         let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
         self.send_control(conn, Body::RdmaAccept(answer));
@@ -214,6 +221,19 @@ impl PeerLink {
                 let _ = tx.send(outcome);
             }
         }
+    }
+}
+
+/// Acceptor: a rail's request taken (`QpAcceptor::take`), given back however
+/// its answer ends.
+struct AcceptClaim<'a> {
+    link: &'a PeerLink,
+    rail: RailId,
+}
+
+impl Drop for AcceptClaim<'_> {
+    fn drop(&mut self) {
+        self.link.lock().qp_acceptor.done(self.rail);
     }
 }
 

@@ -247,43 +247,103 @@ async fn read_loop(
                     crate::trace_points::mark(crate::trace_points::SLICE_GATE_LEARNED);
                     admission = held.placer.admit(header, payload_len);
                 }
-                // The payload is usually at hand already (no timer then).
-                let deadline = link.payload_deadline;
-                let placed = tokio::time::timeout(deadline, async {
-                    match admission {
-                        Admission::Place(slice) => {
-                            place_admitted(&env, counters, reader, held, slice).await
-                        }
-                        Admission::AskSession => {
-                            held.settle(false);
-                            place_by_session(
-                                link,
-                                &env,
-                                conn,
-                                counters,
-                                reader,
-                                header,
-                                payload_len,
-                            )
-                            .await
-                        }
+                // Payload reads have a deadline (not the waits for this
+                // node's own staging buffers).
+                let mut timed = PayloadDeadline {
+                    inner: reader,
+                    limit: link.payload_deadline,
+                    transfer: id,
+                };
+                match admission {
+                    Admission::Place(slice) => {
+                        place_admitted(&env, counters, &mut timed, held, slice).await?;
                     }
-                })
-                .await;
-                match placed {
-                    Ok(done) => done?,
-                    Err(_) => {
-                        return Err(TransportError::Io(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            format!(
-                                "the peer sent the header of a {payload_len}-byte slice of transfer {id} \
-                                 and not all of its payload within {deadline:?}"
-                            ),
-                        )))
+                    Admission::AskSession => {
+                        held.settle(false);
+                        place_by_session(
+                            link,
+                            &env,
+                            conn,
+                            counters,
+                            &mut timed,
+                            header,
+                            payload_len,
+                        )
+                        .await?;
                     }
                 }
             }
         }
+    }
+}
+
+/// A connection's reader while it reads a slice's payload: a peer that sent
+/// a data frame's header must send its payload within the progress timeout
+/// plus a second per MiB, or the connection is cut. A peer that stops
+/// mid-payload with its connection open (or a partition without a reset)
+/// would otherwise leave the slice "being placed" for ever, its transfer
+/// never ending and its region in use. A read already complete when first
+/// polled arms no timer.
+struct PayloadDeadline<'a> {
+    inner: &'a mut dyn FrameReader,
+    limit: std::time::Duration,
+    transfer: u64,
+}
+
+/// Bytes a second a payload is allowed at least, on top of the progress
+/// timeout (a slow but moving peer keeps its connection).
+const PAYLOAD_FLOOR_BYTES_PER_SEC: u64 = 1 << 20;
+
+impl PayloadDeadline<'_> {
+    async fn within<T>(
+        limit: std::time::Duration,
+        transfer: u64,
+        len: u64,
+        read: impl Future<Output = std::io::Result<T>>,
+    ) -> std::io::Result<T> {
+        let mut read = std::pin::pin!(read);
+        if let Poll::Ready(done) = ready_now(&mut read).await {
+            return done;
+        }
+        let limit = limit + std::time::Duration::from_secs(len / PAYLOAD_FLOOR_BYTES_PER_SEC);
+        match tokio::time::timeout(limit, read).await {
+            Ok(done) => done,
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the peer sent the header of a slice of transfer {transfer} and not all of its payload ({len} bytes) within {limit:?}"
+                ),
+            )),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl FrameReader for PayloadDeadline<'_> {
+    async fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        let len = buf.len() as u64;
+        Self::within(self.limit, self.transfer, len, self.inner.read_exact(buf)).await
+    }
+
+    async fn read_payload(&mut self, dst: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<()> {
+        let len = dst.iter().map(|b| b.len() as u64).sum();
+        Self::within(self.limit, self.transfer, len, self.inner.read_payload(dst)).await
+    }
+
+    fn input_pending(&mut self) -> bool {
+        self.inner.input_pending()
+    }
+
+    fn can_spin(&self) -> bool {
+        self.inner.can_spin()
+    }
+
+    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
+        self.inner.spin_for_input(until)
+    }
+
+    async fn discard(&mut self, len: u64) -> std::io::Result<()> {
+        Self::within(self.limit, self.transfer, len, self.inner.discard(len)).await
     }
 }
 
