@@ -126,8 +126,8 @@ pub enum RegisterError {
     #[error(transparent)]
     Gpu(#[from] CudaError),
     /// The node's regions already list this many blocks in all.
-    #[error("the registered regions already hold {held} blocks; {asked} more would pass the node's {MAX_REGISTERED_BLOCKS} (unregister regions first)")]
-    TooManyBlocks { held: u64, asked: u64 },
+    #[error("the registered regions already hold {held} blocks; {asked} more would pass the node's {budget} (unregister regions first)")]
+    TooManyBlocks { held: u64, asked: u64, budget: u64 },
 }
 
 /// Blocks all registered regions may list together. Each costs 8 bytes of
@@ -154,8 +154,10 @@ pub enum RegionSource<'a> {
 pub struct Registry {
     regions: DashMap<u64, Arc<Region>>,
     next_id: AtomicU64,
-    /// Blocks the regions list in all (see [`MAX_REGISTERED_BLOCKS`]).
+    /// Blocks the regions list in all, and how many they may (see
+    /// [`MAX_REGISTERED_BLOCKS`]).
     blocks: AtomicU64,
+    block_budget: u64,
 }
 
 impl Registry {
@@ -165,6 +167,7 @@ impl Registry {
             regions: DashMap::new(),
             next_id: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
             blocks: AtomicU64::new(0),
+            block_budget: MAX_REGISTERED_BLOCKS,
         }
     }
 
@@ -180,9 +183,13 @@ impl Registry {
         self.blocks
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 held.checked_add(asked)
-                    .filter(|&total| total <= MAX_REGISTERED_BLOCKS)
+                    .filter(|&total| total <= self.block_budget)
             })
-            .map_err(|held| RegisterError::TooManyBlocks { held, asked })?;
+            .map_err(|held| RegisterError::TooManyBlocks {
+                held,
+                asked,
+                budget: self.block_budget,
+            })?;
         let registered = self.register_counted(worker_id, owner_pid, source, layout, exposed);
         if registered.is_err() {
             self.blocks.fetch_sub(asked, Ordering::AcqRel);
@@ -274,5 +281,65 @@ impl RegionDirectory for Registry {
             Some(r) => selection.check_generations(|b| r.generation(b)),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regions list at most the node's budget of blocks in all; a refused
+    /// registration or a failed one takes none of it, and unregistering gives
+    /// it back.
+    #[test]
+    fn registered_blocks_stay_within_the_node_budget() {
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/kvrail-regions-test-{}",
+            std::process::id()
+        ));
+        std::fs::write(&path, vec![0u8; 64 << 10]).unwrap();
+        let registry = Registry {
+            block_budget: 100,
+            ..Registry::for_incarnation(1)
+        };
+        let caller = kvrail_shm::Caller { uid: None };
+        let layout = |blocks| RegionLayout::dense(1, 1, blocks, 64);
+        let register = |blocks| {
+            registry.register(
+                "w",
+                None,
+                RegionSource::Shm(&path, caller),
+                layout(blocks),
+                false,
+            )
+        };
+        let a = register(60).unwrap();
+        let refused = register(41).unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                RegisterError::TooManyBlocks {
+                    held: 60,
+                    asked: 41,
+                    budget: 100
+                }
+            ),
+            "{refused}"
+        );
+        // A registration that fails otherwise (past the file's end) takes none.
+        let too_big = RegionLayout::dense(1, 1, 30, 1 << 20);
+        let failed = registry
+            .register("w", None, RegionSource::Shm(&path, caller), too_big, false)
+            .unwrap_err();
+        assert!(
+            matches!(failed, RegisterError::Layout(_) | RegisterError::Shm(_)),
+            "{failed}"
+        );
+        let b = register(40).unwrap();
+        assert!(register(1).is_err());
+        registry.remove(a.id).unwrap();
+        register(60).unwrap();
+        assert!(registry.remove(b.id).is_some());
+        std::fs::remove_file(&path).unwrap();
     }
 }
