@@ -203,3 +203,82 @@ async fn huge_sparse_files_and_tiny_blocks_cost_the_daemon_nothing() {
     assert!(err.to_string().contains("blocks"), "{err}");
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Another user binds the sidecar's socket path first (in a shared directory
+/// such as /tmp anyone may): the Rust and Python clients refuse to talk to it
+/// instead of handing it shared-memory paths and trusting its answers. Needs
+/// root (to run the impostor as another user).
+#[tokio::test(flavor = "multi_thread")]
+async fn clients_refuse_a_socket_served_by_another_user() {
+    let root =
+        std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
+    if root.ok() != Some(true) {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI runs as root: this test must run"
+        );
+        println!("SKIPPED clients_refuse_a_socket_served_by_another_user: needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let socket = dir.path().join("kvrail.sock");
+    // The impostor: uid 65534 listening on the path, until its stdin closes.
+    let mut impostor = std::process::Command::new("/usr/bin/python3");
+    std::os::unix::process::CommandExt::uid(&mut impostor, 65534);
+    std::os::unix::process::CommandExt::gid(&mut impostor, 65534);
+    let mut impostor = impostor
+        .args([
+            "-c",
+            "import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); print('up', flush=True); sys.stdin.read()",
+        ])
+        .arg(&socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the system's python3 (quickstart installs it)");
+    let mut up = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(impostor.stdout.take().unwrap()),
+        &mut up,
+    )
+    .unwrap();
+    assert_eq!(up.trim(), "up", "the impostor did not start");
+    let Err(err) = kvrail_client::Client::connect(&socket).await else {
+        panic!("the client connected to another user's socket");
+    };
+    let chain = {
+        let mut s = err.to_string();
+        let mut source = std::error::Error::source(&err);
+        while let Some(e) = source {
+            s.push_str(": ");
+            s.push_str(&e.to_string());
+            source = e.source();
+        }
+        s
+    };
+    assert!(chain.contains("served by uid 65534"), "{chain}");
+    // The Python client too.
+    let python = kvrail_e2e::workspace_root().join("clients/python/src");
+    let out = std::process::Command::new("python3")
+        .env("PYTHONPATH", &python)
+        .args([
+            "-c",
+            "import sys\nfrom kvrail import Client\ntry:\n    Client(sys.argv[1], 'w')\nexcept Exception as e:\n    print(type(e).__name__, e)\nelse:\n    print('connected')",
+        ])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    if String::from_utf8_lossy(&out.stderr).contains("No module named 'grpc'") {
+        println!("python client not checked here: no grpc module for python3 (tests/python_client.rs runs it in its venv)");
+    } else {
+        assert!(
+            said.contains("SidecarUnavailable") && said.contains("served by uid 65534"),
+            "{said} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(impostor.stdin.take());
+    impostor.wait().unwrap();
+}

@@ -332,3 +332,46 @@ def test_a_range_running_past_kvrail_shared_memory_is_refused(pair):
     kv = make_cache(pair, "edge")
     with pytest.raises(kvrail.LayoutError, match="runs past kvrail shared memory"):
         kvrail.adopt_host_memory(kv.memory.address, kv.memory.nbytes + 1)
+
+
+def test_a_socket_served_by_another_user_is_refused():
+    """Another user bound the sidecar's path first (anyone may in /tmp): the
+    client refuses it rather than hand it shared-memory paths and trust its
+    answers. Needs root, to run the impostor as another user."""
+    import os
+    import subprocess
+
+    from kvrail.errors import SidecarUnavailable
+
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root: this test must run")
+        pytest.skip("needs root")
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    # Not pytest's tmp_path: its parents are closed to other users.
+    shared = Path(tempfile.mkdtemp(prefix="kvrail-impostor-"))
+    shared.chmod(0o1777)
+    path = shared / "kvrail.sock"
+
+    def become_nobody() -> None:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+
+    impostor = subprocess.Popen(
+        ["/usr/bin/python3", "-c",
+         "import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+         "print('up', flush=True); sys.stdin.read()", str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=become_nobody)
+    try:
+        assert impostor.stdout is not None and impostor.stdout.readline().strip() == "up"
+        with pytest.raises(SidecarUnavailable, match="served by uid 65534"):
+            Client(path, "w")
+    finally:
+        assert impostor.stdin is not None
+        impostor.stdin.close()
+        impostor.wait(timeout=10)
+        shutil.rmtree(shared, ignore_errors=True)

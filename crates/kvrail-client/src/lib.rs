@@ -151,6 +151,34 @@ pub struct Client {
     rings: std::sync::Arc<ring_submit::RingSubmitters>,
 }
 
+/// Refuses a socket served by a process of another user than ours or root:
+/// in a shared directory such as /tmp, another user could bind the sidecar's
+/// path first and pose as it (shared-memory paths and block ids would go to
+/// them, and their answers would be trusted).
+fn check_server_user(stream: &UnixStream, path: &Path) -> std::io::Result<()> {
+    let server = stream.peer_cred()?;
+    let me = effective_uid();
+    if server.uid() == me || server.uid() == 0 {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "{} is served by uid {} (pid {:?}), neither this user ({me}) nor root: refusing it (another user may pose as the sidecar; give the sidecar a --socket in a directory only its user may write)",
+            path.display(),
+            server.uid(),
+            server.pid()
+        ),
+    ))
+}
+
+/// This process's effective uid, from the owner of a file it creates, with
+/// no unsafe code: `/proc/self` belongs to the effective uid.
+fn effective_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
+}
+
 impl Client {
     /// Connects over the sidecar's Unix socket.
     pub async fn connect(socket: impl AsRef<Path>) -> Result<Self, ClientError> {
@@ -160,7 +188,11 @@ impl Client {
         let channel = Endpoint::from_static("http://kvrail.local")
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let p = p.clone();
-                async move { UnixStream::connect(p).await.map(TokioIo::new) }
+                async move {
+                    let stream = UnixStream::connect(&p).await?;
+                    check_server_user(&stream, &p)?;
+                    Ok::<_, std::io::Error>(TokioIo::new(stream))
+                }
             }))
             .await
             .map_err(|source| ClientError::Connect { path, source })?;

@@ -252,6 +252,32 @@ class Notifications:
         self.close()
 
 
+def _check_server_user(path: Path) -> None:
+    """Refuses a socket served by a process of another user than ours or
+    root: in a shared directory such as /tmp, another user could bind the
+    sidecar's path first and pose as it (shared-memory paths and block ids
+    would go to them, and their answers would be trusted)."""
+    import socket as _socket
+    import struct
+
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        s.settimeout(5.0)
+        s.connect(str(path))
+        pid, uid, gid = struct.unpack("3i", s.getsockopt(
+            _socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError as e:
+        raise SidecarUnavailable(f"cannot reach a sidecar at {path}: {e}") from e
+    finally:
+        s.close()
+    me = os.geteuid()
+    if uid not in (me, 0):
+        raise SidecarUnavailable(
+            f"{path} is served by uid {uid} (pid {pid}), neither this user ({me}) nor root: "
+            "refusing it (another user may pose as the sidecar; give the sidecar a --socket "
+            "in a directory only its user may write)")
+
+
 class Client:
     """One worker's connection to its node's sidecar.
 
@@ -287,6 +313,7 @@ class Client:
         self._ring_retry_at = 0.0
         if not self.socket.exists():
             raise SidecarUnavailable(f"no sidecar socket at {self.socket}")
+        _check_server_user(self.socket)
         self._channel = grpc.insecure_channel(
             f"unix:{self.socket}",
             # gRPC's default :authority for a unix: target is the socket path,
