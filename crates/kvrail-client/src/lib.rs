@@ -457,7 +457,8 @@ impl Client {
     /// `after_sequence` first (the last `sequence` this worker saw, in the
     /// sidecar incarnation it saw it: pass both from that notification, or 0
     /// for the incarnation), and with `take_over` replaces a live subscription
-    /// of the same worker.
+    /// of the same worker. A stream left unread until the sidecar holds 128
+    /// MiB of notifications for it ends `RESOURCE_EXHAUSTED`: resume it so.
     pub async fn subscribe_after(
         &mut self,
         worker_id: &str,

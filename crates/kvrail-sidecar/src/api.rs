@@ -13,7 +13,7 @@ use kvrail_proto::*;
 use kvrail_shm::ShmError;
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::info;
@@ -505,7 +505,7 @@ impl Sidecar for Api {
                 req.take_over,
             )
             .map_err(|e| Status::already_exists(e.to_string()))?;
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(rx)))
     }
 
     type OpenRingStream = crate::worker_ring::RingStream;

@@ -31,6 +31,91 @@ pub const MAX_MAILBOXES: usize = 4096;
 /// What a subscription stream carries.
 pub type Item = Result<Notification, Status>;
 
+/// Bytes of notifications a live stream may have queued and not yet read
+/// (each counted at its encoded size plus [`ITEM_OVERHEAD`]). A worker that
+/// stops reading its stream (HTTP/2 flow control then stops the server
+/// taking from the queue) has the stream ended with RESOURCE_EXHAUSTED
+/// instead of the queue growing without end; it resumes with
+/// `after_sequence` from what the mailbox retains.
+/// Twice what a mailbox retains, so that a resubscription's backlog always fits.
+pub const MAX_QUEUED_BYTES: usize = 2 * RETAINED_BYTES;
+/// What each queued notification counts beyond its encoded size.
+const ITEM_OVERHEAD: usize = 64;
+
+fn queued_size(n: &Notification) -> usize {
+    prost::Message::encoded_len(n) + ITEM_OVERHEAD
+}
+
+/// The hub's end of a live stream, with what it holds unread.
+struct Subscriber {
+    tx: mpsc::UnboundedSender<Item>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Subscriber {
+    /// Queues `n`; false (and the stream told why, then ended) when the
+    /// stream is gone or already holds [`MAX_QUEUED_BYTES`] unread.
+    fn offer(&self, n: Notification) -> bool {
+        use std::sync::atomic::Ordering::AcqRel;
+        let size = queued_size(&n);
+        let before = self.queued.fetch_add(size, AcqRel);
+        if before + size > MAX_QUEUED_BYTES {
+            self.queued.fetch_sub(size, AcqRel);
+            let _ = self.tx.send(Err(Status::resource_exhausted(format!(
+                "this stream fell {before} bytes of notifications behind (at most {MAX_QUEUED_BYTES}): \
+                 subscribe again with after_sequence = the last sequence read (the sidecar keeps the last {RETAINED})"
+            ))));
+            return false;
+        }
+        if self.tx.send(Ok(n)).is_err() {
+            self.queued.fetch_sub(size, AcqRel);
+            return false;
+        }
+        true
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// A worker's live notification stream (the receiving end).
+pub struct Subscription {
+    rx: mpsc::UnboundedReceiver<Item>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Subscription {
+    fn took(&self, item: &Item) {
+        if let Ok(n) = item {
+            self.queued
+                .fetch_sub(queued_size(n), std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+
+    /// The next item if one is queued (tests).
+    pub fn try_recv(&mut self) -> Result<Item, mpsc::error::TryRecvError> {
+        let item = self.rx.try_recv()?;
+        self.took(&item);
+        Ok(item)
+    }
+}
+
+impl tokio_stream::Stream for Subscription {
+    type Item = Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Item>> {
+        let item = std::task::ready!(self.rx.poll_recv(cx));
+        if let Some(item) = &item {
+            self.took(item);
+        }
+        std::task::Poll::Ready(item)
+    }
+}
+
 /// Where a worker's transfer notifications go instead of its stream: the
 /// completion queue of its ring.
 pub trait NotificationSink: Send + Sync {
@@ -41,7 +126,7 @@ pub trait NotificationSink: Send + Sync {
 
 #[derive(Default)]
 struct Mailbox {
-    subscriber: Option<mpsc::UnboundedSender<Item>>,
+    subscriber: Option<Subscriber>,
     /// The worker's ring, when it asked for notifications there. Messages
     /// (with payloads up to 16 KiB) always go to the stream.
     sink: Option<Arc<dyn NotificationSink>>,
@@ -123,10 +208,7 @@ impl NotificationHub {
                 }
             }
         }
-        let delivered = mb
-            .subscriber
-            .as_ref()
-            .is_some_and(|sub| sub.send(Ok(n)).is_ok());
+        let delivered = mb.subscriber.as_ref().is_some_and(|sub| sub.offer(n));
         if delivered {
             mb.handed = mb.last;
         } else {
@@ -209,7 +291,7 @@ impl NotificationHub {
         after_sequence: u64,
         incarnation: u64,
         take_over: bool,
-    ) -> Result<mpsc::UnboundedReceiver<Item>, SubscribeError> {
+    ) -> Result<Subscription, SubscribeError> {
         // A resume point of another process numbers nothing here.
         let after_sequence = if incarnation != 0 && incarnation != self.incarnation {
             0
@@ -217,9 +299,15 @@ impl NotificationHub {
             after_sequence
         };
         let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let subscription = Subscription {
+            rx,
+            queued: queued.clone(),
+        };
+        let subscriber = Subscriber { tx, queued };
         let entry = self.mailbox(worker_id);
         let Ok(mut mb) = entry.lock() else {
-            return Ok(rx);
+            return Ok(subscription);
         };
         if let Some(old) = mb.subscriber.take() {
             if !old.is_closed() {
@@ -227,7 +315,7 @@ impl NotificationHub {
                     mb.subscriber = Some(old);
                     return Err(SubscribeError::AlreadySubscribed(worker_id.to_string()));
                 }
-                let _ = old.send(Err(Status::aborted(
+                let _ = old.tx.send(Err(Status::aborted(
                     "this notification stream was taken over by a newer Subscribe for the same worker",
                 )));
             }
@@ -239,12 +327,13 @@ impl NotificationHub {
         } else {
             mb.handed
         };
+        // The retained notifications fit: they are held to the same bytes.
         for n in mb.retained.iter().filter(|n| n.sequence > from) {
-            let _ = tx.send(Ok(n.clone()));
+            subscriber.offer(n.clone());
         }
         mb.handed = mb.last;
-        mb.subscriber = Some(tx);
-        Ok(rx)
+        mb.subscriber = Some(subscriber);
+        Ok(subscription)
     }
 }
 
@@ -259,7 +348,7 @@ mod tests {
         }
     }
 
-    fn drain(rx: &mut mpsc::UnboundedReceiver<Item>) -> Vec<u64> {
+    fn drain(rx: &mut Subscription) -> Vec<u64> {
         let mut out = Vec::new();
         while let Ok(Ok(n)) = rx.try_recv() {
             out.push(n.sequence);
@@ -318,6 +407,41 @@ mod tests {
         assert_eq!(kept.last(), Some(&40), "the newest are kept");
         let bytes: usize = kept.len() * prost::Message::encoded_len(&big(1));
         assert!(bytes <= RETAINED_BYTES, "{bytes}");
+    }
+
+    /// A worker that stops reading its stream: what the stream holds unread
+    /// stays bounded, the stream is ended saying why, and resubscribing
+    /// from the last sequence read gets what the mailbox retained.
+    #[test]
+    fn a_stream_nobody_reads_is_ended_not_grown() {
+        let hub = NotificationHub::new(7);
+        let big = |id| Notification {
+            transfer_id: id,
+            block_ids: (0..100_000u32).map(|b| b | 0x0100_0000).collect(),
+            ..Default::default()
+        };
+        let mut stalled = hub.subscribe("w", 0, 0, false).unwrap();
+        for id in 1..=400 {
+            hub.send("w", big(id));
+        }
+        let queued = stalled.queued.load(std::sync::atomic::Ordering::Acquire);
+        assert!(queued <= MAX_QUEUED_BYTES, "{queued} bytes queued");
+        let mut read = Vec::new();
+        let ended = loop {
+            match stalled.try_recv() {
+                Ok(Ok(n)) => read.push(n.sequence),
+                Ok(Err(status)) => break status,
+                Err(e) => panic!("the stream was not ended: {e:?} after {}", read.len()),
+            }
+        };
+        assert_eq!(ended.code(), tonic::Code::ResourceExhausted, "{ended:?}");
+        assert!(read.len() < 400, "{} read", read.len());
+        assert_eq!(stalled.queued.load(std::sync::atomic::Ordering::Acquire), 0);
+        let last = *read.last().unwrap();
+        let mut again = hub.subscribe("w", last, 7, false).unwrap();
+        let rest = drain(&mut again);
+        assert_eq!(rest.last(), Some(&400), "the newest are retained");
+        assert!(rest.windows(2).all(|w| w[1] == w[0] + 1), "in order");
     }
 
     #[test]

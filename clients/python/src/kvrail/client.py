@@ -576,7 +576,9 @@ class Client:
         (everything retained, if the sidecar restarted in between). Without
         them, what no stream was handed yet comes first. A second live
         subscription of the same worker raises AlreadyExists unless
-        ``take_over`` (the first stream then ends ABORTED)."""
+        ``take_over`` (the first stream then ends ABORTED). A stream left
+        unread until the sidecar holds 128 MiB of notifications for it ends
+        RESOURCE_EXHAUSTED; resume it the same way."""
         call = self._stub.Subscribe(
             pb.SubscribeRequest(
                 worker_id=worker_id or self.worker_id,
