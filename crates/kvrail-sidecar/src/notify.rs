@@ -24,6 +24,11 @@ pub const RETAINED: usize = 4096;
 /// ...and at most this many bytes of them (a Done notification lists the
 /// transfer's blocks: up to a million ids).
 pub const RETAINED_BYTES: usize = 64 << 20;
+/// Bytes retained over all mailboxes: peers can send messages to every
+/// worker that subscribed here, and each mailbox keeps up to
+/// [`RETAINED_BYTES`]. Past it, a mailbox that takes a notification lets go
+/// of its own oldest first (each keeps at least its newest).
+pub const RETAINED_BYTES_ALL: usize = 1 << 30;
 /// Mailboxes kept; past it, those of workers with no live stream and no ring
 /// go (each worker id named by any call makes one).
 pub const MAX_MAILBOXES: usize = 4096;
@@ -164,6 +169,10 @@ pub struct NotificationHub {
     incarnation: u64,
     /// The highest sequence any mailbox has given.
     high_water: std::sync::atomic::AtomicU64,
+    /// Bytes retained over all mailboxes, and how many may be (0:
+    /// [`RETAINED_BYTES_ALL`]; tests set less).
+    retained_all: std::sync::atomic::AtomicUsize,
+    retained_budget: usize,
     /// Mailboxes were dropped to make room (see [`MAX_MAILBOXES`]): new ones
     /// then start their sequence above every number given so far, so that a
     /// worker whose mailbox went and resumes from its last sequence misses
@@ -190,15 +199,22 @@ impl NotificationHub {
         self.high_water
             .fetch_max(mb.last, std::sync::atomic::Ordering::Relaxed);
         n.incarnation = self.incarnation;
+        use std::sync::atomic::Ordering::AcqRel;
         let size = prost::Message::encoded_len(&n);
         while !mb.retained.is_empty()
-            && (mb.retained.len() >= RETAINED || mb.retained_bytes + size > RETAINED_BYTES)
+            && (mb.retained.len() >= RETAINED
+                || mb.retained_bytes + size > RETAINED_BYTES
+                || self.retained_all.load(std::sync::atomic::Ordering::Acquire) + size
+                    > self.retained_budget())
         {
             if let Some(old) = mb.retained.pop_front() {
-                mb.retained_bytes -= prost::Message::encoded_len(&old);
+                let freed = prost::Message::encoded_len(&old);
+                mb.retained_bytes -= freed;
+                self.retained_all.fetch_sub(freed, AcqRel);
             }
         }
         mb.retained_bytes += size;
+        self.retained_all.fetch_add(size, AcqRel);
         mb.retained.push_back(n.clone());
         if n.kind != NotificationKind::Message as i32 {
             if let Some(sink) = &mb.sink {
@@ -222,8 +238,15 @@ impl NotificationHub {
         use std::sync::atomic::Ordering::Relaxed;
         if !self.mailboxes.contains_key(worker_id) && self.mailboxes.len() >= MAX_MAILBOXES {
             self.evicted.store(true, Relaxed);
-            self.mailboxes
-                .retain(|_, mb| mb.try_lock().map_or(true, |mb| !mb.idle()));
+            self.mailboxes.retain(|_, mb| {
+                mb.try_lock().map_or(true, |mb| {
+                    if mb.idle() {
+                        self.retained_all
+                            .fetch_sub(mb.retained_bytes, std::sync::atomic::Ordering::AcqRel);
+                    }
+                    !mb.idle()
+                })
+            });
         }
         self.mailboxes
             .entry(worker_id.to_string())
@@ -239,6 +262,13 @@ impl NotificationHub {
                     ..Mailbox::default()
                 })
             })
+    }
+
+    fn retained_budget(&self) -> usize {
+        match self.retained_budget {
+            0 => RETAINED_BYTES_ALL,
+            budget => budget,
+        }
     }
 
     /// Mailboxes kept now.
@@ -442,6 +472,49 @@ mod tests {
         let rest = drain(&mut again);
         assert_eq!(rest.last(), Some(&400), "the newest are retained");
         assert!(rest.windows(2).all(|w| w[1] == w[0] + 1), "in order");
+    }
+
+    /// Peers can send messages to every worker that subscribed here: what
+    /// all mailboxes retain stays under the node's budget, each mailbox
+    /// keeping its newest.
+    #[test]
+    fn what_all_mailboxes_retain_is_bounded() {
+        let hub = NotificationHub {
+            retained_budget: 1 << 20,
+            ..NotificationHub::new(7)
+        };
+        let message = |id| Notification {
+            transfer_id: id,
+            payload: vec![7; 16 << 10],
+            kind: NotificationKind::Message as i32,
+            ..Default::default()
+        };
+        for w in 0..16 {
+            for id in 0..200 {
+                hub.send(&format!("w{w}"), message(id));
+            }
+        }
+        // The budget, past which each mailbox keeps only its newest.
+        let all = hub.retained_all.load(std::sync::atomic::Ordering::Acquire);
+        let one = prost::Message::encoded_len(&message(0));
+        assert!(all <= (1 << 20) + 16 * one, "{all} bytes retained");
+        let kept: usize = (0..16)
+            .map(|w| {
+                hub.mailboxes
+                    .get(&format!("w{w}"))
+                    .unwrap()
+                    .lock()
+                    .unwrap()
+                    .retained
+                    .len()
+            })
+            .sum();
+        assert!(kept < 16 * 200 / 4, "{kept} kept of {}", 16 * 200);
+        for w in 0..16 {
+            let mb = hub.mailboxes.get(&format!("w{w}")).unwrap();
+            let mb = mb.lock().unwrap();
+            assert_eq!(mb.retained.back().map(|n| n.transfer_id), Some(199));
+        }
     }
 
     #[test]
