@@ -41,8 +41,8 @@ pub type Item = Result<Notification, Status>;
 /// stops reading its stream (HTTP/2 flow control then stops the server
 /// taking from the queue) has the stream ended with RESOURCE_EXHAUSTED
 /// instead of the queue growing without end; it resumes with
-/// `after_sequence` from what the mailbox retains.
-/// Twice what a mailbox retains, so that a resubscription's backlog always fits.
+/// `after_sequence` from what the mailbox retains. Twice what a mailbox
+/// retains, so that a resubscription's backlog always fits.
 pub const MAX_QUEUED_BYTES: usize = 2 * RETAINED_BYTES;
 /// What each queued notification counts beyond its encoded size.
 const ITEM_OVERHEAD: usize = 64;
