@@ -38,6 +38,31 @@ fn control_header(len: u32) -> Vec<u8> {
     frame
 }
 
+/// Writes `frame` over and over in batches without reading anything back,
+/// until the daemon cuts the connection (asserted: reset or broken pipe);
+/// how many frames went out. Several times what any bound takes, at most.
+fn flood_until_cut(sock: &mut TcpStream, frame: &[u8], what: &str) -> usize {
+    let batch: Vec<u8> = frame.repeat(10_000);
+    sock.set_write_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut sent = 0usize;
+    let cut = loop {
+        match sock.write_all(&batch) {
+            Ok(()) => sent += 10_000,
+            Err(e) => break e,
+        }
+        assert!(sent < 3_000_000, "never cut after {sent} {what}");
+    };
+    assert!(
+        matches!(
+            cut.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        "{cut:?} after {sent} {what}"
+    );
+    sent
+}
+
 /// 64 connections each announce a 16 MiB hello (a 16 MiB node name) and send
 /// it without reading anything back. Before the fix each one held ~230 MB and
 /// wrote the name into the log; now each is refused from its frame header.
@@ -255,24 +280,7 @@ async fn a_peer_that_never_reads_its_replies_is_cut() {
     // pongs), then the daemon's queue, then it must cut the connection, which
     // ends our writes. 3 M pings (~60 MiB) is several times what it takes.
     let ping = wire::encode_control(&wire::message(Body::Ping(pb::Ping { nonce: u64::MAX })));
-    let batch: Vec<u8> = ping.repeat(10_000);
-    sock.set_write_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut sent = 0usize;
-    let cut = loop {
-        match sock.write_all(&batch) {
-            Ok(()) => sent += 10_000,
-            Err(e) => break e,
-        }
-        assert!(sent < 3_000_000, "never cut after {sent} pings");
-    };
-    assert!(
-        matches!(
-            cut.kind(),
-            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-        ),
-        "{cut:?} after {sent} pings"
-    );
+    flood_until_cut(&mut sock, &ping, "pings");
     let grew = rss(pair.decode.pid()).saturating_sub(before);
     assert!(grew < 256 << 20, "grew by {} MiB", grew >> 20);
     assert!(
@@ -558,24 +566,7 @@ async fn a_peer_that_never_reads_its_queue_pair_answers_is_cut() {
         qps: Vec::new(),
         attempt: 1,
     })));
-    let batch: Vec<u8> = ask.repeat(10_000);
-    sock.set_write_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut sent = 0usize;
-    let cut = loop {
-        match sock.write_all(&batch) {
-            Ok(()) => sent += 10_000,
-            Err(e) => break e,
-        }
-        assert!(sent < 3_000_000, "never cut after {sent} requests");
-    };
-    assert!(
-        matches!(
-            cut.kind(),
-            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-        ),
-        "{cut:?} after {sent} requests"
-    );
+    let sent = flood_until_cut(&mut sock, &ask, "requests");
     let grew = rss(pair.decode.pid()).saturating_sub(before);
     assert!(grew < 256 << 20, "grew by {} MiB", grew >> 20);
     let log = pair.decode.log();

@@ -618,14 +618,17 @@ fn repeated_opens_get_a_bounded_number_of_grants() {
     );
     // Past the bound the receiver fails the transfer and says so, so the
     // pusher fails now instead of waiting out its progress timeout.
-    let failed_here = f.sides[1].events.iter().find_map(|e| match e {
-        Event::Failed {
-            transfer_id: 7,
-            error,
-            ..
-        } => Some(error.clone()),
-        _ => None,
-    });
+    let failure = |events: &[Event]| {
+        events.iter().find_map(|e| match e {
+            Event::Failed {
+                transfer_id: 7,
+                error,
+                ..
+            } => Some(error.clone()),
+            _ => None,
+        })
+    };
+    let failed_here = failure(&f.sides[1].events);
     assert!(
         matches!(
             &failed_here,
@@ -636,14 +639,7 @@ fn repeated_opens_get_a_bounded_number_of_grants() {
     while f.deliver_control() {
         f.flush();
     }
-    let failed_there = f.sides[0].events.iter().find_map(|e| match e {
-        Event::Failed {
-            transfer_id: 7,
-            error,
-            ..
-        } => Some(error.clone()),
-        _ => None,
-    });
+    let failed_there = failure(&f.sides[0].events);
     assert!(
         matches!(
             &failed_there,

@@ -179,32 +179,6 @@ impl Registry {
         layout: RegionLayout,
         exposed: bool,
     ) -> Result<Arc<Region>, RegisterError> {
-        let asked = u64::from(layout.num_blocks);
-        self.blocks
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(asked)
-                    .filter(|&total| total <= self.block_budget)
-            })
-            .map_err(|held| RegisterError::TooManyBlocks {
-                held,
-                asked,
-                budget: self.block_budget,
-            })?;
-        let registered = self.register_counted(worker_id, owner_pid, source, layout, exposed);
-        if registered.is_err() {
-            self.blocks.fetch_sub(asked, Ordering::AcqRel);
-        }
-        registered
-    }
-
-    fn register_counted(
-        &self,
-        worker_id: &str,
-        owner_pid: Option<i32>,
-        source: RegionSource<'_>,
-        layout: RegionLayout,
-        exposed: bool,
-    ) -> Result<Arc<Region>, RegisterError> {
         let memory = match source {
             RegionSource::Shm(path, caller) => {
                 // Sane first, so that only the layout's extent is mapped.
@@ -223,6 +197,19 @@ impl Registry {
                 })
             }
         };
+        // Taken last, so that nothing after it fails: a refused or failed
+        // registration holds none of the budget.
+        let asked = u64::from(layout.num_blocks);
+        self.blocks
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(asked)
+                    .filter(|&total| total <= self.block_budget)
+            })
+            .map_err(|held| RegisterError::TooManyBlocks {
+                held,
+                asked,
+                budget: self.block_budget,
+            })?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let region = Arc::new(Region {
             id,

@@ -663,10 +663,16 @@ impl PeerLink {
 
     /// Whether connection `conn` is still open (not retired or failed).
     pub fn is_live(&self, conn: ConnId) -> bool {
-        self.lock()
-            .conns
+        self.live_generation(conn).is_some()
+    }
+
+    /// The generation of connection `conn` while it is open.
+    fn live_generation(&self, conn: ConnId) -> Option<u64> {
+        let st = self.lock();
+        st.conns
             .get(conn)
-            .is_some_and(|h| h.writer.is_some())
+            .filter(|h| h.writer.is_some())
+            .map(|h| h.generation)
     }
 
     /// Adds a handshaken connection on `rail` and starts its tasks.

@@ -26,29 +26,21 @@ impl PeerLink {
 
     /// Queues a driver-level control message on one connection. A peer that
     /// keeps asking (queue-pair requests are answered on the connection they
-    /// came on) without reading the answers has that connection cut, as
-    /// `cut_unread_connections` does for what the session queues.
+    /// came on) without reading the answers has that connection cut, by the
+    /// same rule as what the session queues (`cut_unread_connections`).
     pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
         let mut st = self.lock();
-        let (queued, unread) = match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-            Some(Sink::Stream(sink)) => (
-                sink.queue(Outgoing::Control(encode_control(&wire::message(body)))),
-                sink.unwritten() > MAX_UNWRITTEN_FRAMES,
-            ),
-            _ => (false, false),
-        };
-        if unread {
-            let reason = format!(
-                "cut: the peer does not read what it asks for ({MAX_UNWRITTEN_FRAMES} frames unwritten)"
-            );
-            self.lose_connection(&mut st, conn, &reason, Instant::now());
-            self.pump(&mut st);
-            // The loss may have set a deadline (a rail's probe or failover).
-            let nudge = st.timer_needs_nudge();
-            drop(st);
-            if nudge {
-                self.timer.notify_one();
+        let queued = match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            Some(Sink::Stream(sink)) => {
+                sink.queue(Outgoing::Control(encode_control(&wire::message(body))))
             }
+            _ => false,
+        };
+        if self.cut_unread_connections(&mut st, conn_bit(conn), Instant::now()) {
+            self.pump(&mut st);
+            drop(st);
+            // The loss may have set a deadline (a rail's probe or failover).
+            self.rearm_timer();
             return false;
         }
         queued
@@ -76,7 +68,11 @@ impl PeerLink {
             let mut st = self.lock();
             st.qp_setups.begin(rail).map_err(|e| e.to_string())?;
         }
-        let _claim = SetupClaim { link: self, rail };
+        let _claim = RailClaim {
+            link: self,
+            rail,
+            give_back: |st, rail| st.qp_setups.end(rail),
+        };
         let generation = self
             .live_generation(conn)
             .ok_or("the rail's connection closed before setup")?;
@@ -141,9 +137,10 @@ impl PeerLink {
             st.qp_acceptor.take(&req, rail).map_err(|e| e.to_string())
         };
         // The rail's request is answered however this ends.
-        let _taken = checked.is_ok().then_some(AcceptClaim {
+        let _taken = checked.is_ok().then_some(RailClaim {
             link: self,
             rail: req.rail_index,
+            give_back: |st, rail| st.qp_acceptor.done(rail),
         });
         if checked.is_ok() {
             // The dialer replaces its queue pairs on this rail: ours are stale.
@@ -194,15 +191,6 @@ impl PeerLink {
         self.lock().qp_setups.is_busy(rail)
     }
 
-    /// The generation of connection `conn` while it is open.
-    fn live_generation(&self, conn: ConnId) -> Option<u64> {
-        let st = self.lock();
-        st.conns
-            .get(conn)
-            .filter(|h| h.writer.is_some())
-            .map(|h| h.generation)
-    }
-
     pub(super) fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
         let mut st = self.lock();
         // An answer to no setup of ours (late or made up) is ignored.
@@ -224,33 +212,22 @@ impl PeerLink {
     }
 }
 
-/// Acceptor: a rail's request taken (`QpAcceptor::take`), given back however
-/// its answer ends.
-struct AcceptClaim<'a> {
-    link: &'a PeerLink,
-    rail: RailId,
-}
-
-impl Drop for AcceptClaim<'_> {
-    fn drop(&mut self) {
-        self.link.lock().qp_acceptor.done(self.rail);
-    }
-}
-
 /// Declined queue-pair requests logged, at most a few a second.
 static QP_DECLINE_LOG: std::sync::LazyLock<crate::ratelog::RateLimitedLog> =
     std::sync::LazyLock::new(|| crate::ratelog::RateLimitedLog::new(5));
 
-/// A rail's claim for one queue-pair setup (`QpSetups::begin`), given back
-/// however the setup ends.
-struct SetupClaim<'a> {
+/// A rail's claim for one queue-pair setup, given back however the setup
+/// ends: the dialer's (`QpSetups::begin`/`end`) or the acceptor's
+/// (`QpAcceptor::take`/`done`).
+struct RailClaim<'a> {
     link: &'a PeerLink,
     rail: RailId,
+    give_back: fn(&mut LinkState, RailId),
 }
 
-impl Drop for SetupClaim<'_> {
+impl Drop for RailClaim<'_> {
     fn drop(&mut self) {
-        self.link.lock().qp_setups.end(self.rail);
+        (self.give_back)(&mut self.link.lock(), self.rail);
     }
 }
 
