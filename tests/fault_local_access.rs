@@ -222,7 +222,10 @@ async fn clients_refuse_a_socket_served_by_another_user() {
             std::env::var("CI").as_deref() != Ok("true"),
             "CI runs as root: this test must run"
         );
-        println!("SKIPPED clients_refuse_a_socket_served_by_another_user: needs root");
+        kvrail_e2e::say_skipped(
+            "clients_refuse_a_socket_served_by_another_user",
+            "needs root",
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();

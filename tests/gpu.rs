@@ -21,7 +21,7 @@ fn gpu_or_skip(test: &str) -> Option<Arc<Gpu>> {
     match Gpu::open(0) {
         Ok(g) => Some(g),
         Err(e) => {
-            eprintln!("SKIPPED {test}: no GPU here ({e})");
+            kvrail_e2e::say_skipped(test, &format!("no GPU here ({e})"));
             None
         }
     }
@@ -34,7 +34,10 @@ fn small_layout() -> RegionLayout {
 #[tokio::test(flavor = "multi_thread")]
 async fn without_a_gpu_gpu_regions_are_refused_with_the_reason() {
     if Gpu::open(0).is_ok() {
-        eprintln!("SKIPPED without_a_gpu_...: this machine has a GPU (the GPU tests cover it)");
+        kvrail_e2e::say_skipped(
+            "without_a_gpu_gpu_regions_are_refused_with_the_reason",
+            "this machine has a GPU (the GPU tests cover it)",
+        );
         return;
     }
     let pair = Pair::start(&[]);

@@ -53,7 +53,7 @@ fn rails() -> (Vec<IpAddr>, Vec<IpAddr>) {
 
 fn in_vm(test: &str) -> bool {
     if std::env::var_os("RDMA_VM").is_none() {
-        println!("SKIPPED {test}: needs the RDMA VM (run through rdma_suite_in_the_vm)");
+        kvrail_e2e::say_skipped(test, "needs the RDMA VM (run through rdma_suite_in_the_vm)");
         return false;
     }
     true
@@ -70,7 +70,10 @@ fn rdma_suite_in_the_vm() {
             std::env::var("CI").as_deref() != Ok("true"),
             "CI must run the RDMA suite, but no VM harness (shared/rdma-vm/run or $RDMA_VM_RUN) is here"
         );
-        println!("SKIPPED rdma_suite_in_the_vm: no RDMA VM harness (shared/rdma-vm/run) here");
+        kvrail_e2e::say_skipped(
+            "rdma_suite_in_the_vm",
+            "no RDMA VM harness (shared/rdma-vm/run) here",
+        );
         return;
     };
     let bin_dir = binary("kvrail").parent().unwrap().to_path_buf();
@@ -941,8 +944,9 @@ async fn rdma_doctor_finds_gids_ports_and_a_bond() {
 #[tokio::test(flavor = "multi_thread")]
 async fn without_rdma_the_daemon_says_why_and_uses_tcp() {
     if std::env::var_os("RDMA_VM").is_some() || kvrail_verbs_present() {
-        println!(
-            "SKIPPED without_rdma_the_daemon_says_why_and_uses_tcp: this host has RDMA devices"
+        kvrail_e2e::say_skipped(
+            "without_rdma_the_daemon_says_why_and_uses_tcp",
+            "this host has RDMA devices",
         );
         return;
     }

@@ -180,17 +180,8 @@ impl QuicSettings {
         };
         let socket =
             socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
-        // Past net.core.{r,w}mem_max where the process may (CAP_NET_ADMIN);
-        // otherwise the kernel caps both at those instead of failing: say so
-        // once, since small buffers drop datagrams (docs/quic.md).
-        let n = self.socket_buffer;
-        let forced = rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, n).is_ok()
-            && rustix::net::sockopt::set_socket_send_buffer_size_force(&socket, n).is_ok();
-        if !forced {
-            socket.set_recv_buffer_size(n)?;
-            socket.set_send_buffer_size(n)?;
-        }
-        let granted = socket.recv_buffer_size()?.min(socket.send_buffer_size()?);
+        // Small buffers drop datagrams (docs/quic.md): say so once.
+        let granted = size_socket_buffers(&socket, self.socket_buffer)?;
         if granted < self.socket_buffer {
             static SMALL_BUFFERS: std::sync::Once = std::sync::Once::new();
             SMALL_BUFFERS.call_once(|| {
@@ -702,6 +693,20 @@ impl FrameReader for QuicFrameReader {
     }
 }
 
+/// Sets a UDP socket's send and receive buffers to `bytes`, past
+/// net.core.{r,w}mem_max where the process may (CAP_NET_ADMIN); otherwise the
+/// kernel caps both at those instead of failing. Returns the smaller of the
+/// two sizes granted.
+fn size_socket_buffers(socket: &socket2::Socket, bytes: usize) -> io::Result<usize> {
+    let forced = rustix::net::sockopt::set_socket_recv_buffer_size_force(socket, bytes).is_ok()
+        && rustix::net::sockopt::set_socket_send_buffer_size_force(socket, bytes).is_ok();
+    if !forced {
+        socket.set_recv_buffer_size(bytes)?;
+        socket.set_send_buffer_size(bytes)?;
+    }
+    Ok(socket.recv_buffer_size()?.min(socket.send_buffer_size()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -991,9 +996,20 @@ mod tests {
         assert_eq!(pair.received, 32 << 20);
         let path = pair.client.stats().path;
         assert_eq!(path.current_mtu, 16_000);
-        // A receiver that falls behind may still drop a few.
+        // A receiver that falls behind may still drop a few; more where the
+        // kernel capped the socket buffers (a process without CAP_NET_ADMIN
+        // gets net.core.rmem_max: 16% lost here as a plain user at 4 MiB).
+        // The cut itself is proven by the path keeping its 16,000 bytes.
+        let probe =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None).unwrap();
+        let full_buffers =
+            size_socket_buffers(&probe, settings.socket_buffer).unwrap() >= settings.socket_buffer;
+        let most_lost = if full_buffers { 10 } else { 3 };
+        if !full_buffers {
+            println!("socket buffers capped by the kernel: allowing 1 in {most_lost} lost");
+        }
         assert!(
-            path.lost_packets * 10 < path.sent_packets,
+            path.lost_packets * most_lost < path.sent_packets,
             "{} of {} packets lost",
             path.lost_packets,
             path.sent_packets
