@@ -26,7 +26,7 @@ fn lab() -> Option<NetLab> {
             std::env::var("CI").as_deref() != Ok("true"),
             "CI must run the doctor tests: {why}"
         );
-        eprintln!("SKIP: {why}");
+        kvrail_e2e::say_skipped("the doctor tests", &why);
         return None;
     }
     let shape = RailShape {

@@ -65,7 +65,10 @@ fn kvrail_does_not_link_libibverbs() {
     {
         Ok(out) => out,
         Err(e) if !must_run_here() => {
-            eprintln!("SKIP: readelf not available ({e})");
+            kvrail_e2e::say_skipped(
+                "kvrail_does_not_link_libibverbs",
+                &format!("readelf not available ({e})"),
+            );
             return;
         }
         Err(e) => panic!("readelf: {e}"),
@@ -99,7 +102,10 @@ async fn without_rdma_core_kvrail_serves_over_tcp_and_says_why() {
                 !must_run_here(),
                 "CI: libibverbs is installed and cannot be hidden (unshare --mount failed)"
             );
-            eprintln!("SKIP: libibverbs is installed and no mount namespace can hide it");
+            kvrail_e2e::say_skipped(
+                "without_rdma_core_kvrail_serves_over_tcp_and_says_why",
+                "libibverbs is installed and no mount namespace can hide it",
+            );
             return;
         }
         let mounts: String = hide

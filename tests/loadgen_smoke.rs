@@ -315,7 +315,10 @@ fn replay_moves_a_short_trace_live_over_tcp_and_quic_and_projects_it() {
             assert!(len > 1000, "{f}: {len} bytes");
         }
     } else {
-        kvrail_e2e::say_skipped("the plot files", "no DejaVu Sans font");
+        kvrail_e2e::say_skipped(
+            "the plot files of the loadgen smoke test",
+            "no DejaVu Sans font",
+        );
     }
 }
 

@@ -696,7 +696,8 @@ impl FrameReader for QuicFrameReader {
 /// Sets a UDP socket's send and receive buffers to `bytes`, past
 /// net.core.{r,w}mem_max where the process may (CAP_NET_ADMIN); otherwise the
 /// kernel caps both at those instead of failing. Returns the smaller of the
-/// two sizes granted.
+/// two sizes granted, as set: Linux reports twice what it grants (the other
+/// half is its bookkeeping).
 fn size_socket_buffers(socket: &socket2::Socket, bytes: usize) -> io::Result<usize> {
     let forced = rustix::net::sockopt::set_socket_recv_buffer_size_force(socket, bytes).is_ok()
         && rustix::net::sockopt::set_socket_send_buffer_size_force(socket, bytes).is_ok();
@@ -704,7 +705,8 @@ fn size_socket_buffers(socket: &socket2::Socket, bytes: usize) -> io::Result<usi
         socket.set_recv_buffer_size(bytes)?;
         socket.set_send_buffer_size(bytes)?;
     }
-    Ok(socket.recv_buffer_size()?.min(socket.send_buffer_size()?))
+    let reported = socket.recv_buffer_size()?.min(socket.send_buffer_size()?);
+    Ok(reported / 2)
 }
 
 #[cfg(test)]
