@@ -133,7 +133,7 @@ fn gpu_transfer(pair: &Pair, bytes: u64, mode: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn one_gib_of_gpu_kv_moves_gpu_to_gpu_over_tcp_verified_on_the_gpu() {
-    if gpu_or_skip("one_gib_of_gpu_kv...").is_none() {
+    if gpu_or_skip("one_gib_of_gpu_kv_moves_gpu_to_gpu_over_tcp_verified_on_the_gpu").is_none() {
         return;
     }
     let pair = Pair::start(&[]);
@@ -163,7 +163,7 @@ async fn one_gib_of_gpu_kv_moves_gpu_to_gpu_over_tcp_verified_on_the_gpu() {
 /// ways (a push, and a pull the prefill side serves).
 #[tokio::test(flavor = "multi_thread")]
 async fn larger_gpu_slices_than_the_receivers_staging_buffers_still_land() {
-    if gpu_or_skip("larger_gpu_slices_than_the_receivers...").is_none() {
+    if gpu_or_skip("larger_gpu_slices_than_the_receivers_staging_buffers_still_land").is_none() {
         return;
     }
     let lo = [std::net::IpAddr::from([127, 0, 0, 1])];
@@ -196,7 +196,7 @@ async fn larger_gpu_slices_than_the_receivers_staging_buffers_still_land() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn gpu_to_host_and_host_to_gpu_mix_in_one_pair() {
-    let Some(gpu) = gpu_or_skip("gpu_to_host_and_host_to_gpu...") else {
+    let Some(gpu) = gpu_or_skip("gpu_to_host_and_host_to_gpu_mix_in_one_pair") else {
         return;
     };
     let pair = Pair::start(&[]);
@@ -279,7 +279,8 @@ async fn unified_memory_is_written_by_the_gpu_and_sent_without_staging() {
     // The integrated-GPU path: the KV cache is a shared-memory file pinned and
     // mapped for the GPU; kernels write it in place and the sidecar sends it as
     // host memory, with no staging copy.
-    let Some(gpu) = gpu_or_skip("unified_memory...") else {
+    let Some(gpu) = gpu_or_skip("unified_memory_is_written_by_the_gpu_and_sent_without_staging")
+    else {
         return;
     };
     let pair = Pair::start(&[]);
@@ -328,7 +329,7 @@ async fn unified_memory_is_written_by_the_gpu_and_sent_without_staging() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_gpu_handles_get_clear_errors_and_the_daemon_stays_up() {
-    let Some(gpu) = gpu_or_skip("bad_gpu_handles...") else {
+    let Some(gpu) = gpu_or_skip("bad_gpu_handles_get_clear_errors_and_the_daemon_stays_up") else {
         return;
     };
     let pair = Pair::start(&[]);
