@@ -22,11 +22,7 @@ const PORT: u16 = 7470;
 
 fn lab() -> Option<NetLab> {
     if let Some(why) = netlab::unavailable() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must run the doctor tests: {why}"
-        );
-        kvrail_e2e::say_skipped("the doctor tests", &why);
+        kvrail_e2e::skip_or_fail("the doctor tests", &why);
         return None;
     }
     let shape = RailShape {

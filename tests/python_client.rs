@@ -31,7 +31,7 @@ fn python_client_and_connector() {
     let root = kvrail_e2e::workspace_root();
     let py = match venv(&root, &target) {
         Ok(py) => py,
-        Err(e) => return python::skip_or_fail("the Python client tests", &e),
+        Err(e) => return kvrail_e2e::skip_or_fail("the Python client tests", &e),
     };
     let status = Command::new(&py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])

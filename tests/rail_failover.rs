@@ -36,7 +36,7 @@ async fn lab(test: &str, extra: &[&str]) -> Option<Lab> {
 /// As [`lab`], the sidecars using only `transport` (both have certificates).
 async fn lab_over(test: &str, extra: &[&str], transport: &str) -> Option<Lab> {
     if let Some(why) = netlab::unavailable() {
-        kvrail_e2e::say_skipped(test, &why);
+        kvrail_e2e::skip_or_fail(test, &why);
         return None;
     }
     let shape = RailShape {

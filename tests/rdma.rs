@@ -66,15 +66,10 @@ fn rdma_suite_in_the_vm() {
         return;
     }
     let Some(run) = vm_runner() else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must run the RDMA suite, but no VM harness (shared/rdma-vm/run or $RDMA_VM_RUN) is here"
-        );
-        kvrail_e2e::say_skipped(
+        return kvrail_e2e::skip_or_fail(
             "rdma_suite_in_the_vm",
-            "no RDMA VM harness (shared/rdma-vm/run) here",
+            "no RDMA VM harness (shared/rdma-vm/run or $RDMA_VM_RUN) here",
         );
-        return;
     };
     let bin_dir = binary("kvrail").parent().unwrap().to_path_buf();
     // The VM's kernel loads only the modules its harness packed; the doctor's
@@ -898,12 +893,10 @@ async fn rdma_doctor_finds_gids_ports_and_a_bond() {
     // A bond: its address has no RDMA device behind it.
     let modules = std::env::var("KVRAIL_VM_MODULES").unwrap_or_default();
     if modules.is_empty() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must run the bond check: the VM kernel's bonding module could not be fetched"
+        return kvrail_e2e::skip_or_fail(
+            "the bond part",
+            "the VM kernel's bonding module could not be fetched",
         );
-        kvrail_e2e::say_skipped("the bond part", "no bonding module for the VM kernel");
-        return;
     }
     for m in ["tls.ko", "bonding.ko"] {
         let out = Command::new("insmod")

@@ -78,7 +78,7 @@ fn vllm_prefill_and_decode_through_kvrail_match_a_single_engine() {
     let root = kvrail_e2e::workspace_root();
     let py = match venv(&root, &target) {
         Ok(py) => py,
-        Err(e) => return python::skip_or_fail("the vLLM test", &e),
+        Err(e) => return kvrail_e2e::skip_or_fail("the vLLM test", &e),
     };
     let status = Command::new(&py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra"])

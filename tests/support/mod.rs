@@ -18,6 +18,16 @@ pub fn say_skipped(test: &str, why: &str) {
     let _ = writeln!(std::io::stdout().lock(), "SKIPPED {test}: {why}");
 }
 
+/// A test (or part of one) that cannot run here says why and passes, except
+/// under CI, which has what every test needs (root, the RDMA VM, Python) and
+/// where a skip would hide a failure.
+pub fn skip_or_fail(test: &str, why: &str) {
+    if std::env::var_os("CI").is_some() {
+        panic!("{test} cannot run under CI: {why}");
+    }
+    say_skipped(test, why);
+}
+
 /// The checkout these tests belong to, found at run time (cargo's
 /// `CARGO_MANIFEST_DIR`, else the current directory, then up to the workspace
 /// manifest): nothing of the build machine's paths is compiled into the tests.
@@ -421,16 +431,6 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 pub mod python {
     use std::path::{Path, PathBuf};
     use std::process::Command;
-
-    /// Without Python (or a package index) such a test says why and passes,
-    /// except under CI, which installs what they need and where a skip would
-    /// hide a failure.
-    pub fn skip_or_fail(what: &str, why: &str) {
-        if std::env::var_os("CI").is_some() {
-            panic!("{what} cannot run under CI: {why}");
-        }
-        super::say_skipped(what, why);
-    }
 
     /// Runs a set-up command; its failure as text.
     pub fn run(cmd: &mut Command) -> Result<(), String> {

@@ -378,6 +378,14 @@ mod tests {
         }
     }
 
+    /// A notification listing `blocks` block ids.
+    fn note_with_blocks(id: u64, blocks: u32) -> Notification {
+        Notification {
+            block_ids: (0..blocks).map(|b| b | 0x0100_0000).collect(),
+            ..note(id)
+        }
+    }
+
     fn drain(rx: &mut Subscription) -> Vec<u64> {
         let mut out = Vec::new();
         while let Ok(Ok(n)) = rx.try_recv() {
@@ -423,11 +431,7 @@ mod tests {
     #[test]
     fn retained_notifications_are_bounded_in_bytes() {
         let hub = NotificationHub::new(7);
-        let big = |id| Notification {
-            transfer_id: id,
-            block_ids: (0..1_000_000u32).map(|b| b | 0x0100_0000).collect(),
-            ..Default::default()
-        };
+        let big = |id| note_with_blocks(id, 1_000_000);
         for id in 1..=40 {
             hub.send("w", big(id));
         }
@@ -445,11 +449,7 @@ mod tests {
     #[test]
     fn a_stream_nobody_reads_is_ended_not_grown() {
         let hub = NotificationHub::new(7);
-        let big = |id| Notification {
-            transfer_id: id,
-            block_ids: (0..100_000u32).map(|b| b | 0x0100_0000).collect(),
-            ..Default::default()
-        };
+        let big = |id| note_with_blocks(id, 100_000);
         let mut stalled = hub.subscribe("w", 0, 0, false).unwrap();
         for id in 1..=400 {
             hub.send("w", big(id));
