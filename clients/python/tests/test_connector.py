@@ -5,6 +5,8 @@ and in push mode, aborts, and bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +18,8 @@ from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, vllm_confi
 
 # Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16 (as 2-byte words), 16-token blocks.
 LAYERS, BLOCK_SHAPE, NUM_BLOCKS, PROMPT = 32, (16, 8, 128), 136, 2000
+#: A prompt of which two fit the cache at once (40 blocks).
+SHORT = 640
 
 
 def engines(pair, mode: str, **extra):
@@ -66,13 +70,17 @@ def test_aborted_prefill_frees_at_once_and_sends_nothing(pair):
     assert params is None and "req-3" not in p.held and len(p.free) == NUM_BLOCKS
 
 
-def test_decode_abort_mid_pull_cancels_before_blocks_are_reused(pair):
-    p, d = engines(pair, "pull", timeout_s=2)
-    # One request through first, so the decode sidecar's link to the prefill exists.
+def warm_up(p, d) -> None:
+    """One request through, so the decode sidecar's link to the prefill exists."""
     warm = Request("warm", list(range(32)), p.prefill(Request("warm", list(range(32)), {"do_remote_decode": True}), 1))
     d.admit_remote(warm)
     d.run_until(lambda: "warm" in d.finished_recving)
     d.finish(warm)
+
+
+def test_decode_abort_mid_pull_cancels_before_blocks_are_reused(pair):
+    p, d = engines(pair, "pull", timeout_s=2)
+    warm_up(p, d)
     params = p.prefill(Request("req-4", list(range(PROMPT)), {"do_remote_decode": True}), seed=3)
     req = Request("req-4", list(range(PROMPT)), params)
     pair.prefill.pause()  # the pull cannot finish
@@ -186,3 +194,108 @@ def test_a_peer_grant_is_checked_before_use():
         enc(dict(good, skip_blocks=-3)),
     ):
         assert _parse_grant(bad, "decode", 2) is None, bad[:40]
+
+
+def test_a_request_aborted_after_its_kv_arrived_frees_its_blocks_at_once(pair):
+    # vLLM frees such a request's blocks unless the connector asks it to
+    # wait; nothing would report the request again, so a connector that
+    # still asked left its blocks allocated and the engine stepping for good.
+    p, d = engines(pair, "pull")
+    params = p.prefill(Request("req-6", list(range(PROMPT)), {"do_remote_decode": True}), seed=5)
+    req = Request("req-6", list(range(PROMPT)), params)
+    blocks = d.admit_remote(req)
+    d.run_until(lambda: "req-6" in d.finished_recving)
+    assert mismatched_layers(d.kv, blocks, seed=5) == []
+    assert d.finish(req, abort=True) is None
+    assert "req-6" not in d.held and len(d.free) == NUM_BLOCKS
+
+
+def test_a_restarted_decode_sidecar_fails_the_load_in_flight_and_serves_the_next(pair):
+    p, d = engines(pair, "pull", timeout_s=30)
+    warm_up(p, d)
+    params = p.prefill(Request("req-7", list(range(SHORT)), {"do_remote_decode": True}), seed=8)
+    req = Request("req-7", list(range(SHORT)), params)
+    pair.prefill.pause()  # the pull stays in flight
+    try:
+        blocks = d.admit_remote(req)
+        d.step()
+        assert d.worker._work.receiving["req-7"], "pull in flight"
+        pair.decode.kill()
+        # The engine goes on stepping: the load fails (vLLM recomputes it), no exception.
+        d.run_until(lambda: "req-7" in d.finished_recving, timeout=10)
+        assert d.worker.get_block_ids_with_load_errors() == set(blocks)
+    finally:
+        pair.prefill.resume()
+    d.finish(req)
+    old_regions = json.loads(pair.shm("d-regions.json").read_text())["regions"]
+    pair.decode.start()
+    # The worker registers its cache with the new sidecar and publishes it.
+    d.run_until(lambda: json.loads(pair.shm("d-regions.json").read_text())["regions"] != old_regions, timeout=10)
+    params = p.prefill(Request("req-8", list(range(SHORT)), {"do_remote_decode": True}), seed=9)
+    req = Request("req-8", list(range(SHORT)), params)
+    blocks = d.admit_remote(req)
+    d.run_until(lambda: "req-8" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert mismatched_layers(d.kv, blocks, seed=9) == []
+
+
+def test_a_restarted_prefill_sidecar_frees_what_it_held_and_serves_the_next(pair):
+    p, d = engines(pair, "pull", timeout_s=30)
+    params = p.prefill(Request("req-9", list(range(SHORT)), {"do_remote_decode": True}), seed=2)
+    assert "req-9" in p.held
+    pair.prefill.kill()
+    # Nobody can read the kept blocks through a dead sidecar: freed at once.
+    p.run_until(lambda: "req-9" in p.finished_sending, timeout=10)
+    assert len(p.free) == NUM_BLOCKS
+    # The decode side's pull from the dead prefill fails, without hanging.
+    req = Request("req-9", list(range(SHORT)), params)
+    d.admit_remote(req)
+    pair.prefill.start()
+    d.run_until(lambda: "req-9" in d.finished_recving, timeout=30)
+    assert d.worker.get_block_ids_with_load_errors(), "the old region's pull must fail"
+    d.finish(req)
+    p.run_until(lambda: p.worker._link.client is not None, timeout=10)
+    params = p.prefill(Request("req-10", list(range(SHORT)), {"do_remote_decode": True}), seed=4)
+    req = Request("req-10", list(range(SHORT)), params)
+    blocks = d.admit_remote(req)
+    d.run_until(lambda: "req-10" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert mismatched_layers(d.kv, blocks, seed=4) == []
+
+
+def test_push_mode_survives_a_decode_sidecar_restart(pair):
+    p, d = engines(pair, "push", timeout_s=30)
+    dreq = Request("req-11", list(range(SHORT)), {"do_remote_prefill": True})
+    blocks = d.admit_remote(dreq)
+    assert d.scheduler.push_target("req-11") is not None
+    pair.decode.kill()
+    # The pushes will never come: the load fails at once, not at the timeout.
+    d.run_until(lambda: "req-11" in d.finished_recving, timeout=10)
+    assert d.worker.get_block_ids_with_load_errors() == set(blocks)
+    d.finish(dreq)
+    pair.decode.start()
+    d.run_until(lambda: d.worker._work.notes is not None, timeout=10)
+    dreq = Request("req-12", list(range(SHORT)), {"do_remote_prefill": True})
+    blocks = d.admit_remote(dreq)
+    target = d.scheduler.push_target("req-12")
+    assert target is not None, "the decode scheduler granted nothing after the restart"
+    p.prefill(Request("req-12p", list(range(SHORT)), target), seed=12)
+    p.run_until(lambda: "req-12p" in p.finished_sending)
+    d.run_until(lambda: "req-12" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert mismatched_layers(d.kv, blocks, seed=12) == []
+
+
+def test_adopted_memory_files_stay_while_the_engine_lives_and_dead_ones_are_swept(tmp_path, monkeypatch):
+    from kvrail.memory import ADOPTED_PREFIX, sweep_adopted_files
+
+    monkeypatch.setenv("KVRAIL_SHM_DIR", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{ADOPTED_PREFIX}{dead.pid}-7f00"
+    live = tmp_path / f"{ADOPTED_PREFIX}{os.getppid()}-7f00"
+    other = tmp_path / "kvrail-adopted-notapid-1"
+    for f in (stale, live, other):
+        f.write_bytes(b"kv")
+    assert sweep_adopted_files() == [stale]
+    assert live.exists() and other.exists() and not stale.exists()

@@ -24,6 +24,7 @@ by :mod:`kvrail.engine_sim` (tests and examples).
 
 from __future__ import annotations
 
+import atexit
 import enum
 import functools
 import json
@@ -46,8 +47,8 @@ from .client import (
     Notification,
     Notifications,
 )
-from .errors import KvrailError
-from .memory import adopt_tensor, shm_dir
+from .errors import KvrailError, SidecarUnavailable
+from .memory import AdoptedMemory, adopt_tensor, shm_dir, sweep_adopted_files
 
 log = logging.getLogger("kvrail.connector")
 
@@ -312,6 +313,89 @@ def _overlaps(a: RegionTable, b: RegionTable) -> list[tuple[int, int, int, int, 
     return out
 
 
+try:  # pragma: no cover - vLLM 0.32 and newer
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults as _TransferResults,
+    )
+except ImportError:
+
+    @dataclass
+    class _TransferResults:  # type: ignore[no-redef]
+        """vLLM's ``KVConnectorTransferResults``, where vLLM lacks it."""
+
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
+
+
+#: Seconds between attempts to reach a sidecar that went away (the engine
+#: goes on serving meanwhile; a try costs a refused connect).
+RECONNECT_INTERVAL_S = 0.5
+#: How long one reconnect attempt waits for the new sidecar to answer: short,
+#: because it runs inside the engine's step.
+RECONNECT_TIMEOUT_S = 0.5
+
+
+class _SidecarLink:
+    """The connector's client of its node's sidecar, across restarts of that
+    sidecar (upgrades, crashes). A call that finds the sidecar gone hands the
+    error to :meth:`lost`; :meth:`get` then makes a new client, at most every
+    :data:`RECONNECT_INTERVAL_S`, and runs ``on_connect`` with it (the worker
+    registers its KV caches again there). Until then :meth:`get` returns None
+    and the connector fails what needs the sidecar instead of raising into
+    the engine."""
+
+    def __init__(self, socket: Path, worker_id: str, client: Client) -> None:
+        self.socket = socket
+        self.worker_id = worker_id
+        self.client: Client | None = client
+        #: Connections made so far (1: the first); bumps at each reconnect.
+        self.generation = 1
+        self.on_connect: Any = None
+        self._next_try = 0.0
+
+    def get(self) -> Client | None:
+        if self.client is not None:
+            return self.client
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + RECONNECT_INTERVAL_S
+        try:
+            client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
+        except KvrailError as e:
+            log.debug("kvrail: sidecar at %s still away: %s", self.socket, e)
+            return None
+        try:
+            if self.on_connect is not None:
+                self.on_connect(client)
+        except KvrailError as e:
+            log.warning("kvrail: sidecar at %s is back but setting up failed: %s", self.socket, e)
+            client.close()
+            return None
+        self.client = client
+        self.generation += 1
+        log.warning("kvrail: reconnected to the sidecar at %s", self.socket)
+        return client
+
+    def lost(self, error: BaseException) -> None:
+        """The sidecar went away (``error`` says how): drop the client."""
+        if self.client is None:
+            return
+        log.error("kvrail: lost the sidecar at %s (%s); reconnecting in the background", self.socket, error)
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - closing a dead channel
+            pass
+        self.client = None
+        self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
+
+
+def _sidecar_gone(e: BaseException) -> bool:
+    """Whether an error means the sidecar itself is gone (not a refusal)."""
+    return isinstance(e, SidecarUnavailable)
+
+
 class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     """vLLM KV connector over kvrail. Configure with ``kv_connector_extra_config``:
 
@@ -348,15 +432,27 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             if stats_path and role == KVConnectorRole.WORKER
             else None
         )
-        self.client = Client(self.socket, self.worker_id)
-        self.node: str = self.client.peers().node_name
+        client = Client(self.socket, self.worker_id)
+        self.node: str = client.peers().node_name
+        self._link = _SidecarLink(self.socket, self.worker_id, client)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerState()
-            if self.mode == "push" and getattr(cfg, "kv_role", None) != "kv_consumer":
-                # Grants from decode engines arrive as messages to this id.
-                self._sched.messages = self.client.notifications(worker_id=scheduler_id(self.worker_id))
+            # Grants from decode engines arrive as messages to this id.
+            self._sched.wants_grants = self.mode == "push" and getattr(cfg, "kv_role", None) != "kv_consumer"
+            self._subscribe_grants(client)
         else:
-            self._work = _WorkerState(self.client.notifications(), self.timeout_s)
+            self._work = _WorkerState(client.notifications(), self.timeout_s)
+            self._link.on_connect = self._reconnected
+            # Whatever happens to the engine, its shared-memory files go with it.
+            atexit.register(self._remove_files)
+
+    @property
+    def client(self) -> Client:
+        """The sidecar's client; :class:`SidecarUnavailable` while it is away."""
+        c = self._link.get()
+        if c is None:
+            raise SidecarUnavailable(f"the sidecar at {self.socket} is away (reconnecting)")
+        return c
 
     # ------------------------------------------------------------------
     # Scheduler side
@@ -414,6 +510,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     # Nothing will arrive: the pushed-layer timeout turns the
                     # blocks into load errors.
                     log.error("kvrail: cannot grant the blocks of %s: %s", rid, e)
+                    self._check_lost(e)
                     target = None
                 ticket = params.get("push_ticket")
                 if target is not None and ticket:
@@ -447,6 +544,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self.client.send_message(node, scheduler_id(worker), GRANT_TOPIC + ticket, payload)
         except KvrailError as e:
             log.error("kvrail: grant of %s to %s/%s failed: %s", rid, node, worker, e)
+            self._check_lost(e)
 
     def _await_grant(self, rid: str, params: dict[str, Any]) -> bool:
         """Prefill side: whether the decode's grant for this request's ticket is
@@ -468,17 +566,44 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             return True
         return False
 
+    def _check_lost(self, e: KvrailError) -> None:
+        if _sidecar_gone(e):
+            self._link.lost(e)
+
+    def _subscribe_grants(self, client: Client) -> None:
+        """Push mode, prefill side: subscribes to the grants decode engines
+        send this engine's scheduler."""
+        s = self._sched
+        if s.wants_grants:
+            s.messages = client.notifications(worker_id=scheduler_id(self.worker_id))
+            s.messages_generation = self._link.generation
+
     def _collect_grants(self, now: float) -> None:
         """Prefill side: takes the grants that arrived (every step, so that
-        messages never pile up unread) and forgets unclaimed old ones."""
+        messages never pile up unread) and forgets unclaimed old ones. A
+        sidecar that went away is reached again and subscribed to anew (grants
+        sent meanwhile are lost: their requests prefill without a push after
+        ``timeout_s``)."""
         s = self._sched
-        if s.messages is None:
+        if not s.wants_grants:
             return
+        arrived: list[Notification] = []
         try:
-            arrived = s.messages.poll()
-        except KvrailError as e:  # the sidecar restarted: grants sent meanwhile are lost
+            if s.messages is None or s.messages_generation != self._link.generation:
+                if s.messages is not None:
+                    s.messages.close()
+                s.messages = None
+                client = self._link.get()
+                if client is not None:
+                    self._subscribe_grants(client)
+            if s.messages is not None:
+                arrived = s.messages.poll()
+        except KvrailError as e:
             log.warning("kvrail: reading grants: %s", e)
-            arrived = []
+            self._check_lost(e)
+            if s.messages is not None:
+                s.messages.close()
+                s.messages = None
         for n in arrived:
             if n.kind != MESSAGE or not n.request_id.startswith(GRANT_TOPIC):
                 continue
@@ -545,6 +670,13 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     s.pushed.add(rid)
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads the workers finished (or gave up on) are no longer in flight:
+        a request aborted after its KV arrived frees its blocks at once (vLLM
+        waits for no further report of it)."""
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._sched.loading.pop(rid, None)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         s = self._sched
         rid = request.request_id
@@ -586,23 +718,27 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Registers the KV caches (one region if the layers are evenly spaced in
-        one allocation, else one per layer) and publishes the region table."""
+        one allocation, else one per layer) and publishes the region table.
+
+        Host caches the engine allocated itself (vLLM's CPU backend) move, in
+        place, under shared-memory files the sidecar maps. The files stay
+        while the engine lives, so that a restarted sidecar can map them
+        again; the engine removes them when it exits (and one that was killed
+        has them removed by the next engine on the node)."""
         w = self._work
         w.layer_names = list(kv_caches)
-        tensors = list(kv_caches.values())
-        # Host KV caches the engine allocated itself (vLLM's CPU backend): their
-        # pages move under shared-memory files the sidecar maps, in place.
-        adopted = []
-        kv_layout = self.kv_layout or _vllm_kv_layout(tensors[0])
-        try:
-            for t in _distinct_host_storages(tensors):
-                adopted.append(adopt_tensor(t))
-            regions = self.client.register_layers(tensors, kv_layout, expose=self.mode == "pull")
-        finally:
-            # Mapped by both sides now (or refused): nothing is left in /dev/shm
-            # when the engine dies.
-            for a in adopted:
-                a.unlink()
+        w.tensors = list(kv_caches.values())
+        w.kv_layout = self.kv_layout or _vllm_kv_layout(w.tensors[0])
+        sweep_adopted_files()
+        for t in _distinct_host_storages(w.tensors):
+            w.adopted.append(adopt_tensor(t))
+        self._register(self.client)
+
+    def _register(self, client: Client) -> None:
+        """Registers the KV caches with ``client``'s sidecar and publishes the
+        region table the scheduler reads."""
+        w = self._work
+        regions = client.register_layers(w.tensors, w.kv_layout, expose=self.mode == "pull")
         w.regions = [(rid, start, count) for rid, start, count, _ in regions]
         layout = regions[0][3]
         w.block_bytes, w.planes = layout.block_bytes, layout.planes_per_layer
@@ -612,18 +748,79 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         )
         tmp.replace(self.region_table_path)  # readers never see half a file
 
+    def _reconnected(self, client: Client) -> None:
+        """A new sidecar answers (the old one restarted): the caches are
+        registered with it again (new region ids, published) and this
+        worker's notifications come from it."""
+        w = self._work
+        if w.tensors:
+            self._register(client)
+        w.notes = client.notifications(take_over=True)
+
+    def _lost_sidecar(self, error: BaseException) -> None:
+        """This node's sidecar went away: every transfer it ran is gone with
+        it. Loads in flight fail (vLLM recomputes or fails them, as its
+        ``kv_load_failure_policy`` says), blocks kept for sends are freed
+        (nobody can read them through a dead sidecar), and the engine goes on
+        while the link reconnects."""
+        w = self._work
+        self._link.lost(error)
+        try:
+            w.notes.close()
+        except Exception:  # noqa: BLE001 - a dead stream
+            pass
+        w.notes = None
+        w.drop_everything()
+
+    def _notifications_ended(self, error: KvrailError) -> None:
+        """The notification stream ended: with the sidecar (then everything it
+        ran is gone), or while it still answers (another subscriber took this
+        worker's stream over, or it ended for a reason it gave): then the
+        stream resumes after the last notification seen, nothing missed."""
+        w = self._work
+        client = self._link.client
+        if client is None or not client._answers():
+            self._lost_sidecar(error)
+            return
+        log.error("kvrail: notification stream ended (%s); resuming it", error)
+        w.notes.close()
+        seq, inc = w.last_seen
+        try:
+            w.notes = client.notifications(after_sequence=seq, incarnation=inc)
+        except KvrailError as e:
+            self._lost_sidecar(e)
+
+    def _remove_files(self) -> None:
+        """Removes this worker's adopted KV files and its region table (at
+        shutdown and at interpreter exit)."""
+        w = self._work
+        for a in w.adopted:
+            a.unlink()
+        w.adopted = []
+        for path in (self.region_table_path, self.region_table_path.with_suffix(".tmp")):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("kvrail: removing %s: %s", path, e)
+
     @_timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         w = self._work
         meta: KvrailConnectorMetadata = self._get_connector_metadata()
-        for rid in meta.cancel:
-            w.cancel(self.client, rid)
+        client = self._link.get()
         for rid, spec in meta.load.items():
             w.receiving[rid] = set()
             w.local_blocks[rid] = spec.local_block_ids
+            if client is None:
+                # No sidecar (restarting): the load fails now, not at a timeout.
+                w.fail_load(rid, "the sidecar is away")
+                continue
             if self.mode == "push":
                 w.push_expected[rid] = len(w.layer_names)
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
+                w.push_generation[rid] = self._link.generation
                 continue
             pairs = _overlaps(spec.remote_regions, w.regions)
             for i, (src, src_layer, dst, dst_layer, count) in enumerate(pairs):
@@ -631,7 +828,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 # were served, however many blocks the local cache spared.
                 name = f"{spec.remote_request_id}@{rid}#{i}/{len(pairs)}"
                 try:
-                    t = self.client.pull(
+                    t = client.pull(
                         name,
                         spec.remote_node,
                         Blocks(src, spec.remote_block_ids, src_layer, count),
@@ -639,10 +836,23 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     )
                 except KvrailError as e:
                     log.error("kvrail: pull for %s refused: %s", rid, e)
-                    w.load_errors.update(spec.local_block_ids)
-                    continue
+                    if _sidecar_gone(e):
+                        self._lost_sidecar(e)  # fails this load too
+                        client = None
+                    else:
+                        # Failed; it ends once the pulls already started have.
+                        w.failed_loads[rid] = list(spec.local_block_ids)
+                        w.cancel(client, rid)
+                    break
                 w.receiving[rid].add(t.transfer_id)
                 w.transfer_owner[name] = rid
+        # After the loads: a request aborted in the step its load was planned
+        # cancels what just started.
+        for rid in meta.cancel:
+            if self._link.client is None:
+                w.fail_load(rid, "the sidecar is away", cancelled=True)
+            else:
+                w.cancel(self._link.client, rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads finish before the request is scheduled (asynchronous loading), as
@@ -655,17 +865,22 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             return
         w = self._work
         meta: KvrailConnectorMetadata = self._get_connector_metadata()
+        if not meta.save:
+            return
         layer = w.layer_names.index(layer_name)
         src_region, src_layer = _layer_region(w.regions, layer)
+        client = self._link.get()
         for rid, spec in meta.save.items():
             # Tracked before any push: a request none of whose pushes was
             # accepted is still reported finished, and its blocks freed.
             pending = w.sending.setdefault(rid, set())
+            if client is None:
+                continue  # no sidecar: the decode side gives up after its timeout
             name = f"{spec.remote_request_id}/L{layer}"
             try:
                 dst_region, dst_layer = _layer_region(spec.remote_regions, layer)
                 gens = spec.remote_generations.get(str(dst_region), ())
-                t = self.client.push(
+                t = client.push(
                     name,
                     spec.remote_node,
                     Blocks(src_region, spec.local_block_ids, src_layer, 1),
@@ -673,6 +888,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 )
             except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
                 log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
+                if _sidecar_gone(e):
+                    self._lost_sidecar(e)
+                    client = None
                 continue
             pending.add(t.transfer_id)
             w.transfer_owner[name] = rid
@@ -694,33 +912,64 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         now = time.monotonic()
         for rid in finished_req_ids:
             w.finished_seen.setdefault(rid, now)
-        for n in w.notes.poll():
-            w.on_notification(n)
-        return w.collect(self.client)
+        if w.notes is None:
+            # Reconnecting (at most every RECONNECT_INTERVAL_S): the new
+            # sidecar gets the caches and a new subscription.
+            self._link.get()
+        if w.notes is not None:
+            try:
+                arrived = w.notes.poll()
+            except KvrailError as e:
+                self._notifications_ended(e)
+                arrived = []
+            for n in arrived:
+                w.last_seen = (n.sequence, n.incarnation)
+                w.on_notification(n, self._link.client)
+        if w.notes is None:
+            # Whatever was started before the sidecar went away has ended.
+            w.drop_everything()
+        return w.collect(self._link.client)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's newer form of :meth:`get_finished`: failed loads are also
+        reported by request (``failed_recving``), which holds for every cache
+        layout (block ids alone are ambiguous with several KV cache groups)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        w = self._work
+        failed, w.failed_loads = w.failed_loads, {}
+        w.by_request = True
+        return _TransferResults(set(sending or ()), set(recving or ()), set(failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         w = self._work
-        out, w.load_errors = w.load_errors, set()
-        return out
+        if w.by_request:
+            # Reported by request in get_transfer_results.
+            return set()
+        failed, w.failed_loads = w.failed_loads, {}
+        return {b for blocks in failed.values() for b in blocks}
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER and self._sched.messages is not None:
             self._sched.messages.close()
+            self._sched.messages = None
         if self.role == KVConnectorRole.WORKER:
             w = self._work
-            for rid in list(w.receiving):
-                w.cancel(self.client, rid)
-            w.notes.close()
-            for rid, _, _ in w.regions:
-                try:
-                    self.client.unregister(rid)
-                except KvrailError as e:
-                    log.warning("kvrail: unregister %d: %s", rid, e)
-            try:
-                self.region_table_path.unlink()
-            except FileNotFoundError:
-                pass
-        self.client.close()
+            client = self._link.client
+            if client is not None:
+                for rid in list(w.receiving):
+                    w.cancel(client, rid)
+            if w.notes is not None:
+                w.notes.close()
+            if client is not None:
+                for rid, _, _ in w.regions:
+                    try:
+                        client.unregister(rid)
+                    except KvrailError as e:
+                        log.warning("kvrail: unregister %d: %s", rid, e)
+            self._remove_files()
+        if self._link.client is not None:
+            self._link.client.close()
+            self._link.client = None
 
 
 @dataclass
@@ -733,6 +982,9 @@ class _SchedulerState:
     # push mode, prefill side: grants by ticket (arrival time, target), and
     # when each request started waiting for its grant
     messages: Notifications | None = None
+    wants_grants: bool = False
+    #: The sidecar connection ``messages`` was subscribed on.
+    messages_generation: int = 0
     grants: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     num_layers: int = 0
     waiting_since: dict[str, float] = field(default_factory=dict)
@@ -762,8 +1014,13 @@ class _WorkerState:
     """What the worker-side connector tracks between steps."""
 
     def __init__(self, notes: Notifications, timeout_s: float) -> None:
-        self.notes = notes
+        #: This worker's notifications; None while the sidecar is away.
+        self.notes: Notifications | None = notes
         self.layer_names: list[str] = []
+        self.tensors: list[Any] = []
+        self.kv_layout: str | None = None
+        #: Host memory moved under shared-memory files (removed at exit).
+        self.adopted: list[AdoptedMemory] = []
         self.regions: RegionTable = []
         self.block_bytes = 0
         self.planes = 0
@@ -772,10 +1029,12 @@ class _WorkerState:
         self.sending: dict[str, set[int]] = {}
         self.transfer_owner: dict[str, str] = {}  # transfer request name -> request
         self.local_blocks: dict[str, list[int]] = {}
-        # push mode, decode side: layers expected and arrived per request
+        # push mode, decode side: layers expected and arrived per request, and
+        # the sidecar connection the grant's blocks were registered on
         self.push_expected: dict[str, int] = {}
         self.push_arrived: dict[str, int] = {}
         self.push_deadline: dict[str, float] = {}
+        self.push_generation: dict[str, int] = {}
         # pull mode, prefill side: bytes to be read, give-up time
         self.serve_expected: dict[str, int] = {}
         self.serve_deadline: dict[str, float] = {}
@@ -786,40 +1045,86 @@ class _WorkerState:
         self.timeout_s = timeout_s
         self.done_sending: set[str] = set()
         self.done_receiving: set[str] = set()
-        self.load_errors: set[int] = set()
-        self.cancelled: set[str] = set()
+        #: Loads that failed, not yet reported: request -> its local blocks.
+        self.failed_loads: dict[str, list[int]] = {}
+        #: vLLM takes failed loads by request (get_transfer_results).
+        self.by_request = False
+        #: (sequence, incarnation) of the last notification seen.
+        self.last_seen = (0, 0)
 
-    def release_pushed(self, client: Client, rid: str) -> None:
+    def fail_load(self, rid: str, reason: str, cancelled: bool = False) -> None:
+        """Ends a load: reported finished receiving, and (unless the request
+        was cancelled) failed, so vLLM recomputes or fails it."""
+        if rid not in self.receiving and rid not in self.local_blocks:
+            return
+        if not cancelled:
+            log.warning("kvrail: load of %s failed: %s", rid, reason)
+            self.failed_loads[rid] = list(self.local_blocks.get(rid, ()))
+        self._end_load(rid)
+
+    def _end_load(self, rid: str) -> None:
+        self.receiving.pop(rid, None)
+        self.push_expected.pop(rid, None)
+        self.push_deadline.pop(rid, None)
+        self.push_arrived.pop(rid, None)
+        self.push_generation.pop(rid, None)
+        self.local_blocks.pop(rid, None)
+        self.done_receiving.add(rid)
+
+    def drop_everything(self) -> None:
+        """The sidecar went away with every transfer it ran: loads fail,
+        sends end (their blocks are freed once vLLM reported the request
+        finished)."""
+        for rid in list(self.receiving):
+            self.fail_load(rid, "the sidecar went away")
+        self.transfer_owner.clear()
+        self.done_sending.update(self.sending)
+        self.sending.clear()
+        self.done_sending.update(self.serve_expected)
+        self.serve_expected.clear()
+        self.serve_deadline.clear()
+        self.reads.clear()
+
+    def release_pushed(self, client: Client | None, rid: str) -> None:
         """Push mode, decode side: gives up on a request's pushed layers. The
         blocks' generations move on, so a push still on its way (or one sent
         later from the grant) fails instead of writing into blocks vLLM reuses;
-        the blocks can then be freed at once."""
+        the blocks can then be freed at once. (A sidecar that restarted since
+        the grant knows neither the regions nor the generations it named: its
+        pushes are refused anyway.)"""
         blocks = self.local_blocks.get(rid, [])
-        for region, _, _ in self.regions:
-            try:
-                client.release_blocks(region, blocks)
-            except KvrailError as e:
-                log.warning("kvrail: releasing blocks of %s: %s", rid, e)
-        self.push_expected[rid] = 0
+        if client is not None:
+            for region, _, _ in self.regions:
+                try:
+                    client.release_blocks(region, blocks)
+                except KvrailError as e:
+                    log.warning("kvrail: releasing blocks of %s: %s", rid, e)
 
     def cancel(self, client: Client, rid: str) -> None:
-        self.cancelled.add(rid)
+        """Stops a load vLLM aborted; it is reported finished once its
+        transfers have ended."""
+        if rid not in self.receiving:
+            return
         if rid in self.push_expected:
             self.release_pushed(client, rid)
+            self.fail_load(rid, "aborted", cancelled=True)
             return
-        for tid in list(self.receiving.get(rid, ())):
+        for tid in list(self.receiving[rid]):
             try:
                 client.cancel(tid)
             except KvrailError as e:  # already finished: its notification says how
                 log.info("kvrail: cancel %d of %s: %s", tid, rid, e)
+        # Cancelled: its transfers' failures are not load errors.
+        self.local_blocks[rid] = []
 
-    def on_notification(self, n: Notification) -> None:
+    def on_notification(self, n: Notification, client: Client | None) -> None:
         if n.kind == MESSAGE:
             # A peer's message is not a transfer's outcome, whatever its topic.
             return
         if n.kind == PUSH_RECEIVED:
             rid = n.request_id.rsplit("/L", 1)[0]
-            self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
+            if rid in self.push_expected:
+                self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
             return
         if n.kind == PULL_SERVED:
             rid, _, part = n.request_id.partition("@")
@@ -834,22 +1139,23 @@ class _WorkerState:
         if owner is None:
             if n.kind == FAILED:
                 log.warning("kvrail: %s failed: %s", n.request_id, n.failure)
-                # A peer's push into this worker's blocks failed: that layer is lost.
+                # A peer's push into this worker's blocks failed: the request's
+                # load has failed; the rest of its layers are not waited for.
                 rid = n.request_id.rsplit("/L", 1)[0]
                 if rid in self.push_expected:
-                    self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
-                    self.load_errors.update(self.local_blocks.get(rid, ()))
+                    self.release_pushed(client, rid)
+                    self.fail_load(rid, f"a pushed layer failed: {n.failure}")
             return
         if n.kind == FAILED:
             log.error("kvrail: transfer %s of %s failed: %s", n.request_id, owner, n.failure)
         if n.kind in (PULL_DONE, FAILED) and owner in self.receiving:
             self.receiving[owner].discard(n.transfer_id)
-            if n.kind == FAILED and owner not in self.cancelled:
-                self.load_errors.update(self.local_blocks.get(owner, ()))
+            if n.kind == FAILED and self.local_blocks.get(owner):
+                self.failed_loads[owner] = list(self.local_blocks[owner])
         if n.kind in (PUSH_DONE, FAILED) and owner in self.sending:
             self.sending[owner].discard(n.transfer_id)
 
-    def collect(self, client: Client) -> tuple[set[str] | None, set[str] | None]:
+    def collect(self, client: Client | None) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
         for rid, pending in list(self.receiving.items()):
             expected = self.push_expected.get(rid)
@@ -857,18 +1163,12 @@ class _WorkerState:
                 if self.push_arrived.get(rid, 0) < expected:
                     if now <= self.push_deadline[rid]:
                         continue
-                    log.warning("kvrail: pushed KV of %s incomplete after the timeout", rid)
-                    self.load_errors.update(self.local_blocks.get(rid, ()))
                     self.release_pushed(client, rid)
+                    self.fail_load(rid, "pushed KV incomplete after the timeout")
+                    continue
             elif pending:
                 continue
-            del self.receiving[rid]
-            self.push_expected.pop(rid, None)
-            self.push_deadline.pop(rid, None)
-            self.push_arrived.pop(rid, None)
-            self.local_blocks.pop(rid, None)
-            self.cancelled.discard(rid)
-            self.done_receiving.add(rid)
+            self._end_load(rid)
         for rid, pending in list(self.sending.items()):
             if not pending:
                 del self.sending[rid]

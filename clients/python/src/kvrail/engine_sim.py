@@ -138,6 +138,7 @@ class MiniEngine:
         self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(finished)
         self.worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(SimpleNamespace(finished_sending=sending, finished_recving=recving))
         for rid in sending or ():
             self.free.extend(self.held.pop(rid))
             self.finished_sending.add(rid)

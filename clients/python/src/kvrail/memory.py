@@ -31,6 +31,10 @@ def shm_dir() -> Path:
     return Path(os.environ.get("KVRAIL_SHM_DIR", "/dev/shm"))
 
 
+#: Name prefix of the files :func:`adopt_host_memory` makes (then the pid).
+ADOPTED_PREFIX = "kvrail-adopted-"
+
+
 def _reserve(fd: int, nbytes: int, path: Path) -> None:
     """Allocates the file's blocks now: a filesystem short of space (docker's
     64 MiB /dev/shm) says so here instead of killing the process with SIGBUS
@@ -242,7 +246,7 @@ def adopt_host_memory(address: int, nbytes: int, min_allocation: int = 0) -> Ado
             f"memory {address:#x}+{nbytes} is not wholly private anonymous read-write "
             "memory of this process: cannot adopt it into shared memory"
         )
-    path = shm_dir() / f"kvrail-adopted-{os.getpid()}-{start:x}"
+    path = shm_dir() / f"{ADOPTED_PREFIX}{os.getpid()}-{start:x}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     libc = _libc()
     try:
@@ -275,6 +279,38 @@ def adopt_host_memory(address: int, nbytes: int, min_allocation: int = 0) -> Ado
     with _mapped_lock:
         _mapped[start] = (end, path, inode)
     return AdoptedMemory(path, start, length)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_adopted_files(directory: Path | None = None) -> list[Path]:
+    """Removes adopted-memory files that processes which no longer exist left
+    behind (an engine killed with SIGKILL cannot remove its own), of this user
+    only, in ``directory`` (default :func:`shm_dir`). Returns what it removed.
+    A live process's files, and anything else, are left alone."""
+    removed = []
+    me = os.geteuid()
+    for path in (directory or shm_dir()).glob(f"{ADOPTED_PREFIX}*-*"):
+        pid_text = path.name[len(ADOPTED_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _process_alive(int(pid_text)):
+            continue
+        try:
+            st = path.lstat()
+            if st.st_uid != me or not path.is_file() or path.is_symlink():
+                continue
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def adopt_tensor(t: Any) -> AdoptedMemory:
