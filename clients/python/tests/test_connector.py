@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -210,6 +211,17 @@ def test_a_request_aborted_after_its_kv_arrived_frees_its_blocks_at_once(pair):
     assert "req-6" not in d.held and len(d.free) == NUM_BLOCKS
 
 
+def regions_of(pair, engine: str) -> list:
+    return json.loads(pair.shm(f"{engine}-regions.json").read_text())["regions"]
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
 def test_a_restarted_decode_sidecar_fails_the_load_in_flight_and_serves_the_next(pair):
     p, d = engines(pair, "pull", timeout_s=30)
     warm_up(p, d)
@@ -227,10 +239,11 @@ def test_a_restarted_decode_sidecar_fails_the_load_in_flight_and_serves_the_next
     finally:
         pair.prefill.resume()
     d.finish(req)
-    old_regions = json.loads(pair.shm("d-regions.json").read_text())["regions"]
+    old_regions = regions_of(pair, "d")
     pair.decode.start()
-    # The worker registers its cache with the new sidecar and publishes it.
-    d.run_until(lambda: json.loads(pair.shm("d-regions.json").read_text())["regions"] != old_regions, timeout=10)
+    # The worker registers its cache with the new sidecar and publishes it,
+    # while the engine idles (no step).
+    wait_for(lambda: regions_of(pair, "d") != old_regions, timeout=10)
     params = p.prefill(Request("req-8", list(range(SHORT)), {"do_remote_decode": True}), seed=9)
     req = Request("req-8", list(range(SHORT)), params)
     blocks = d.admit_remote(req)
@@ -273,8 +286,10 @@ def test_push_mode_survives_a_decode_sidecar_restart(pair):
     d.run_until(lambda: "req-11" in d.finished_recving, timeout=10)
     assert d.worker.get_block_ids_with_load_errors() == set(blocks)
     d.finish(dreq)
+    old_regions = regions_of(pair, "d")
     pair.decode.start()
-    d.run_until(lambda: d.worker._work.notes is not None, timeout=10)
+    # Re-registered by the worker's reconnecting thread, while the engine idles.
+    wait_for(lambda: regions_of(pair, "d") != old_regions, timeout=10)
     dreq = Request("req-12", list(range(SHORT)), {"do_remote_prefill": True})
     blocks = d.admit_remote(dreq)
     target = d.scheduler.push_target("req-12")

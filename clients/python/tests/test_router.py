@@ -68,3 +68,41 @@ def test_push_mode_needs_the_prefill_identity(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["--mode", "push", "--prefill", "http://a", "--decode", "http://b"])
     assert "--prefill-kvrail" in capsys.readouterr().err
+
+
+def test_a_client_that_goes_away_cuts_the_engine_call(tmp_path) -> None:
+    # An engine that takes the request and never answers (a long prefill);
+    # when the client leaves, the router must close the engine's connection:
+    # that is how vLLM learns to abort the request and free its blocks.
+    import socket
+
+    engine = socket.socket()
+    engine.bind(("127.0.0.1", 0))
+    engine.listen(4)
+    url = f"http://127.0.0.1:{engine.getsockname()[1]}"
+    r = Router(("127.0.0.1", 0), url, url, 60.0)
+    t = threading.Thread(target=r.serve_forever, daemon=True)
+    t.start()
+    try:
+        client = socket.create_connection(("127.0.0.1", r.server_address[1]))
+        body = json.dumps({"model": "m", "prompt": "x"}).encode()
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        engine.settimeout(10)
+        upstream, _ = engine.accept()
+        upstream.settimeout(10)
+        seen = b""
+        while b"\r\n\r\n" not in seen:
+            seen += upstream.recv(65536)
+        assert b"do_remote_decode" in seen  # the prefill's copy
+        client.close()  # the user gives up
+        # The router closes the engine's side: recv returns EOF (or a reset).
+        try:
+            while upstream.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        upstream.close()
+    finally:
+        r.shutdown()
+        r.server_close()
+        engine.close()

@@ -185,23 +185,25 @@ class Notifications:
 
     _END = object()
 
-    def __init__(self, call: grpc.Call, socket: Path) -> None:
+    def __init__(self, call: grpc.Call, socket: Path, on_end: Callable[[KvrailError], None] | None = None) -> None:
         self._call = call
         self._socket = socket
+        self._on_end = on_end
         self._queue: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._pump, name="kvrail-notifications", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
+        end: KvrailError | None
         try:
             for n in self._call:  # type: ignore[attr-defined]
                 self._queue.put(_notification(n))
-            self._queue.put(SidecarUnavailable(f"sidecar at {self._socket} ended the notification stream"))
+            end = SidecarUnavailable(f"sidecar at {self._socket} ended the notification stream")
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED:
-                self._queue.put(self._END)
-            else:
-                self._queue.put(_error(e, self._socket))
+            end = None if e.code() == grpc.StatusCode.CANCELLED else _error(e, self._socket)
+        self._queue.put(self._END if end is None else end)
+        if end is not None and self._on_end is not None:
+            self._on_end(end)
 
     def get(self, timeout: float | None = None) -> Notification:
         """The next notification; :class:`Timeout` after ``timeout`` seconds."""
@@ -568,6 +570,7 @@ class Client:
         after_sequence: int = 0,
         incarnation: int = 0,
         take_over: bool = False,
+        on_end: Callable[[KvrailError], None] | None = None,
     ) -> Notifications:
         """Subscribes to this worker's notifications. Each carries ``sequence``
         (numbered per worker) and ``incarnation`` (the sidecar process): to
@@ -578,7 +581,9 @@ class Client:
         subscription of the same worker raises AlreadyExists unless
         ``take_over`` (the first stream then ends ABORTED). A stream left
         unread until the sidecar holds 128 MiB of notifications for it ends
-        RESOURCE_EXHAUSTED; resume it the same way."""
+        RESOURCE_EXHAUSTED; resume it the same way. ``on_end`` is called (from
+        the stream's thread) with the error that ended the stream, if one did:
+        a way to learn at once that the sidecar went away."""
         call = self._stub.Subscribe(
             pb.SubscribeRequest(
                 worker_id=worker_id or self.worker_id,
@@ -587,7 +592,7 @@ class Client:
                 take_over=take_over,
             )
         )
-        return Notifications(call, self.socket)
+        return Notifications(call, self.socket, on_end)
 
     def send_message(self, peer: str, to_worker: str, topic: str, payload: bytes = b"") -> None:
         """Sends a small message (topic <= 256 bytes, payload <= 16 KiB) to a

@@ -30,10 +30,11 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .client import (
     FAILED,
@@ -338,57 +339,95 @@ RECONNECT_TIMEOUT_S = 0.5
 
 class _SidecarLink:
     """The connector's client of its node's sidecar, across restarts of that
-    sidecar (upgrades, crashes). A call that finds the sidecar gone hands the
-    error to :meth:`lost`; :meth:`get` then makes a new client, at most every
-    :data:`RECONNECT_INTERVAL_S`, and runs ``on_connect`` with it (the worker
-    registers its KV caches again there). Until then :meth:`get` returns None
+    sidecar (upgrades, crashes). A call (or a notification stream) that finds
+    the sidecar gone hands the error to :meth:`lost`; a background thread then
+    tries every :data:`RECONNECT_INTERVAL_S` to reach the new sidecar and runs
+    ``on_connect`` with the new client there (the worker registers its KV
+    caches again and republishes its region table), so an idle engine is
+    ready again without waiting for a request. The engine's thread takes the
+    new client at its next :meth:`get`; until then :meth:`get` returns None
     and the connector fails what needs the sidecar instead of raising into
     the engine."""
 
     def __init__(self, socket: Path, worker_id: str, client: Client) -> None:
         self.socket = socket
         self.worker_id = worker_id
-        self.client: Client | None = client
-        #: Connections made so far (1: the first); bumps at each reconnect.
+        self._lock = threading.Lock()
+        self._client: Client | None = client
+        self._ready: Client | None = None
+        self._reconnecting = False
+        self._closed = False
+        #: Connections taken into use so far (1: the first).
         self.generation = 1
-        self.on_connect: Any = None
-        self._next_try = 0.0
+        #: Runs in the reconnecting thread with a new client, before it is
+        #: taken into use; a KvrailError from it means "try again".
+        self.on_connect: Callable[[Client], None] | None = None
+
+    @property
+    def client(self) -> Client | None:
+        """The client in use, without taking a new one."""
+        return self._client
 
     def get(self) -> Client | None:
-        if self.client is not None:
-            return self.client
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + RECONNECT_INTERVAL_S
-        try:
-            client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
-        except KvrailError as e:
-            log.debug("kvrail: sidecar at %s still away: %s", self.socket, e)
-            return None
-        try:
-            if self.on_connect is not None:
-                self.on_connect(client)
-        except KvrailError as e:
-            log.warning("kvrail: sidecar at %s is back but setting up failed: %s", self.socket, e)
-            client.close()
-            return None
-        self.client = client
-        self.generation += 1
-        log.warning("kvrail: reconnected to the sidecar at %s", self.socket)
-        return client
+        """The client in use, taking a reconnected one if it is ready."""
+        with self._lock:
+            if self._client is None and self._ready is not None:
+                self._client, self._ready = self._ready, None
+                self.generation += 1
+                log.warning("kvrail: reconnected to the sidecar at %s", self.socket)
+            return self._client
 
     def lost(self, error: BaseException) -> None:
-        """The sidecar went away (``error`` says how): drop the client."""
-        if self.client is None:
+        """The sidecar went away (``error`` says how): drops the client and
+        starts reconnecting (safe from any thread, and more than once)."""
+        with self._lock:
+            if self._closed:
+                return
+            old, self._client = self._client, None
+            if old is not None:
+                log.error("kvrail: lost the sidecar at %s (%s); reconnecting in the background", self.socket, error)
+            start = not self._reconnecting and self._ready is None
+            self._reconnecting = self._reconnecting or start
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - closing a dead channel
+                pass
+        if start:
+            threading.Thread(target=self._reconnect, name="kvrail-reconnect", daemon=True).start()
+
+    def _reconnect(self) -> None:
+        while True:
+            time.sleep(RECONNECT_INTERVAL_S)
+            if self._closed:
+                return
+            try:
+                client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
+            except KvrailError as e:
+                log.debug("kvrail: sidecar at %s still away: %s", self.socket, e)
+                continue
+            try:
+                if self.on_connect is not None:
+                    self.on_connect(client)
+            except KvrailError as e:
+                log.warning("kvrail: sidecar at %s is back but setting up failed: %s", self.socket, e)
+                client.close()
+                continue
+            with self._lock:
+                self._reconnecting = False
+                if self._closed:
+                    client.close()
+                    return
+                self._ready = client
             return
-        log.error("kvrail: lost the sidecar at %s (%s); reconnecting in the background", self.socket, error)
-        try:
-            self.client.close()
-        except Exception:  # noqa: BLE001 - closing a dead channel
-            pass
-        self.client = None
-        self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients = [c for c in (self._client, self._ready) if c is not None]
+            self._client = self._ready = None
+        for c in clients:
+            c.close()
 
 
 def _sidecar_gone(e: BaseException) -> bool:
@@ -441,15 +480,22 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched.wants_grants = self.mode == "push" and getattr(cfg, "kv_role", None) != "kv_consumer"
             self._subscribe_grants(client)
         else:
-            self._work = _WorkerState(client.notifications(), self.timeout_s)
+            self._work = _WorkerState(client.notifications(on_end=self._stream_ended), self.timeout_s)
             self._link.on_connect = self._reconnected
             # Whatever happens to the engine, its shared-memory files go with it.
             atexit.register(self._remove_files)
 
+    def _stream_ended(self, error: KvrailError) -> None:
+        """A notification stream ended (called from its thread): if the
+        sidecar is gone, reconnecting starts now, even while the engine idles."""
+        client = self._link.client
+        if isinstance(error, SidecarUnavailable) and (client is None or not client._answers()):
+            self._link.lost(error)
+
     @property
     def client(self) -> Client:
         """The sidecar's client; :class:`SidecarUnavailable` while it is away."""
-        c = self._link.get()
+        c = self._worker_client() if self.role == KVConnectorRole.WORKER else self._link.get()
         if c is None:
             raise SidecarUnavailable(f"the sidecar at {self.socket} is away (reconnecting)")
         return c
@@ -575,7 +621,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         send this engine's scheduler."""
         s = self._sched
         if s.wants_grants:
-            s.messages = client.notifications(worker_id=scheduler_id(self.worker_id))
+            s.messages = client.notifications(worker_id=scheduler_id(self.worker_id), on_end=self._stream_ended)
             s.messages_generation = self._link.generation
 
     def _collect_grants(self, now: float) -> None:
@@ -732,30 +778,47 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         sweep_adopted_files()
         for t in _distinct_host_storages(w.tensors):
             w.adopted.append(adopt_tensor(t))
-        self._register(self.client)
+        w.regions = self._register(self.client)
 
-    def _register(self, client: Client) -> None:
-        """Registers the KV caches with ``client``'s sidecar and publishes the
-        region table the scheduler reads."""
+    def _register(self, client: Client) -> RegionTable:
+        """Registers the KV caches with ``client``'s sidecar, publishes the
+        region table the scheduler reads, and returns it."""
         w = self._work
         regions = client.register_layers(w.tensors, w.kv_layout, expose=self.mode == "pull")
-        w.regions = [(rid, start, count) for rid, start, count, _ in regions]
+        table = [(rid, start, count) for rid, start, count, _ in regions]
         layout = regions[0][3]
         w.block_bytes, w.planes = layout.block_bytes, layout.planes_per_layer
         tmp = self.region_table_path.with_suffix(".tmp")
         tmp.write_text(
-            json.dumps({"node": self.node, "worker_id": self.worker_id, "layers": w.layer_names, "regions": w.regions})
+            json.dumps({"node": self.node, "worker_id": self.worker_id, "layers": w.layer_names, "regions": table})
         )
         tmp.replace(self.region_table_path)  # readers never see half a file
+        return table
 
     def _reconnected(self, client: Client) -> None:
-        """A new sidecar answers (the old one restarted): the caches are
-        registered with it again (new region ids, published) and this
-        worker's notifications come from it."""
+        """A new sidecar answers (the old one restarted; this runs in the
+        reconnecting thread): the caches are registered with it (new region
+        ids, published at once for the scheduler's grants) and this worker's
+        notifications subscribed to. The engine's thread takes both into use
+        with the client (:meth:`_worker_client`)."""
         w = self._work
-        if w.tensors:
-            self._register(client)
-        w.notes = client.notifications(take_over=True)
+        regions = self._register(client) if w.tensors else []
+        w.pending = (regions, client.notifications(on_end=self._stream_ended))
+
+    def _worker_client(self) -> Client | None:
+        """The sidecar's client for this step, None while it is away. Taking
+        a reconnected one ends everything the old sidecar ran."""
+        w = self._work
+        client = self._link.get()
+        if client is not None and w.generation != self._link.generation:
+            w.generation = self._link.generation
+            if w.notes is not None:
+                w.notes.close()
+            pending, w.pending = w.pending, None
+            if pending is not None:
+                w.regions, w.notes = pending
+            w.drop_everything()
+        return client
 
     def _lost_sidecar(self, error: BaseException) -> None:
         """This node's sidecar went away: every transfer it ran is gone with
@@ -809,7 +872,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         w = self._work
         meta: KvrailConnectorMetadata = self._get_connector_metadata()
-        client = self._link.get()
+        client = self._worker_client()
         for rid, spec in meta.load.items():
             w.receiving[rid] = set()
             w.local_blocks[rid] = spec.local_block_ids
@@ -849,10 +912,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         # After the loads: a request aborted in the step its load was planned
         # cancels what just started.
         for rid in meta.cancel:
-            if self._link.client is None:
+            if client is None:
                 w.fail_load(rid, "the sidecar is away", cancelled=True)
             else:
-                w.cancel(self._link.client, rid)
+                w.cancel(client, rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads finish before the request is scheduled (asynchronous loading), as
@@ -868,8 +931,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if not meta.save:
             return
         layer = w.layer_names.index(layer_name)
+        client = self._worker_client()
         src_region, src_layer = _layer_region(w.regions, layer)
-        client = self._link.get()
         for rid, spec in meta.save.items():
             # Tracked before any push: a request none of whose pushes was
             # accepted is still reported finished, and its blocks freed.
@@ -912,11 +975,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         now = time.monotonic()
         for rid in finished_req_ids:
             w.finished_seen.setdefault(rid, now)
-        if w.notes is None:
-            # Reconnecting (at most every RECONNECT_INTERVAL_S): the new
-            # sidecar gets the caches and a new subscription.
-            self._link.get()
-        if w.notes is not None:
+        client = self._worker_client()
+        if client is not None and w.notes is not None:
             try:
                 arrived = w.notes.poll()
             except KvrailError as e:
@@ -925,7 +985,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             for n in arrived:
                 w.last_seen = (n.sequence, n.incarnation)
                 w.on_notification(n, self._link.client)
-        if w.notes is None:
+        if self._link.client is None:
             # Whatever was started before the sidecar went away has ended.
             w.drop_everything()
         return w.collect(self._link.client)
@@ -967,9 +1027,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     except KvrailError as e:
                         log.warning("kvrail: unregister %d: %s", rid, e)
             self._remove_files()
-        if self._link.client is not None:
-            self._link.client.close()
-            self._link.client = None
+        self._link.close()
 
 
 @dataclass
@@ -1051,6 +1109,10 @@ class _WorkerState:
         self.by_request = False
         #: (sequence, incarnation) of the last notification seen.
         self.last_seen = (0, 0)
+        #: The sidecar connection in use (the link's generation), and what
+        #: the reconnecting thread prepared for the next: (regions, notifications).
+        self.generation = 1
+        self.pending: tuple[RegionTable, Notifications] | None = None
 
     def fail_load(self, rid: str, reason: str, cancelled: bool = False) -> None:
         """Ends a load: reported finished receiving, and (unless the request

@@ -30,13 +30,15 @@ connector's ``timeout_s``.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
+import select
+import socket
 import sys
 import threading
+import urllib.parse
 import uuid
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -55,11 +57,92 @@ class RouterError(Exception):
         self.status = status
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    return urllib.request.urlopen(req, timeout=timeout)
+class UpstreamError(Exception):
+    """An engine answered with an error status."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class ClientWatch:
+    """Cuts the upstream calls of one client's request when that client goes
+    away: a disconnect is how a user aborts a request, and an engine aborts
+    its copy (freeing its KV blocks, cancelling its transfers) only when its
+    own connection closes. Watches the client's socket from a thread while
+    the handler waits on the engines."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._calls: list[http.client.HTTPConnection] = []
+        self._done = threading.Event()
+        self.gone = False
+        self._thread = threading.Thread(target=self._watch, name="router-client-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._calls.append(conn)
+            gone = self.gone
+        if gone:
+            _cut(conn)
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0.2)
+                if not ready:
+                    continue
+                data = self._sock.recv(1, socket.MSG_PEEK)
+            except (OSError, ValueError):
+                data = b""
+            if data:
+                return  # the client sent more (not a disconnect): stop watching
+            with self._lock:
+                self.gone = True
+                calls = list(self._calls)
+            log.info("client went away: aborting its upstream requests")
+            for conn in calls:
+                _cut(conn)
+            return
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _cut(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _post(url: str, body: dict[str, Any], timeout: float, watch: ClientWatch | None = None) -> http.client.HTTPResponse:
+    """POSTs ``body`` as JSON; the response (read it, then close it), or
+    :class:`UpstreamError` for an error status. ``watch`` cuts the call when
+    the client goes away."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
+    data = json.dumps(body).encode()
+    try:
+        conn.connect()
+        if watch is not None:
+            watch.add(conn)
+        conn.request("POST", u.path or "/", data, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+    if r.status >= 400:
+        detail = r.read().decode(errors="replace")[:2000]
+        conn.close()
+        raise UpstreamError(r.status, detail)
+    return r
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -89,14 +172,16 @@ def push_requests(body: dict[str, Any], prefill_node: str, prefill_worker: str) 
     return pre, dec
 
 
-def _prefill_in_background(url: str, body: dict[str, Any], timeout: float) -> threading.Thread:
+def _prefill_in_background(
+    url: str, body: dict[str, Any], timeout: float, watch: ClientWatch | None = None
+) -> threading.Thread:
     def run() -> None:
         try:
-            with _post(url, body, timeout) as r:
+            with _post(url, body, timeout, watch) as r:
                 r.read()
-        except urllib.error.HTTPError as e:
-            log.error("push-mode prefill failed (%s): %s", e.code, e.read().decode(errors="replace")[:500])
-        except OSError as e:
+        except UpstreamError as e:
+            log.error("push-mode prefill failed (%s): %s", e.status, e.detail[:500])
+        except (OSError, http.client.HTTPException) as e:
             log.error("push-mode prefill failed: %s", e)
 
     t = threading.Thread(target=run, daemon=True)
@@ -104,15 +189,16 @@ def _prefill_in_background(url: str, body: dict[str, Any], timeout: float) -> th
     return t
 
 
-def hand_off(prefill: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def hand_off(
+    prefill: str, path: str, body: dict[str, Any], timeout: float, watch: ClientWatch | None = None
+) -> dict[str, Any]:
     """Runs the prefill and returns the decode server's copy of the request."""
     try:
-        with _post(prefill + path, prefill_request(body), timeout) as r:
+        with _post(prefill + path, prefill_request(body), timeout, watch) as r:
             reply = json.load(r)
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:2000]
-        raise RouterError(e.code if 400 <= e.code < 500 else 502, f"prefill server: {detail}") from None
-    except (OSError, ValueError) as e:
+    except UpstreamError as e:
+        raise RouterError(e.status if 400 <= e.status < 500 else 502, f"prefill server: {e.detail}") from None
+    except (OSError, ValueError, http.client.HTTPException) as e:
         raise RouterError(502, f"prefill server unreachable or unreadable: {e}") from None
     params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
     if not params:
@@ -171,24 +257,41 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             self._reply(400, {"error": "body must be a JSON object"})
             return
+        watch = ClientWatch(self.connection)
+        try:
+            self._route(body, watch)
+        except (OSError, http.client.HTTPException) as e:
+            if not watch.gone:
+                raise
+            log.info("%s went away: %s", self.address_string(), e)
+            self.close_connection = True
+        finally:
+            watch.close()
+
+    def _route(self, body: dict[str, Any], watch: ClientWatch) -> None:
         if self.server.push_to is not None:
             # Both at once: the prefill waits for the decode's grant, then
             # pushes each layer while the decode waits for them.
             prefill_body, decode_body = push_requests(body, *self.server.push_to)
-            _prefill_in_background(self.server.prefill + self.path, prefill_body, self.server.timeout_s)
+            _prefill_in_background(self.server.prefill + self.path, prefill_body, self.server.timeout_s, watch)
         else:
             try:
-                decode_body = hand_off(self.server.prefill, self.path, body, self.server.timeout_s)
+                decode_body = hand_off(self.server.prefill, self.path, body, self.server.timeout_s, watch)
             except RouterError as e:
+                if watch.gone:
+                    return  # the prefill was cut because the client left
                 self._reply(e.status, {"error": str(e)})
                 return
+            if watch.gone:
+                return  # nobody waits for the decode: do not start it
         try:
-            upstream = _post(self.server.decode + self.path, decode_body, self.server.timeout_s)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            self._reply(e.code if 400 <= e.code < 500 else 502, {"error": f"decode server: {detail}"})
+            upstream = _post(self.server.decode + self.path, decode_body, self.server.timeout_s, watch)
+        except UpstreamError as e:
+            self._reply(e.status if 400 <= e.status < 500 else 502, {"error": f"decode server: {e.detail}"})
             return
-        except OSError as e:
+        except (OSError, http.client.HTTPException) as e:
+            if watch.gone:
+                return
             self._reply(502, {"error": f"decode server unreachable: {e}"})
             return
         with upstream:
