@@ -281,13 +281,15 @@ def test_push_mode_survives_a_decode_sidecar_restart(pair):
     dreq = Request("req-11", list(range(SHORT)), {"do_remote_prefill": True})
     blocks = d.admit_remote(dreq)
     assert d.scheduler.push_target("req-11") is not None
+    old_regions = regions_of(pair, "d")
+    # Killed and started again at once: gRPC reconnects the old channels to
+    # the new sidecar by itself, which must not pass for the old one.
     pair.decode.kill()
+    pair.decode.start()
     # The pushes will never come: the load fails at once, not at the timeout.
     d.run_until(lambda: "req-11" in d.finished_recving, timeout=10)
     assert d.worker.get_block_ids_with_load_errors() == set(blocks)
     d.finish(dreq)
-    old_regions = regions_of(pair, "d")
-    pair.decode.start()
     # Re-registered by the worker's reconnecting thread, while the engine idles.
     wait_for(lambda: regions_of(pair, "d") != old_regions, timeout=10)
     dreq = Request("req-12", list(range(SHORT)), {"do_remote_prefill": True})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +62,20 @@ def _metric(base: str, name: str) -> float:
     raise AssertionError(f"no metric {name} at {base}")
 
 
+#: What the decode engine does with a failed KV load, per mode: both of
+#: vLLM's policies are run ("fail" is vLLM's default).
+LOAD_FAILURE_POLICY = {"pull": "recompute", "push": "fail"}
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 class Engine:
     """One vLLM OpenAI API server with kvrail's connector."""
 
@@ -69,8 +84,10 @@ class Engine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = dir / f"vllm-{role}.log"
         self.worker_id = f"vllm-{role}"
+        self.region_table = dir / f"{self.worker_id}-regions.json"
         kv_config = {
             "kv_connector": "KvrailConnector",
+            "kv_load_failure_policy": LOAD_FAILURE_POLICY[mode],
             "kv_connector_module_path": "kvrail.connector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_connector_extra_config": {
@@ -78,7 +95,7 @@ class Engine:
                 "mode": mode,
                 "worker_id": self.worker_id,
                 # In the test's folder: a killed engine's table stays there.
-                "region_table": str(dir / f"{self.worker_id}-regions.json"),
+                "region_table": str(self.region_table),
                 "timeout_s": TIMEOUT_S,
             },
         }
@@ -118,6 +135,32 @@ class Engine:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM did not start in {START_TIMEOUT_S} s:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def pids(self) -> list[int]:
+        """The engine's processes (its session: API server, EngineCore, workers)."""
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                st = _proc_stat(int(entry))
+                if st is not None and int(st[3]) == self.proc.pid:
+                    out.append(int(entry))
+        return out
+
+    def cpu_percent(self, seconds: float = 3.0) -> dict[int, float]:
+        """CPU use of each of the engine's processes over ``seconds``."""
+        def ticks() -> dict[int, int]:
+            out = {}
+            for pid in self.pids():
+                st = _proc_stat(pid)
+                if st is not None:
+                    out[pid] = int(st[11]) + int(st[12])
+            return out
+
+        hz = os.sysconf("SC_CLK_TCK")
+        before = ticks()
+        time.sleep(seconds)
+        after = ticks()
+        return {pid: 100.0 * (t - before.get(pid, t)) / hz / seconds for pid, t in after.items()}
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -189,12 +232,15 @@ def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             e.wait_ready(deadline)
         yield Disaggregated(pair, engines[0], engines[1], model, mode)
     finally:
+        pids = [pid for e in engines for pid in e.pids()]
         for e in engines:
             e.stop()
         pair.stop()
-        # The adopted KV-cache files are unlinked once both sides mapped them.
-        left = list(Path("/dev/shm").glob(f"kvrail-adopted-{os.getpid()}-*"))
-        assert not left, left
+    # A stopped engine leaves neither its adopted KV-cache files nor its
+    # region table behind.
+    left = [f for pid in pids for f in Path("/dev/shm").glob(f"kvrail-adopted-{pid}-*")]
+    left += [e.region_table for e in engines if e.region_table.exists()]
+    assert not left, left
 
 
 SENTENCE = "Every block of every layer crosses the network before the first token."
@@ -321,6 +367,126 @@ def test_the_router_hands_a_request_from_prefill_to_decode(vllm_pair: Disaggrega
         with pytest.raises(urllib.error.HTTPError) as bad:
             _post(f"{base}/v1/completions", {"model": "no-such-model", "prompt": "x"})
         assert bad.value.code in (400, 404)
+    finally:
+        router.shutdown()
+        router.server_close()
+
+
+def _start_router(vllm_pair: Disaggregated) -> tuple[Any, str]:
+    from kvrail.vllm_router import Router
+
+    push_to = (vllm_pair.pair.prefill.node, vllm_pair.prefill.worker_id) if vllm_pair.mode == "push" else None
+    router = Router(("127.0.0.1", 0), vllm_pair.prefill.url, vllm_pair.decode.url, 120.0, push_to)
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    return router, f"http://127.0.0.1:{router.server_address[1]}"
+
+
+def _stream_then_leave(base: str, body: dict[str, Any], stage: str | float) -> None:
+    """Sends a streamed completion and disconnects: at once (``"sent"``),
+    after ``stage`` seconds, or once the first token arrived (``"token"``)."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps(dict(body, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=120) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+        if stage == "token":
+            seen = b""
+            while b"data:" not in seen:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                seen += chunk
+        elif stage != "sent":
+            time.sleep(float(stage))
+
+
+def _settled(engine: Engine) -> bool:
+    return not (
+        _metric(engine.url, "vllm:num_requests_running")
+        or _metric(engine.url, "vllm:num_requests_waiting")
+        or _metric(engine.url, "vllm:kv_cache_usage_perc")
+    )
+
+
+def test_aborted_streamed_requests_leave_no_blocks_and_idle_engines(vllm_pair: Disaggregated) -> None:
+    router, base = _start_router(vllm_pair)
+    try:
+        # Clients that leave before the prefill is done, at some point of the
+        # hand-off or the decode, and after the first token.
+        stages: list[str | float] = ["sent", 0.3, 1.0, "token", 2.5]
+        bodies = [
+            {"model": vllm_pair.model, "prompt": long_prompt(f"aborted {i}", 6 + i), "max_tokens": 64, "temperature": 0}
+            for i in range(20)
+        ]
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda ib: _stream_then_leave(base, ib[1], stages[ib[0] % len(stages)]), enumerate(bodies)))
+        # Both engines free every block and stop stepping within the
+        # connectors' timeout (a prefill keeps unread blocks until then).
+        deadline = time.monotonic() + TIMEOUT_S + 10
+        for engine in (vllm_pair.decode, vllm_pair.prefill):
+            while not _settled(engine):
+                assert time.monotonic() < deadline, f"{engine.worker_id} kept blocks or requests:\n{engine.log_tail()}"
+                time.sleep(0.5)
+        for engine in (vllm_pair.decode, vllm_pair.prefill):
+            use = engine.cpu_percent(3.0)
+            print(f"{engine.worker_id} idle CPU per process: {use}")
+            assert max(use.values()) < 5.0, (engine.worker_id, use)
+        for i in range(5):
+            prompt = long_prompt(f"after aborts {i}", 8)
+            assert vllm_pair.complete(base, prompt)["choices"][0]["text"] == vllm_pair.reference(prompt)
+    finally:
+        router.shutdown()
+        router.server_close()
+
+
+def _via_router(vllm_pair: Disaggregated, base: str, prompt: str) -> tuple[str, Any]:
+    """("ok", text) or ("error", (HTTP status, body))."""
+    try:
+        return "ok", vllm_pair.complete(base, prompt)["choices"][0]["text"]
+    except urllib.error.HTTPError as e:
+        return "error", (e.code, e.read().decode(errors="replace")[:500])
+
+
+def test_a_sidecar_killed_under_load_and_restarted_leaves_the_engines_serving(vllm_pair: Disaggregated) -> None:
+    router, base = _start_router(vllm_pair)
+    policy = LOAD_FAILURE_POLICY[vllm_pair.mode]
+    try:
+        for side in ("decode", "prefill"):
+            sidecar = getattr(vllm_pair.pair, side)
+            prompts = [long_prompt(f"{side} restart {i}", 12 + 2 * i) for i in range(4)]
+            refs = {p: vllm_pair.reference(p) for p in prompts}
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                results = [pool.submit(_via_router, vllm_pair, base, p) for p in prompts]
+                time.sleep(0.5)  # the requests are under way
+                sidecar.kill()  # SIGKILL
+                sidecar.start()
+                restarted = time.monotonic()
+                outcomes = [f.result() for f in results]
+            for engine in (vllm_pair.prefill, vllm_pair.decode):
+                assert engine.proc.poll() is None, f"{engine.worker_id} exited:\n{engine.log_tail()}"
+            print(f"{side} sidecar killed ({vllm_pair.mode}, policy {policy}): {[o[0] for o in outcomes]}")
+            for prompt, (kind, got) in zip(prompts, outcomes):
+                if kind == "ok":
+                    assert got == refs[prompt], f"{side} restart gave a wrong output"
+                else:
+                    # Only the "fail" policy may fail a request, and it says so.
+                    assert policy == "fail" and got[0] >= 500, got
+            # Within 10 s of the restart, a request gives the single engine's
+            # output with its KV moved through kvrail again.
+            prompt = long_prompt(f"after the {side} restart", 10)
+            ref = vllm_pair.reference(prompt)
+            while True:
+                before = vllm_pair.decode_received_bytes()
+                kind, got = _via_router(vllm_pair, base, prompt)
+                if kind == "ok" and got == ref and vllm_pair.decode_received_bytes() > before:
+                    break
+                assert time.monotonic() - restarted < 10, (
+                    f"no hand-off through kvrail within 10 s of the {side} sidecar's restart: {kind} {got!r}\n"
+                    f"decode engine:\n{vllm_pair.decode.log_tail()}"
+                )
+            print(f"{side}: KV moved again {time.monotonic() - restarted:.1f} s after the restart")
     finally:
         router.shutdown()
         router.server_close()

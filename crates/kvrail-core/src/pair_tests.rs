@@ -704,6 +704,35 @@ fn an_abort_that_overtakes_its_open_leaves_no_orphan() {
     assert!(b.session.progress(id).is_none());
 }
 
+/// A push announces itself on each connection it uses; an Abort that
+/// arrives after the first announcement and before a repeat on another
+/// connection must not let the repeat start a new receive (it held the
+/// region for the progress timeout, and then failed with a timeout).
+#[test]
+fn an_abort_between_an_open_and_its_repeat_leaves_no_orphan() {
+    let mut p = Pair::new(2, small_slices(), 13);
+    p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
+    let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
+    let open = p.take_open();
+    p.wires[1][0].clear();
+    let now = p.now;
+    let b = &mut p.sides[1];
+    b.session.handle_control(0, open.clone(), now, &b.regions);
+    assert_eq!(b.session.active_transfers(), 1);
+    let abort = crate::wire::Body::Abort(crate::wire::pb::Abort {
+        transfer_id: id,
+        code: ErrorCode::Cancelled as i32,
+        message: "cancelled".into(),
+    });
+    b.session.handle_control(0, abort, now, &b.regions);
+    assert_eq!(b.session.active_transfers(), 0);
+    // The same open, repeated on the second connection, arrives last.
+    b.session.handle_control(1, open, now, &b.regions);
+    assert_eq!(b.session.active_transfers(), 0);
+    assert!(b.session.progress(id).is_none());
+}
+
 fn with_generations(mut s: BlockSelection, generations: &[u64]) -> BlockSelection {
     s.generations = generations.to_vec();
     s

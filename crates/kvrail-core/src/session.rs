@@ -892,12 +892,14 @@ impl Session {
                         }
                     };
                     self.finish_failed(a.transfer_id, error);
-                } else {
-                    // An Abort can overtake its PushOpen/PullOpen (they may travel on
-                    // different connections): remember it, so the open that arrives
-                    // later is dropped instead of waiting for a progress timeout.
-                    self.remember_rejected(a.transfer_id);
                 }
+                // An Abort can overtake its PushOpen/PullOpen, or a repeat of
+                // it (a push announces itself on each connection it uses, and
+                // they may travel on different connections): remember it, so an
+                // open that arrives later is dropped instead of starting a
+                // receive nobody sends to, which would hold its region until
+                // the progress timeout.
+                self.remember_rejected(a.transfer_id);
             }
             Body::Ping(p) => self.control.push_back((
                 Some(conn),

@@ -297,6 +297,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::RegionTruncated => "region_truncated",
             ErrorCode::BlocksReleased => "blocks_released",
+            ErrorCode::TooManySessions => "too_many_sessions",
         }
     }
 }

@@ -151,6 +151,14 @@ pub struct SharedRegion {
 }
 
 impl SharedRegion {
+    /// The mapped file's (device, inode): the same file however it was
+    /// named (a hard link, another path).
+    pub fn identity(&self) -> std::io::Result<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self._file.metadata()?;
+        Ok((m.dev(), m.ino()))
+    }
+
     /// Maps a worker's file under the registration policy: an absolute path
     /// whose last component is not a symlink, naming a regular file in shared
     /// memory (tmpfs or hugetlbfs) owned by the caller (root may register any

@@ -285,8 +285,36 @@ pub enum Next {
     Overrun(CloseReason),
 }
 
+/// Ring files this process serves, by (device, inode): a ring is served
+/// once at a time, whatever its state word says (the worker owns that word
+/// and could set it back to "created" to have the same ring opened twice,
+/// each opening then reading the same submissions).
+static SERVED_RINGS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+
+/// This process's claim on serving one ring file; given back when dropped.
+struct RingClaim((u64, u64));
+
+impl RingClaim {
+    fn take(identity: (u64, u64)) -> Result<Self, RingIoError> {
+        let mut served = SERVED_RINGS.lock().unwrap_or_else(|e| e.into_inner());
+        if served.contains(&identity) {
+            return Err(RingIoError::AlreadyOpen);
+        }
+        served.push(identity);
+        Ok(RingClaim(identity))
+    }
+}
+
+impl Drop for RingClaim {
+    fn drop(&mut self) {
+        let mut served = SERVED_RINGS.lock().unwrap_or_else(|e| e.into_inner());
+        served.retain(|i| *i != self.0);
+    }
+}
+
 /// The sidecar's end of a worker's ring.
 pub struct SidecarRing {
+    _claim: RingClaim,
     mem: SharedRegion,
     geometry: RingGeometry,
     /// Next submission index to read (the sidecar's own copy: the shared one
@@ -305,6 +333,11 @@ impl SidecarRing {
         // would otherwise take the daemon's address space.
         let mem =
             SharedRegion::open_registered_within(path, caller, RingGeometry::MAX_TOTAL_BYTES)?;
+        let identity = mem.identity().map_err(|source| ShmError::Open {
+            path: mem.path().to_path_buf(),
+            source,
+        })?;
+        let claim = RingClaim::take(identity)?;
         let mut header = [0u8; 28];
         mem.read_at(0, &mut header)?;
         let geometry = RingGeometry::decode_header(&header, mem.len())?;
@@ -329,6 +362,7 @@ impl SidecarRing {
         }
         let (sq_head, cq_tail) = (0, 0);
         Ok(Self {
+            _claim: claim,
             sq_head: Mutex::new((sq_head, vec![0; geometry.sq_slot_bytes as usize])),
             cq_tail: Mutex::new((cq_tail, vec![0; CQ_SLOT_BYTES as usize])),
             mem,
@@ -501,6 +535,28 @@ mod tests {
             std::env::temp_dir()
         };
         dir.join(format!("kvrail-ring-test-{name}-{}", std::process::id()))
+    }
+
+    /// The worker owns the state word: setting it back to "created" on a
+    /// ring being served must not have it served twice (each serving read
+    /// the same submissions: one submission started two transfers).
+    #[test]
+    fn a_ring_being_served_cannot_be_opened_again() {
+        let p = path("twice");
+        let g = RingGeometry::new(8, 8, 1024).unwrap();
+        let worker = WorkerRing::create(&p, g).unwrap();
+        let first = SidecarRing::open(&p, Caller { uid: None }).unwrap();
+        let w = words(&worker.mem).unwrap();
+        w.state.store(RingState::Created as u32, Ordering::Release);
+        assert!(matches!(
+            SidecarRing::open(&p, Caller { uid: None }),
+            Err(RingIoError::AlreadyOpen)
+        ));
+        // Once the first is gone, the (reset) ring may be served again.
+        drop(first);
+        w.state.store(RingState::Created as u32, Ordering::Release);
+        SidecarRing::open(&p, Caller { uid: None }).unwrap();
+        worker.unlink();
     }
 
     #[test]

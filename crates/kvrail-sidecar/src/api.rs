@@ -615,6 +615,7 @@ impl Sidecar for Api {
         Ok(Response::new(ListPeersResponse {
             node_name: self.shared.config.node.clone(),
             peers,
+            incarnation: self.shared.incarnation,
         }))
     }
 }

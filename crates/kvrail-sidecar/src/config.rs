@@ -331,7 +331,9 @@ impl Config {
         if self.listen.is_empty() {
             return bad("at least one listen address (rail) is required");
         }
-        if self.connections_per_rail == 0
+        // Checked alone first: the products below would wrap (in release
+        // builds) for a huge value, and a wrapped product passes.
+        if !(1..=64).contains(&self.connections_per_rail)
             || self.connections_per_rail * self.listen.len().max(1) > 64
         {
             return bad("connections_per_rail must be 1..=64 (in total over all rails)");
@@ -567,6 +569,25 @@ mod tests {
         c.validate().unwrap();
         c.connections_per_rail = 65;
         assert!(c.validate().is_err());
+    }
+
+    /// A connection count whose product with the rails wraps (2^63 + 1 times
+    /// two rails is 2) is refused, not passed on to a daemon that would
+    /// never finish dialing.
+    #[test]
+    fn a_connection_count_whose_product_wraps_is_refused() {
+        let c = Config {
+            listen: vec![
+                "127.0.0.1:7400".parse().unwrap(),
+                "127.0.0.1:7401".parse().unwrap(),
+            ],
+            connections_per_rail: (1 << 63) + 1,
+            insecure: true,
+            rdma: false,
+            ..Config::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("connections_per_rail must be 1..=64"), "{e}");
     }
 
     #[test]

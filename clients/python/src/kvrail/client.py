@@ -611,6 +611,11 @@ class Client:
         """This node's name and its peers (rails, transport, per-rail counters)."""
         return self._call(self._stub.ListPeers, pb.ListPeersRequest())
 
+    def incarnation(self, timeout: float = 2.0) -> int:
+        """The sidecar process answering now (random per start): a change
+        means it restarted and knows none of this worker's regions."""
+        return int(self._call(self._stub.ListPeers, pb.ListPeersRequest(), timeout).incarnation)
+
     def close(self) -> None:
         with self._submit_lock:
             self._drop_submit_ring()

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .client import (
     FAILED,
@@ -52,6 +52,7 @@ from .errors import KvrailError, SidecarUnavailable
 from .memory import AdoptedMemory, adopt_tensor, shm_dir, sweep_adopted_files
 
 log = logging.getLogger("kvrail.connector")
+T = TypeVar("T")
 
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -116,6 +117,9 @@ class RemoteBlocks:
     remote_request_id: str
     #: Push mode: the remote blocks' generations per region id (as text).
     remote_generations: dict[str, list[int]] = field(default_factory=dict)
+    #: Why this load cannot happen (the scheduler could not grant the
+    #: blocks): the worker fails it at once. Empty: it can.
+    failure: str = ""
 
     @classmethod
     def from_params(
@@ -349,11 +353,14 @@ class _SidecarLink:
     and the connector fails what needs the sidecar instead of raising into
     the engine."""
 
-    def __init__(self, socket: Path, worker_id: str, client: Client) -> None:
+    def __init__(self, socket: Path, worker_id: str, client: Client, incarnation: int) -> None:
         self.socket = socket
         self.worker_id = worker_id
         self._lock = threading.Lock()
         self._client: Client | None = client
+        #: The sidecar process the client in use talks to.
+        self.incarnation = incarnation
+        self._ready_incarnation = 0
         self._ready: Client | None = None
         self._reconnecting = False
         self._closed = False
@@ -373,6 +380,7 @@ class _SidecarLink:
         with self._lock:
             if self._client is None and self._ready is not None:
                 self._client, self._ready = self._ready, None
+                self.incarnation = self._ready_incarnation
                 self.generation += 1
                 log.warning("kvrail: reconnected to the sidecar at %s", self.socket)
             return self._client
@@ -407,6 +415,7 @@ class _SidecarLink:
                 log.debug("kvrail: sidecar at %s still away: %s", self.socket, e)
                 continue
             try:
+                incarnation = client.incarnation()
                 if self.on_connect is not None:
                     self.on_connect(client)
             except KvrailError as e:
@@ -415,11 +424,45 @@ class _SidecarLink:
                 continue
             with self._lock:
                 self._reconnecting = False
-                if self._closed:
-                    client.close()
-                    return
-                self._ready = client
+                superseded = self._closed or self._client is not None
+                if not superseded:
+                    self._ready, self._ready_incarnation = client, incarnation
+            if superseded:  # closed, or connect_now got there first
+                client.close()
             return
+
+    def connect_now(self) -> Client | None:
+        """One attempt, now, to reach a sidecar that went away (for callers
+        with nothing to set up on a new connection: the scheduler)."""
+        if self.on_connect is not None:
+            raise RuntimeError("connect_now is for links without on_connect")
+        existing = self.get()
+        if existing is not None:
+            return existing
+        try:
+            client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
+            incarnation = client.incarnation()
+        except KvrailError:
+            return None
+        with self._lock:
+            if self._client is None and not self._closed:
+                self._client, self.incarnation = client, incarnation
+                self.generation += 1
+                return client
+        client.close()
+        return self.get()
+
+    def same_sidecar(self) -> bool:
+        """Whether the sidecar that answers now is the one the client in use
+        connected to (gRPC reconnects a channel to a restarted sidecar on its
+        own, which knows none of the regions registered before)."""
+        client = self._client
+        if client is None:
+            return False
+        try:
+            return client.incarnation() == self.incarnation
+        except KvrailError:
+            return False
 
     def close(self) -> None:
         with self._lock:
@@ -472,8 +515,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             else None
         )
         client = Client(self.socket, self.worker_id)
-        self.node: str = client.peers().node_name
-        self._link = _SidecarLink(self.socket, self.worker_id, client)
+        hello = client.peers()
+        self.node: str = hello.node_name
+        self._link = _SidecarLink(self.socket, self.worker_id, client, hello.incarnation)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerState()
             # Grants from decode engines arrive as messages to this id.
@@ -488,8 +532,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     def _stream_ended(self, error: KvrailError) -> None:
         """A notification stream ended (called from its thread): if the
         sidecar is gone, reconnecting starts now, even while the engine idles."""
-        client = self._link.client
-        if isinstance(error, SidecarUnavailable) and (client is None or not client._answers()):
+        if isinstance(error, SidecarUnavailable) and not self._link.same_sidecar():
             self._link.lost(error)
 
     @property
@@ -538,9 +581,14 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             local, cached = _blocks_to_load(blocks)
             if self.mode == "push":
                 # Decode first: the prefill engine will write into these blocks.
+                failure = ""
                 try:
                     regions = self._regions()
-                    target = {
+
+                    def generations(client: Client) -> dict[str, list[int]]:
+                        return {str(r): client.block_generations(r, local) for r, _, _ in regions}
+
+                    target: dict[str, Any] | None = {
                         "remote_node": self.node,
                         "remote_regions": regions,
                         "remote_block_ids": local,
@@ -548,22 +596,19 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                         "skip_blocks": cached,
                         # A push naming these generations fails once this side
                         # releases the blocks (abort, timeout): none lands late.
-                        "remote_generations": {
-                            str(r): self.client.block_generations(r, local) for r, _, _ in regions
-                        },
+                        "remote_generations": self._scheduler_call(generations),
                     }
                 except KvrailError as e:
-                    # Nothing will arrive: the pushed-layer timeout turns the
-                    # blocks into load errors.
-                    log.error("kvrail: cannot grant the blocks of %s: %s", rid, e)
-                    self._check_lost(e)
+                    # Nothing will arrive: the worker fails the load at once.
+                    failure = f"cannot grant the blocks: {e}"
+                    log.error("kvrail: %s: %s", rid, failure)
                     target = None
                 ticket = params.get("push_ticket")
                 if target is not None and ticket:
-                    self._send_grant(rid, str(ticket), params.get("push_grant_to"), target)
+                    failure = self._send_grant(rid, str(ticket), params.get("push_grant_to"), target)
                 elif target is not None:
                     self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
-                self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid)
+                self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid, failure=failure)
             else:
                 remote = list(params["remote_block_ids"])
                 remote = remote[cached:] if cached else remote[max(0, len(remote) - len(local)) :]
@@ -576,21 +621,36 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched.prefill_blocks[rid] = list(blocks.get_block_ids()[0])
             self._sched.prompt_tokens[rid] = len(request.prompt_token_ids)
 
-    def _send_grant(self, rid: str, ticket: str, to: Any, target: dict[str, Any]) -> None:
+    def _send_grant(self, rid: str, ticket: str, to: Any, target: dict[str, Any]) -> str:
         """Decode side: grants this request's blocks to the prefill engine named
-        in ``push_grant_to`` ({"node", "worker"}). A grant that cannot be sent
-        leaves the request to the pushed-layer timeout (its blocks then count
-        as load errors)."""
+        in ``push_grant_to`` ({"node", "worker"}). Returns why the grant could
+        not be sent ("" when it was): then nothing will arrive, and the
+        request's load fails at once."""
         node, worker = (to.get("node"), to.get("worker")) if isinstance(to, dict) else (None, None)
         if not isinstance(node, str) or not isinstance(worker, str):
-            log.error("kvrail: push_ticket %s without push_grant_to {node, worker}: nothing will arrive", ticket)
-            return
+            why = f"push_ticket {ticket} without push_grant_to {{node, worker}}"
+            log.error("kvrail: %s: nothing will arrive", why)
+            return why
         payload = json.dumps(dict(target, ticket=ticket), separators=(",", ":")).encode()
         try:
-            self.client.send_message(node, scheduler_id(worker), GRANT_TOPIC + ticket, payload)
+            self._scheduler_call(lambda c: c.send_message(node, scheduler_id(worker), GRANT_TOPIC + ticket, payload))
         except KvrailError as e:
             log.error("kvrail: grant of %s to %s/%s failed: %s", rid, node, worker, e)
-            self._check_lost(e)
+            return f"the grant to {node}/{worker} failed: {e}"
+        return ""
+
+    def _scheduler_call(self, fn: Callable[[Client], T]) -> T:
+        """``fn(client)``; a sidecar found gone is reached again at once and
+        the call made once more (the request it serves would otherwise wait
+        out its timeout)."""
+        try:
+            return fn(self.client)
+        except SidecarUnavailable as e:
+            self._link.lost(e)
+            client = self._link.connect_now()
+            if client is None:
+                raise
+            return fn(client)
 
     def _await_grant(self, rid: str, params: dict[str, Any]) -> bool:
         """Prefill side: whether the decode's grant for this request's ticket is
@@ -842,7 +902,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         stream resumes after the last notification seen, nothing missed."""
         w = self._work
         client = self._link.client
-        if client is None or not client._answers():
+        if client is None or not self._link.same_sidecar():
             self._lost_sidecar(error)
             return
         log.error("kvrail: notification stream ended (%s); resuming it", error)
@@ -876,6 +936,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         for rid, spec in meta.load.items():
             w.receiving[rid] = set()
             w.local_blocks[rid] = spec.local_block_ids
+            if spec.failure:
+                w.fail_load(rid, spec.failure)
+                continue
             if client is None:
                 # No sidecar (restarting): the load fails now, not at a timeout.
                 w.fail_load(rid, "the sidecar is away")

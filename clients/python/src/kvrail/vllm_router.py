@@ -216,6 +216,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: "Router"
     protocol_version = "HTTP/1.1"
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except ConnectionError as e:  # the client went away: nothing to answer
+            log.info("%s: %s", self.address_string(), e)
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.info("%s " + format, self.address_string(), *args)
 

@@ -345,6 +345,9 @@ pub enum ErrorCode {
     /// A block the transfer names was released by its worker (its generation moved
     /// on), before or while the transfer ran.
     BlocksReleased = 12,
+    /// A handshake refused because the dialing node already holds as many
+    /// sessions here as the acceptor allows (each carrying transfers).
+    TooManySessions = 13,
 }
 impl ErrorCode {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -366,6 +369,7 @@ impl ErrorCode {
             Self::Internal => "ERROR_CODE_INTERNAL",
             Self::RegionTruncated => "ERROR_CODE_REGION_TRUNCATED",
             Self::BlocksReleased => "ERROR_CODE_BLOCKS_RELEASED",
+            Self::TooManySessions => "ERROR_CODE_TOO_MANY_SESSIONS",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -384,6 +388,7 @@ impl ErrorCode {
             "ERROR_CODE_INTERNAL" => Some(Self::Internal),
             "ERROR_CODE_REGION_TRUNCATED" => Some(Self::RegionTruncated),
             "ERROR_CODE_BLOCKS_RELEASED" => Some(Self::BlocksReleased),
+            "ERROR_CODE_TOO_MANY_SESSIONS" => Some(Self::TooManySessions),
             _ => None,
         }
     }

@@ -302,6 +302,11 @@ pub struct ListPeersResponse {
     pub node_name: ::prost::alloc::string::String,
     #[prost(message, repeated, tag = "2")]
     pub peers: ::prost::alloc::vec::Vec<PeerInfo>,
+    /// Random per start of this sidecar's process (as Notification.incarnation):
+    /// a client that sees it change is talking to a restarted sidecar, which
+    /// knows none of its regions or transfers.
+    #[prost(uint64, tag = "3")]
+    pub incarnation: u64,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct SendMessageRequest {
@@ -331,6 +336,11 @@ pub struct OpenRingRequest {
     /// Deliver this worker's transfer notifications to the ring.
     #[prost(bool, tag = "3")]
     pub notifications: bool,
+    /// With notifications: take them over from a live Subscribe stream of this
+    /// worker id held by another process (that stream ends ABORTED). Without
+    /// it such a ring is refused ALREADY_EXISTS.
+    #[prost(bool, tag = "4")]
+    pub take_over: bool,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RingEvent {

@@ -90,11 +90,11 @@ pub fn table(config: &Config, findings: &[Finding]) -> String {
             f.status.label(),
             rail,
             f.check,
-            f.detail
+            printable(&f.detail)
         ));
         if let Some(fix) = &f.fix {
             if f.status >= Status::Warn || f.status == Status::Info {
-                s.push_str(&format!("{:<23} fix: {fix}\n", ""));
+                s.push_str(&format!("{:<23} fix: {}\n", "", printable(fix)));
             }
         }
     }
@@ -106,4 +106,55 @@ pub fn table(config: &Config, findings: &[Finding]) -> String {
         count(Status::Ok)
     ));
     s
+}
+
+/// Text for a terminal: control characters (escape sequences, line breaks
+/// that would forge a row of the table) and bidirectional overrides written
+/// as `\u{..}`. Details quote what peers said (their software string, their
+/// refusal), which a peer controls.
+fn printable(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let bidi = matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || bidi {
+            out.push_str(&c.escape_unicode().to_string());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer's software string (or refusal) with escape sequences and a
+    /// forged row reaches the table escaped, on one row.
+    #[test]
+    fn peer_text_cannot_forge_rows_or_move_the_cursor() {
+        let config = Config {
+            node: "a".into(),
+            ..Config::default()
+        };
+        let forged = "kvrail 9\u{1b}[2K\rOK     -     link       all good\n\u{9b}31m\u{202e}x";
+        let findings = [Finding {
+            status: Status::Fail,
+            check: "peer",
+            rail: Some(0),
+            detail: format!("peer answers as {forged}"),
+            fix: Some(forged.into()),
+        }];
+        let out = table(&config, &findings);
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(!out.contains('\u{202e}'), "{out:?}");
+        let rows: Vec<&str> = out.lines().filter(|l| l.contains("all good")).collect();
+        assert_eq!(rows.len(), 2, "{out}");
+        assert!(
+            rows.iter()
+                .all(|r| r.contains("\\u{1b}") && r.contains("\\u{a}")),
+            "{out}"
+        );
+        assert!(!out.lines().any(|l| l.starts_with("OK ")), "{out}");
+    }
 }

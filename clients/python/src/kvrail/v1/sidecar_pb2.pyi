@@ -328,12 +328,14 @@ class RailStatus(_message.Message):
     def __init__(self, rail: _Optional[int] = ..., direction: _Optional[str] = ..., state: _Optional[str] = ..., connections: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., slices_sent: _Optional[int] = ..., slices_retransmitted: _Optional[int] = ..., transitions: _Optional[int] = ..., rate_bytes_per_sec: _Optional[float] = ..., last_failure: _Optional[str] = ...) -> None: ...
 
 class ListPeersResponse(_message.Message):
-    __slots__ = ("node_name", "peers")
+    __slots__ = ("node_name", "peers", "incarnation")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, node_name: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, node_name: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SendMessageRequest(_message.Message):
     __slots__ = ("worker_id", "peer", "to_worker", "topic", "payload")
@@ -354,14 +356,16 @@ class SendMessageResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRingRequest(_message.Message):
-    __slots__ = ("worker_id", "shm_path", "notifications")
+    __slots__ = ("worker_id", "shm_path", "notifications", "take_over")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shm_path: str
     notifications: bool
-    def __init__(self, worker_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., notifications: bool = ...) -> None: ...
+    take_over: bool
+    def __init__(self, worker_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., notifications: bool = ..., take_over: bool = ...) -> None: ...
 
 class RingEvent(_message.Message):
     __slots__ = ("version", "incarnation")
