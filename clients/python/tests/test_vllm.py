@@ -235,12 +235,20 @@ def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         pids = [pid for e in engines for pid in e.pids()]
         for e in engines:
             e.stop()
+
+        def left() -> list[Path]:
+            files = [f for pid in pids for f in Path("/dev/shm").glob(f"kvrail-adopted-{pid}-*")]
+            return files + [e.region_table for e in engines if e.region_table.exists()]
+
+        # A stopped engine (vLLM kills its workers with SIGKILL) leaves
+        # neither its adopted KV-cache files nor its region table behind: its
+        # sidecar removes them once the worker process is gone.
+        deadline = time.monotonic() + 10
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        remaining = left()
         pair.stop()
-    # A stopped engine leaves neither its adopted KV-cache files nor its
-    # region table behind.
-    left = [f for pid in pids for f in Path("/dev/shm").glob(f"kvrail-adopted-{pid}-*")]
-    left += [e.region_table for e in engines if e.region_table.exists()]
-    assert not left, left
+    assert not remaining, remaining
 
 
 SENTENCE = "Every block of every layer crosses the network before the first token."
@@ -459,7 +467,14 @@ def test_a_sidecar_killed_under_load_and_restarted_leaves_the_engines_serving(vl
             refs = {p: vllm_pair.reference(p) for p in prompts}
             with ThreadPoolExecutor(len(prompts)) as pool:
                 results = [pool.submit(_via_router, vllm_pair, base, p) for p in prompts]
-                time.sleep(0.5)  # the requests are under way
+                # Killed while the decode engine holds requests.
+                deadline = time.monotonic() + 30
+                while not (
+                    _metric(vllm_pair.decode.url, "vllm:num_requests_running")
+                    or _metric(vllm_pair.decode.url, "vllm:num_requests_waiting")
+                ):
+                    assert time.monotonic() < deadline, "the requests never reached the decode engine"
+                    time.sleep(0.02)
                 sidecar.kill()  # SIGKILL
                 sidecar.start()
                 restarted = time.monotonic()

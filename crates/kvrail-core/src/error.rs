@@ -81,6 +81,15 @@ pub enum PlanError {
         max_transfers: usize,
         max_segments: u64,
     },
+    /// The transfers open with this peer (`scope` "session"), or with every
+    /// peer ("node"), hold as much memory as they may.
+    #[error("open transfers hold {held} bytes in this {scope} (at most {max}); this one needs {wanted}: wait for some to finish")]
+    MemoryFull {
+        scope: &'static str,
+        held: u64,
+        wanted: u64,
+        max: u64,
+    },
 }
 
 impl PlanError {
@@ -92,7 +101,7 @@ impl PlanError {
             PlanError::OutsideStream { .. } | PlanError::GenerationCount { .. } => {
                 ErrorCode::Protocol
             }
-            PlanError::SessionFull { .. } => ErrorCode::Internal,
+            PlanError::SessionFull { .. } | PlanError::MemoryFull { .. } => ErrorCode::Internal,
             _ => ErrorCode::OutOfRange,
         }
     }

@@ -6,6 +6,7 @@
 //! framing ([`wire`]). No sockets, no clock, no
 //! threads: drivers feed events and `now` in and drain what to send out.
 
+pub mod budget;
 pub mod error;
 pub mod handshake;
 pub mod layout;

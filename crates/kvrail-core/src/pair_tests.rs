@@ -1379,6 +1379,81 @@ fn a_peers_oversized_request_id_is_refused_and_its_long_messages_are_cut() {
     assert!(message.ends_with("more bytes cut)"), "marked as cut");
 }
 
+/// PushOpens naming a million contiguous blocks each coalesce into one plan
+/// segment, but the receiving side keeps every id and generation (~12 MiB):
+/// hundreds of them took a daemon to an OOM kill. What open transfers hold
+/// is counted against the session's cap and the node's budget (shared by
+/// every session); past them the peer is refused and told why, and what
+/// ended gives its bytes back.
+#[test]
+fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
+    use crate::budget::MemoryBudget;
+    let node = std::sync::Arc::new(MemoryBudget::new(100 << 20));
+    let config = SessionConfig {
+        max_held_bytes: 64 << 20,
+        node_budget: node.clone(),
+        ..small_slices()
+    };
+    let mut p = Pair::new(1, config.clone(), 3);
+    let blocks = crate::plan::MAX_BLOCKS_PER_TRANSFER as u32;
+    p.add_region(1, 2, RegionLayout::dense(1, 1, blocks, 1), false, false);
+    let open = |id: u64| {
+        crate::wire::Body::PushOpen(crate::wire::pb::PushOpen {
+            transfer_id: id,
+            request_id: format!("r{id}"),
+            destination: Some(crate::wire::pb::BlockSet {
+                region_id: 2,
+                layer_start: 0,
+                layer_count: 1,
+                block_ids: (0..blocks).collect(),
+                generations: vec![0; blocks as usize],
+            }),
+            block_bytes: 1,
+            total_bytes: u64::from(blocks),
+            one_sided: false,
+        })
+    };
+    let now = p.now;
+    let b = &mut p.sides[1];
+    for id in 1..=10 {
+        b.session.handle_control(0, open(id), now, &b.regions);
+    }
+    // 12 MiB and more each: at most five fit the session's 64 MiB.
+    let open_now = b.session.active_transfers();
+    assert!((1..=5).contains(&open_now), "{open_now} open");
+    assert!(b.session.held_bytes() <= 64 << 20);
+    assert_eq!(node.held(), b.session.held_bytes());
+    let refusals: Vec<String> = std::iter::from_fn(|| b.session.poll_transmit(now))
+        .filter_map(|t| match t {
+            Transmit::Control { msg, .. } => match msg.body {
+                Some(crate::wire::Body::Abort(a)) => Some(a.message),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refusals.len(), 10 - open_now, "{refusals:?}");
+    assert!(refusals[0].contains("in this session"), "{}", refusals[0]);
+    // A second session of the node draws from the same budget.
+    let mut q = Pair::new(1, config, 4);
+    q.add_region(1, 2, RegionLayout::dense(1, 1, blocks, 1), false, false);
+    let c = &mut q.sides[1];
+    for id in 1..=10 {
+        c.session.handle_control(0, open(id), now, &c.regions);
+    }
+    assert!(node.held() <= 100 << 20, "{}", node.held());
+    assert!(c.session.active_transfers() < open_now);
+    // Transfers that end (here: nothing came for them) give their bytes
+    // back; so does a dropped session.
+    p.sides[1]
+        .session
+        .handle_timeout(now + Duration::from_secs(600));
+    assert_eq!(p.sides[1].session.active_transfers(), 0);
+    assert_eq!(p.sides[1].session.held_bytes(), 0);
+    drop(q);
+    assert_eq!(node.held(), 0);
+}
+
 /// A session holds at most `MAX_TRANSFERS` open transfers: a worker asking
 /// for more is told to wait (and the session's memory stays bounded), and a
 /// peer opening more has the extra ones refused, the peer told why.

@@ -110,6 +110,7 @@ fn config() -> SessionConfig {
         probes_rails: true,
         eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
         staged_slice_bytes: 4 << 20,
+        ..SessionConfig::default()
     }
 }
 

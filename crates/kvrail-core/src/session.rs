@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::budget::{transfer_bytes, MemoryBudget, DEFAULT_SESSION_TRANSFER_BYTES};
 use crate::error::{PlanError, TransferError};
 use crate::layout::RegionLayout;
 use crate::placement::{Admitted, OwnedGate, PlacementGate};
@@ -83,6 +84,11 @@ pub struct SessionConfig {
     /// docs/gpu.md), so these slices are larger; the receiving side's
     /// staging buffers must hold them.
     pub staged_slice_bytes: u64,
+    /// Memory this session's open transfers may hold (block ids,
+    /// generations, plans, queued opens: [`crate::budget`])...
+    pub max_held_bytes: u64,
+    /// ...and the budget every session of the node draws from together.
+    pub node_budget: Arc<MemoryBudget>,
 }
 
 /// Default of [`SessionConfig::staged_slice_bytes`].
@@ -98,6 +104,8 @@ impl Default for SessionConfig {
             probes_rails: true,
             eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
             staged_slice_bytes: DEFAULT_STAGED_SLICE_BYTES,
+            max_held_bytes: DEFAULT_SESSION_TRANSFER_BYTES,
+            node_budget: Arc::default(),
         }
     }
 }
@@ -266,6 +274,8 @@ struct Transfer {
     /// (connection, offset, length, sent at) of unacknowledged slices.
     in_flight: Vec<(ConnId, u64, u64, Instant)>,
     announced: u64,
+    /// The open this side sent (a push's or a pull's): it names the peer's
+    /// blocks, and is sent again where a connection lost it.
     open_msg: Option<PeerMessage>,
     /// A pull's, or a one-sided push's, open: the connection it went out on
     /// as a control message, until the peer answers (a grant, a first slice).
@@ -277,8 +287,9 @@ struct Transfer {
     pinned_rail: Option<RailId>,
     /// Its local memory is staged: larger slices (`staged_slice_bytes`).
     staged: bool,
-    /// The peer's blocks (for one-sided grants).
-    remote_selection: BlockSelection,
+    /// What it holds in memory ([`crate::budget::transfer_bytes`]), counted
+    /// against the session's and the node's budgets while it is open.
+    held_bytes: u64,
     /// Asked for a grant; nothing moves until it (or a refusal) arrives.
     awaiting_grant: bool,
     /// Granted: this side moves the bytes one-sided.
@@ -319,7 +330,7 @@ impl Transfer {
             regrants: 0,
             pinned_rail: None,
             staged: false,
-            remote_selection: BlockSelection::default(),
+            held_bytes: 0,
             awaiting_grant: false,
             remote: None,
             passive: false,
@@ -409,6 +420,8 @@ pub struct Session {
     transfers: BTreeMap<u64, Transfer>,
     /// Plan segments the open transfers hold (see [`MAX_SEGMENTS_HELD`]).
     segments_held: u64,
+    /// Bytes its transfers hold (see `Transfer::held_bytes`).
+    bytes_held: u64,
     control: VecDeque<(Option<ConnId>, PeerMessage)>,
     events: VecDeque<Event>,
     /// Transfers this side refused: repeated announcements stay quiet.
@@ -476,6 +489,14 @@ impl RecentIds {
 /// Grants one transfer may send again for repeated opens.
 pub(crate) const MAX_REGRANTS: u8 = 4;
 
+impl Drop for Session {
+    /// A session dropped with transfers open gives their bytes back to the
+    /// node's budget (the other sessions draw from it).
+    fn drop(&mut self) {
+        self.config.node_budget.give_back(self.bytes_held);
+    }
+}
+
 impl Session {
     pub fn new(config: SessionConfig) -> Self {
         Self {
@@ -486,6 +507,7 @@ impl Session {
             probes: VecDeque::new(),
             transfers: BTreeMap::new(),
             segments_held: 0,
+            bytes_held: 0,
             control: VecDeque::new(),
             events: VecDeque::new(),
             rejected: RecentIds::default(),
@@ -727,8 +749,10 @@ impl Session {
             .any(|id| self.transfers.get(id).is_some_and(Transfer::placing_now))
     }
 
-    /// Whether a transfer with `plan` fits under the session's caps.
-    fn room_for(&self, plan: &Plan) -> Result<(), PlanError> {
+    /// Whether a transfer with `plan` that holds `bytes` fits under the
+    /// session's caps and the node's budget; on success the node's bytes are
+    /// taken, and [`Self::hold`] must follow.
+    fn admit(&self, plan: &Plan, bytes: u64) -> Result<(), PlanError> {
         let segments = plan.segments().len() as u64;
         if self.transfers.len() >= MAX_TRANSFERS
             || self.segments_held.saturating_add(segments) > MAX_SEGMENTS_HELD
@@ -740,40 +764,81 @@ impl Session {
                 max_segments: MAX_SEGMENTS_HELD,
             });
         }
-        Ok(())
+        if self.bytes_held.saturating_add(bytes) > self.config.max_held_bytes {
+            return Err(PlanError::MemoryFull {
+                scope: "session",
+                held: self.bytes_held,
+                wanted: bytes,
+                max: self.config.max_held_bytes,
+            });
+        }
+        self.config
+            .node_budget
+            .try_take(bytes)
+            .map_err(|(held, max)| PlanError::MemoryFull {
+                scope: "node",
+                held,
+                wanted: bytes,
+                max,
+            })
     }
 
-    /// Records an open transfer (counted against the caps until `unhold`).
-    fn hold(&mut self, id: u64, t: Transfer) {
+    /// Records an open transfer admitted for `bytes` (counted against the
+    /// caps until `unhold`).
+    fn hold(&mut self, id: u64, mut t: Transfer, bytes: u64) {
+        t.held_bytes = bytes;
         self.segments_held += t.plan.segments().len() as u64;
+        self.bytes_held += bytes;
         if let Some(old) = self.transfers.insert(id, t) {
             // Callers insert only ids they checked are new; keep the count true anyway.
-            self.segments_held -= old.plan.segments().len() as u64;
+            self.release(&old);
         }
     }
 
     fn unhold(&mut self, id: u64) -> Option<Transfer> {
         let t = self.transfers.remove(&id)?;
-        self.segments_held -= t.plan.segments().len() as u64;
+        self.release(&t);
+        // Its open may still wait in the control queue (no live connection
+        // took it): it goes with the transfer.
+        if t.open_msg.is_some() {
+            self.control.retain(|(_, m)| open_id(m) != Some(id));
+        }
         Some(t)
+    }
+
+    fn release(&mut self, t: &Transfer) {
+        self.segments_held -= t.plan.segments().len() as u64;
+        self.bytes_held -= t.held_bytes;
+        self.config.node_budget.give_back(t.held_bytes);
+    }
+
+    /// Bytes this session's open transfers hold.
+    pub fn held_bytes(&self) -> u64 {
+        self.bytes_held
     }
 
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
-        self.room_for(&plan)?;
         let one_sided = self.goes_one_sided(&req, plan.total_bytes());
+        let bytes = transfer_bytes(
+            &[&req.local],
+            &plan,
+            selection_bytes(&req.remote),
+            u64::from(one_sided),
+            &req.request_id,
+        );
+        self.admit(&plan, bytes)?;
         let open = crate::wire::message(Body::PushOpen(pb::PushOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
-            destination: Some(block_set(&req.remote)),
+            destination: Some(into_block_set(req.remote)),
             block_bytes: plan.block_bytes(),
             total_bytes: plan.total_bytes(),
             one_sided,
         }));
         let total = plan.total_bytes();
         let mut t = Transfer::new(req.request_id, TransferKind::Push, req.local, plan, now);
-        t.remote_selection = req.remote;
         t.staged = req.staged;
         if one_sided {
             // The grant names where to write; two-sided slices announce themselves.
@@ -781,31 +846,37 @@ impl Session {
             self.control.push_back((None, open.clone()));
         }
         t.open_msg = Some(open);
-        self.hold(req.transfer_id, t);
+        self.hold(req.transfer_id, t, bytes);
         Ok(total)
     }
 
     /// Starts a pull: the peer's `remote` blocks come into our `local` blocks.
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
         let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
-        self.room_for(&plan)?;
         let total = plan.total_bytes();
         let one_sided = self.goes_one_sided(&req, total);
+        let bytes = transfer_bytes(
+            &[&req.local],
+            &plan,
+            selection_bytes(&req.remote),
+            1,
+            &req.request_id,
+        );
+        self.admit(&plan, bytes)?;
         let open = crate::wire::message(Body::PullOpen(pb::PullOpen {
             transfer_id: req.transfer_id,
             request_id: req.request_id.clone(),
-            source: Some(block_set(&req.remote)),
+            source: Some(into_block_set(req.remote)),
             block_bytes: plan.block_bytes(),
             total_bytes: total,
             one_sided,
         }));
         self.control.push_back((None, open.clone()));
         let mut t = Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now);
-        t.remote_selection = req.remote;
         t.staged = req.staged;
         t.awaiting_grant = one_sided;
         t.open_msg = Some(open);
-        self.hold(req.transfer_id, t);
+        self.hold(req.transfer_id, t, bytes);
         Ok(total)
     }
 
@@ -1003,7 +1074,8 @@ impl Session {
             regions,
         ) {
             Ok((plan, region)) => {
-                if let Err(full) = self.room_for(&plan) {
+                let bytes = transfer_bytes(&[&selection], &plan, 0, 0, &open.request_id);
+                if let Err(full) = self.admit(&plan, bytes) {
                     return self.reject(conn, id, full.wire_code(), full.to_string());
                 }
                 if open.one_sided {
@@ -1019,6 +1091,7 @@ impl Session {
                         plan,
                         now,
                     ),
+                    bytes,
                 );
             }
             Err((code, message)) => self.reject(conn, id, code, message),
@@ -1136,7 +1209,8 @@ impl Session {
                     now,
                 );
                 t.staged = region.staged;
-                if let Err(full) = self.room_for(&t.plan) {
+                let bytes = transfer_bytes(&[&t.selection], &t.plan, 0, 0, &t.request_id);
+                if let Err(full) = self.admit(&t.plan, bytes) {
                     return self.reject(conn, id, full.wire_code(), full.to_string());
                 }
                 if open.one_sided {
@@ -1144,7 +1218,7 @@ impl Session {
                     self.control
                         .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
                 }
-                self.hold(id, t);
+                self.hold(id, t, bytes);
             }
             Err((code, message)) => self.reject(conn, id, code, message),
         }
@@ -1177,7 +1251,8 @@ impl Session {
             .validate(u64::MAX)
             .map_err(|e| format!("granted layout: {e}"))
             .and_then(|()| {
-                Plan::build(&layout, &t.remote_selection, access).map_err(|e| e.to_string())
+                Plan::build(&layout, &remote_blocks(t.open_msg.as_ref()), access)
+                    .map_err(|e| e.to_string())
             })
             .and_then(|plan| {
                 if plan.total_bytes() != t.plan.total_bytes()
@@ -2396,13 +2471,36 @@ fn layout_of(l: &pb::Layout) -> RegionLayout {
     }
 }
 
-fn block_set(sel: &BlockSelection) -> pb::BlockSet {
+fn into_block_set(sel: BlockSelection) -> pb::BlockSet {
     pb::BlockSet {
         region_id: sel.region_id,
         layer_start: sel.layer_start,
         layer_count: sel.layer_count,
-        block_ids: sel.block_ids.clone(),
-        generations: sel.generations.clone(),
+        block_ids: sel.block_ids,
+        generations: sel.generations,
+    }
+}
+
+/// The heap a selection's ids and generations take.
+fn selection_bytes(sel: &BlockSelection) -> u64 {
+    4 * sel.block_ids.len() as u64 + 8 * sel.generations.len() as u64
+}
+
+/// The peer's blocks, as this side's open names them.
+fn remote_blocks(open: Option<&PeerMessage>) -> BlockSelection {
+    match open.and_then(|m| m.body.as_ref()) {
+        Some(Body::PushOpen(o)) => selection_of(o.destination.as_ref()),
+        Some(Body::PullOpen(o)) => selection_of(o.source.as_ref()),
+        _ => BlockSelection::default(),
+    }
+}
+
+/// The transfer an open (a `PushOpen` or `PullOpen`) opens.
+fn open_id(m: &PeerMessage) -> Option<u64> {
+    match m.body.as_ref()? {
+        Body::PushOpen(o) => Some(o.transfer_id),
+        Body::PullOpen(o) => Some(o.transfer_id),
+        _ => None,
     }
 }
 

@@ -86,6 +86,14 @@ pub enum WireError {
     /// (decoding it could take many times its size in memory).
     #[error("a control message of field {field} has {len} bytes (at most {max} for its kind)")]
     MessageTooLong { field: u32, len: u64, max: u32 },
+    /// An open names more block ids or generations than a transfer may have
+    /// (counted before decoding: one-byte generations decode to eight).
+    #[error("an open names {count} {what} (at most {max})")]
+    TooManyEntries {
+        what: &'static str,
+        count: u64,
+        max: u64,
+    },
 }
 
 /// What follows a frame header.
@@ -229,29 +237,68 @@ fn max_message_bytes(field: u32) -> u32 {
     }
 }
 
-/// Walks the top-level fields of a `PeerMessage` and refuses a kind whose
-/// bytes pass its limit, before anything is decoded. A field may come many
-/// times (prost merges the copies into one message, appending their repeated
-/// entries), so what counts is the sum of its copies.
-fn check_message_sizes(mut body: &[u8]) -> Result<(), WireError> {
+/// Calls `field(number, wire type, payload)` for each field of a protobuf
+/// message, without decoding any (`payload`: a length-delimited field's
+/// bytes, empty for the others); refuses malformed framing.
+fn walk_fields(
+    mut body: &[u8],
+    mut field: impl FnMut(u32, prost::encoding::WireType, &[u8]) -> Result<(), WireError>,
+) -> Result<(), WireError> {
     use prost::encoding::{decode_varint, WireType};
     let bad = |e: prost::DecodeError| WireError::Decode(e.to_string());
-    // Bytes per field number; numbers past the last known share the last slot.
-    let mut seen = [0u64; 17];
     while !body.is_empty() {
         let key = decode_varint(&mut body).map_err(bad)?;
-        let field = u32::try_from(key >> 3).unwrap_or(u32::MAX);
-        let len = match WireType::try_from(key & 7).map_err(bad)? {
+        let number = u32::try_from(key >> 3).unwrap_or(u32::MAX);
+        let wire_type = WireType::try_from(key & 7).map_err(bad)?;
+        let len = match wire_type {
             WireType::LengthDelimited => decode_varint(&mut body).map_err(bad)?,
             WireType::Varint => {
                 decode_varint(&mut body).map_err(bad)?;
-                continue;
+                0
             }
             WireType::SixtyFourBit => 8,
             WireType::ThirtyTwoBit => 4,
             WireType::StartGroup | WireType::EndGroup => {
                 return Err(WireError::Decode("groups are not used".into()))
             }
+        };
+        let Some(len) = usize::try_from(len).ok().filter(|&l| l <= body.len()) else {
+            return Err(WireError::Decode(format!(
+                "field {number} claims {len} bytes, {} remain",
+                body.len()
+            )));
+        };
+        let (payload, rest) = body.split_at(len);
+        body = rest;
+        let payload = if wire_type == WireType::LengthDelimited {
+            payload
+        } else {
+            &[]
+        };
+        field(number, wire_type, payload)?;
+    }
+    Ok(())
+}
+
+/// Walks the top-level fields of a `PeerMessage` and refuses a kind whose
+/// bytes pass its limit, before anything is decoded. A field may come many
+/// times (prost merges the copies into one message, appending their repeated
+/// entries), so what counts is the sum of its copies. In opens, the block
+/// ids and generations of their block sets are counted too (summed over
+/// every copy, each packed varint one entry): at most
+/// [`crate::plan::MAX_BLOCKS_PER_TRANSFER`] of each.
+fn check_message_sizes(body: &[u8]) -> Result<(), WireError> {
+    use prost::encoding::WireType;
+    // Bytes per field number; numbers past the last known share the last slot.
+    let mut seen = [0u64; 17];
+    // Block ids and generations named by the opens.
+    let mut entries = [0u64; 2];
+    walk_fields(body, |field, wire_type, payload| {
+        let len = match wire_type {
+            WireType::LengthDelimited => payload.len() as u64,
+            WireType::SixtyFourBit => 8,
+            WireType::ThirtyTwoBit => 4,
+            _ => 0,
         };
         let max = max_message_bytes(field);
         let total = &mut seen[(field as usize).min(16)];
@@ -263,16 +310,44 @@ fn check_message_sizes(mut body: &[u8]) -> Result<(), WireError> {
                 max,
             });
         }
-        let len = len as usize; // <= max, a u32
-        if len > body.len() {
-            return Err(WireError::Decode(format!(
-                "field {field} claims {len} bytes, {} remain",
-                body.len()
-            )));
+        if matches!(field, 3 | 4) && wire_type == WireType::LengthDelimited {
+            count_open_entries(payload, &mut entries)?;
         }
-        body = &body[len..];
-    }
-    Ok(())
+        Ok(())
+    })
+}
+
+/// Adds the block ids and generations a `PushOpen`/`PullOpen` (its field 3,
+/// the block set) names to `entries`, refusing past the per-transfer limit.
+fn count_open_entries(open: &[u8], entries: &mut [u64; 2]) -> Result<(), WireError> {
+    use prost::encoding::WireType;
+    let max = crate::plan::MAX_BLOCKS_PER_TRANSFER as u64;
+    walk_fields(open, |field, wire_type, block_set| {
+        if field != 3 || wire_type != WireType::LengthDelimited {
+            return Ok(());
+        }
+        walk_fields(block_set, |field, wire_type, packed| {
+            let (slot, what) = match field {
+                4 => (0, "block ids"),
+                5 => (1, "generations"),
+                _ => return Ok(()),
+            };
+            let count = match wire_type {
+                // One varint ends at each byte without the continuation bit.
+                WireType::LengthDelimited => packed.iter().filter(|&&b| b < 0x80).count() as u64,
+                _ => 1,
+            };
+            entries[slot] += count;
+            if entries[slot] > max {
+                return Err(WireError::TooManyEntries {
+                    what,
+                    count: entries[slot],
+                    max,
+                });
+            }
+            Ok(())
+        })
+    })
 }
 
 /// Wraps a body into a message.
@@ -383,6 +458,62 @@ mod tests {
         ));
         assert!(decode_control(&[0xff, 0xff, 0xff]).is_err());
         assert_eq!(decode_control(&[]), Err(WireError::EmptyMessage));
+    }
+
+    /// A 16 MiB open of one-byte generations decoded to 128 MiB before its
+    /// count was checked: the ids and generations of an open are counted
+    /// before decoding, over every copy of the open and of its block set.
+    #[test]
+    fn opens_naming_too_many_blocks_are_refused_before_decoding() {
+        let max = crate::plan::MAX_BLOCKS_PER_TRANSFER;
+        let open = |ids: Vec<u32>, generations: Vec<u64>| {
+            message(Body::PushOpen(pb::PushOpen {
+                transfer_id: 1,
+                request_id: "r".into(),
+                destination: Some(pb::BlockSet {
+                    block_ids: ids,
+                    generations,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }))
+            .encode_to_vec()
+        };
+        let one_byte_generations = open(vec![0], vec![1; 16_000_000]);
+        assert!(one_byte_generations.len() < MAX_CONTROL_BYTES as usize);
+        assert!(matches!(
+            decode_control(&one_byte_generations),
+            Err(WireError::TooManyEntries {
+                what: "generations",
+                ..
+            })
+        ));
+        // Two copies of an open, each at the limit, merge past it.
+        let at_limit = open((0..max as u32).collect(), Vec::new());
+        assert!(decode_control(&at_limit).is_ok());
+        let mut twice = at_limit.clone();
+        twice.extend_from_slice(&open(vec![0; 2], Vec::new()));
+        assert!(matches!(
+            decode_control(&twice),
+            Err(WireError::TooManyEntries {
+                what: "block ids",
+                ..
+            })
+        ));
+        // A pull's source counts the same.
+        let pull = message(Body::PullOpen(pb::PullOpen {
+            transfer_id: 1,
+            source: Some(pb::BlockSet {
+                block_ids: vec![3; max + 1],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+        .encode_to_vec();
+        assert!(matches!(
+            decode_control(&pull),
+            Err(WireError::TooManyEntries { .. })
+        ));
     }
 
     /// A frame of millions of empty queue-pair entries is refused from its

@@ -493,6 +493,11 @@ impl Sidecar for Api {
         &self,
         req: Request<SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let pid = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred)
+            .and_then(|c| c.pid());
         let req = req.into_inner();
         require_text(&req.worker_id, "worker_id")?;
         let rx = self
@@ -503,6 +508,7 @@ impl Sidecar for Api {
                 req.after_sequence,
                 req.incarnation,
                 req.take_over,
+                pid,
             )
             .map_err(|e| Status::already_exists(e.to_string()))?;
         Ok(Response::new(Box::pin(rx)))
@@ -521,15 +527,56 @@ impl Sidecar for Api {
         let caller = kvrail_shm::Caller {
             uid: cred.map(|c| c.uid()),
         };
+        let pid = cred.and_then(|c| c.pid());
         let r = req.into_inner();
         crate::worker_ring::open(
             &self.shared,
             &r.worker_id,
             &r.shm_path,
-            r.notifications,
+            crate::worker_ring::Notifications {
+                wanted: r.notifications,
+                take_over: r.take_over,
+                pid,
+            },
             caller,
         )
         .map(Response::new)
+    }
+
+    async fn remove_on_exit(
+        &self,
+        req: Request<RemoveOnExitRequest>,
+    ) -> Result<Response<RemoveOnExitResponse>, Status> {
+        let cred = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred);
+        let Some(pid) = cred.and_then(|c| c.pid()) else {
+            return Err(Status::failed_precondition(
+                "the calling process is not known (no peer credentials on this socket)",
+            ));
+        };
+        let uid = cred.map(|c| c.uid());
+        let paths = req.into_inner().paths;
+        let shared = self.shared.clone();
+        // Path lookups can stall on a hung filesystem: off the runtime's workers.
+        let pinned = tokio::task::spawn_blocking(move || shared.exit_files.pin(pid, uid, &paths))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        pinned.map_err(|e| match e {
+            crate::exit_files::PinError::TooMany => Status::resource_exhausted(e.to_string()),
+            crate::exit_files::PinError::NotOwner { .. } => {
+                Status::permission_denied(e.to_string())
+            }
+            crate::exit_files::PinError::Stat { ref source, .. }
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Status::not_found(e.to_string())
+            }
+            _ => Status::invalid_argument(e.to_string()),
+        })?;
+        crate::daemon::watch_worker(&self.shared, pid);
+        Ok(Response::new(RemoveOnExitResponse {}))
     }
 
     async fn send_message(

@@ -38,6 +38,10 @@ pub struct Config {
     pub rail_stall_ms: u64,
     /// Transfers fail once every rail to their peer has been down this long.
     pub rail_deadline_ms: u64,
+    /// Memory all open transfers together may hold (their block ids,
+    /// generations, plans, queued opens; not payload), whoever opened them:
+    /// the node's budget, of which one peer session may hold half.
+    pub max_transfer_state_bytes: u64,
     /// Longest wait between attempts to rebuild a down rail.
     pub rail_probe_max_ms: u64,
     /// Prometheus `/metrics` listener, if any.
@@ -153,6 +157,7 @@ impl Default for Config {
             connect_timeout_ms: 3_000,
             rail_stall_ms: 1_000,
             rail_deadline_ms: 5_000,
+            max_transfer_state_bytes: kvrail_core::budget::DEFAULT_NODE_TRANSFER_BYTES,
             rail_probe_max_ms: 2_000,
             metrics_addr: None,
             rdma: true,
@@ -355,6 +360,9 @@ impl Config {
             || !(50..=60_000).contains(&self.rail_probe_max_ms)
         {
             return bad("rail_stall_ms must be 100..=60000, rail_deadline_ms 100..=600000, rail_probe_max_ms 50..=60000");
+        }
+        if !((16 << 20)..=(1 << 40)).contains(&self.max_transfer_state_bytes) {
+            return bad("max_transfer_state_bytes must be between 16 MiB and 1 TiB");
         }
         if !(1..=8).contains(&self.rdma_qps_per_rail) {
             return bad("rdma_qps_per_rail must be 1..=8");

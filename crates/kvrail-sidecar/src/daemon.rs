@@ -66,6 +66,10 @@ pub struct Shared {
     pub gpus: GpuDevices,
     /// Worker processes whose exit we watch (to drop their regions).
     pub(crate) watched_workers: DashMap<i32, ()>,
+    /// Memory open transfers hold over every session (`max_transfer_state_bytes`).
+    pub transfer_budget: Arc<kvrail_core::budget::MemoryBudget>,
+    /// Files worker processes asked to have removed when they exit.
+    pub exit_files: crate::exit_files::ExitFiles,
     pub(crate) next_transfer: AtomicU64,
     /// Refused handshakes are logged a few per second at most.
     pub refusal_log: RateLimitedLog,
@@ -130,6 +134,8 @@ impl Shared {
             probes_rails: dialer,
             eager_max_bytes: self.config.rdma_eager_max_bytes,
             staged_slice_bytes: self.config.staged_slice_bytes(),
+            max_held_bytes: self.transfer_budget.max() / 2,
+            node_budget: self.transfer_budget.clone(),
         }
     }
 
@@ -916,6 +922,9 @@ pub fn watch_worker(shared: &Arc<Shared>, pid: i32) {
                 shared.watched_workers.remove(&pid);
             }
             return;
+        }
+        if let Some(shared) = weak.upgrade() {
+            shared.exit_files.exited(pid);
         }
         let mut announced = false;
         loop {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod daemon;
 pub mod dial;
 pub mod doctor;
+pub mod exit_files;
 pub mod gpu;
 pub mod held;
 pub mod link;
@@ -70,6 +71,10 @@ pub struct ServeArgs {
     /// Fail transfers once every rail to the peer has been down this long (default 5000).
     #[arg(long)]
     pub rail_deadline_ms: Option<u64>,
+    /// Memory all open transfers together may hold: block ids, generations,
+    /// plans (default 1073741824; one peer session half of it).
+    #[arg(long)]
+    pub max_transfer_state_bytes: Option<u64>,
     /// Serve Prometheus metrics on this address (default: not served).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
@@ -201,6 +206,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.rail_deadline_ms {
             c.rail_deadline_ms = v;
+        }
+        if let Some(v) = self.max_transfer_state_bytes {
+            c.max_transfer_state_bytes = v;
         }
         if self.metrics_addr.is_some() {
             c.metrics_addr = self.metrics_addr;

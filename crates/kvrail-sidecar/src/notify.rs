@@ -40,6 +40,13 @@ pub const RETAINED_BYTES_ALL: usize = 1 << 30;
 /// Mailboxes kept; past it, those of workers with no live stream and no ring
 /// go (each worker id named by any call makes one).
 pub const MAX_MAILBOXES: usize = 4096;
+/// Messages from peers to workers that have not subscribed here (yet) are
+/// held this long, at most [`EARLY_MESSAGES`] of them over all workers: a
+/// worker whose sidecar just restarted subscribes again a moment after its
+/// peers' messages (a push grant) may already be on their way.
+pub const EARLY_MESSAGE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+/// See [`EARLY_MESSAGE_TTL`] (with 16 KiB payloads: at most 4 MiB).
+pub const EARLY_MESSAGES: usize = 256;
 
 /// What a subscription stream carries.
 pub type Item = Result<Notification, Status>;
@@ -107,6 +114,8 @@ impl StreamQueue {
 /// The hub's end of a live stream.
 struct Subscriber {
     queue: Arc<StreamQueue>,
+    /// The process that subscribed (None: not known).
+    pid: Option<i32>,
 }
 
 impl Subscriber {
@@ -264,6 +273,8 @@ pub enum SubscribeError {
     AlreadySubscribed(String),
     #[error("worker {0:?} already has a ring taking its notifications")]
     SinkAttached(String),
+    #[error("worker {worker:?} has a live notification stream in another process ({holder}): a ring takes its notifications only with take_over")]
+    HeldElsewhere { worker: String, holder: String },
 }
 
 /// Routes notifications to workers.
@@ -282,6 +293,9 @@ pub struct NotificationHub {
     /// [`MAX_QUEUED_BYTES_ALL`]; tests set less).
     queued_all: Arc<AtomicUsize>,
     queued_budget: usize,
+    /// Messages for workers without a mailbox yet, oldest first (see
+    /// [`EARLY_MESSAGE_TTL`]).
+    early: Mutex<VecDeque<(std::time::Instant, String, Notification)>>,
     /// Mailboxes were dropped to make room (see [`MAX_MAILBOXES`]): new ones
     /// then start their sequence above every number given so far, so that a
     /// worker whose mailbox went and resumes from its last sequence misses
@@ -405,26 +419,81 @@ impl NotificationHub {
     }
 
     /// As [`send`](Self::send), for a worker that has subscribed here at some
-    /// point; false (and nothing kept) otherwise, so that a peer cannot make
-    /// this sidecar keep notifications for workers it makes up.
+    /// point; false otherwise, and then the notification is held for a while
+    /// in a small pool shared by all unknown workers ([`EARLY_MESSAGES`],
+    /// [`EARLY_MESSAGE_TTL`]), delivered if that worker subscribes in time:
+    /// a peer cannot make this sidecar keep more for workers it makes up.
     pub fn send_if_known(&self, worker_id: &str, n: Notification) -> bool {
         if !self.mailboxes.contains_key(worker_id) {
+            let now = std::time::Instant::now();
+            let mut early = self.early.lock().unwrap_or_else(|e| e.into_inner());
+            while early
+                .front()
+                .is_some_and(|(at, _, _)| now.duration_since(*at) > EARLY_MESSAGE_TTL)
+                || early.len() >= EARLY_MESSAGES
+            {
+                early.pop_front();
+            }
+            early.push_back((now, worker_id.to_string(), n));
             return false;
         }
         self.send(worker_id, n);
         true
     }
 
-    /// Sends the worker's transfer notifications to `sink` from now on.
+    /// The held early messages of `worker_id` (still fresh), oldest first.
+    fn take_early(&self, worker_id: &str) -> Vec<Notification> {
+        let mut early = self.early.lock().unwrap_or_else(|e| e.into_inner());
+        if early.is_empty() {
+            return Vec::new();
+        }
+        let now = std::time::Instant::now();
+        let mut mine = Vec::new();
+        early.retain(|(at, _, _)| now.duration_since(*at) <= EARLY_MESSAGE_TTL);
+        let mut kept = VecDeque::with_capacity(early.len());
+        for (at, to, n) in early.drain(..) {
+            if to == worker_id {
+                mine.push(n);
+            } else {
+                kept.push_back((at, to, n));
+            }
+        }
+        *early = kept;
+        mine
+    }
+
+    /// Sends the worker's transfer notifications to `sink` (the ring of
+    /// process `pid`) from now on. A live stream of the same worker held by
+    /// another process keeps them unless `take_over`: then it is ended,
+    /// ABORTED, saying so (as a Subscribe's take-over does). The same process
+    /// keeps its stream (for messages) beside its ring.
     pub fn attach_sink(
         &self,
         worker_id: &str,
         sink: Arc<dyn NotificationSink>,
+        pid: Option<i32>,
+        take_over: bool,
     ) -> Result<(), SubscribeError> {
         let entry = self.mailbox(worker_id);
         let mut mb = entry.lock().unwrap_or_else(|e| e.into_inner());
         if mb.sink.is_some() {
             return Err(SubscribeError::SinkAttached(worker_id.to_string()));
+        }
+        if let Some(sub) = mb.subscriber.as_ref().filter(|s| !s.is_closed()) {
+            let same_process = pid.is_some() && sub.pid == pid;
+            if !same_process {
+                if !take_over {
+                    let holder = sub.pid.map_or("pid unknown".into(), |p| format!("pid {p}"));
+                    return Err(SubscribeError::HeldElsewhere {
+                        worker: worker_id.to_string(),
+                        holder,
+                    });
+                }
+                sub.cut(Status::aborted(
+                    "this worker's notifications were taken over by a ring (OpenRing with take_over)",
+                ));
+                mb.subscriber = None;
+            }
         }
         mb.sink = Some(sink);
         Ok(())
@@ -449,6 +518,7 @@ impl NotificationHub {
         after_sequence: u64,
         incarnation: u64,
         take_over: bool,
+        pid: Option<i32>,
     ) -> Result<Subscription, SubscribeError> {
         // A resume point of another process numbers nothing here.
         let after_sequence = if incarnation != 0 && incarnation != self.incarnation {
@@ -463,7 +533,7 @@ impl NotificationHub {
         let subscription = Subscription {
             queue: queue.clone(),
         };
-        let subscriber = Subscriber { queue };
+        let subscriber = Subscriber { queue, pid };
         let entry = self.mailbox(worker_id);
         let Ok(mut mb) = entry.lock() else {
             return Ok(subscription);
@@ -498,6 +568,11 @@ impl NotificationHub {
         }
         mb.handed = mb.last;
         mb.subscriber = Some(subscriber);
+        drop(mb);
+        drop(entry);
+        for n in self.take_early(worker_id) {
+            self.send(worker_id, n);
+        }
         Ok(subscription)
     }
 }
@@ -535,7 +610,7 @@ mod tests {
     #[test]
     fn mailboxes_of_made_up_workers_are_bounded_and_live_ones_kept() {
         let hub = NotificationHub::new(7);
-        let mut live = hub.subscribe("live", 0, 0, false).unwrap();
+        let mut live = hub.subscribe("live", 0, 0, false, None).unwrap();
         for i in 0..(MAX_MAILBOXES * 2) {
             hub.send(&format!("ghost-{i}"), note(i as u64));
         }
@@ -554,7 +629,7 @@ mod tests {
         // saw, still gets what came since: numbering restarts above it.
         let seen = 1;
         hub.send("ghost-0", note(99));
-        let mut back = hub.subscribe("ghost-0", seen, 7, false).unwrap();
+        let mut back = hub.subscribe("ghost-0", seen, 7, false, None).unwrap();
         let got = drain(&mut back);
         assert_eq!(got.len(), 1, "{got:?}");
         assert!(got[0] > seen, "{got:?}");
@@ -570,7 +645,7 @@ mod tests {
         for id in 1..=40 {
             hub.send("w", big(id));
         }
-        let mut rx = hub.subscribe("w", 0, 0, false).unwrap();
+        let mut rx = hub.subscribe("w", 0, 0, false, None).unwrap();
         let kept = drain(&mut rx);
         assert!(!kept.is_empty() && kept.len() < 40, "{} kept", kept.len());
         assert_eq!(kept.last(), Some(&40), "the newest are kept");
@@ -585,7 +660,7 @@ mod tests {
     fn a_stream_nobody_reads_is_ended_not_grown() {
         let hub = NotificationHub::new(7);
         let big = |id| note_with_blocks(id, 100_000);
-        let mut stalled = hub.subscribe("w", 0, 0, false).unwrap();
+        let mut stalled = hub.subscribe("w", 0, 0, false, None).unwrap();
         hub.send("w", big(1));
         assert_eq!(drain(&mut stalled), vec![1]);
         // Then the worker stops reading.
@@ -603,7 +678,7 @@ mod tests {
         assert_eq!(stalled.queued_bytes(), 0);
         assert_eq!(hub.held_bytes().1, 0, "nothing queued anywhere");
         // Resuming from the last sequence read gets what the mailbox retained.
-        let mut again = hub.subscribe("w", 1, 7, false).unwrap();
+        let mut again = hub.subscribe("w", 1, 7, false, None).unwrap();
         let rest = drain(&mut again);
         assert!(
             !rest.is_empty() && rest.len() < 399,
@@ -661,31 +736,31 @@ mod tests {
     fn resubscribing_after_the_last_seen_sequence_misses_nothing() {
         let hub = NotificationHub::new(7);
         hub.send("w", note(1));
-        let mut a = hub.subscribe("w", 0, 0, false).unwrap();
+        let mut a = hub.subscribe("w", 0, 0, false, None).unwrap();
         hub.send("w", note(2));
         hub.send("w", note(3));
         // The worker saw 1 and 2; 3 was handed to a stream it is about to drop.
         assert_eq!(drain(&mut a)[..2], [1, 2]);
         drop(a);
         hub.send("w", note(4));
-        let mut b = hub.subscribe("w", 2, 0, false).unwrap();
+        let mut b = hub.subscribe("w", 2, 0, false, None).unwrap();
         assert_eq!(drain(&mut b), vec![3, 4]);
         drop(b);
         // A resume point from before a restart (another incarnation) delivers
         // everything retained: this process's 2 numbers nothing the worker saw.
-        let mut c = hub.subscribe("w", 2, 99, false).unwrap();
+        let mut c = hub.subscribe("w", 2, 99, false, None).unwrap();
         assert_eq!(drain(&mut c), vec![1, 2, 3, 4]);
     }
 
     #[test]
     fn a_second_live_subscription_is_refused_unless_it_takes_over() {
         let hub = NotificationHub::default();
-        let mut a = hub.subscribe("w", 0, 0, false).unwrap();
+        let mut a = hub.subscribe("w", 0, 0, false, None).unwrap();
         assert!(matches!(
-            hub.subscribe("w", 0, 0, false),
+            hub.subscribe("w", 0, 0, false, None),
             Err(SubscribeError::AlreadySubscribed(_))
         ));
-        let mut b = hub.subscribe("w", 0, 0, true).unwrap();
+        let mut b = hub.subscribe("w", 0, 0, true, None).unwrap();
         match a.try_recv() {
             Some(Err(status)) => assert_eq!(status.code(), tonic::Code::Aborted),
             other => panic!("the old stream must be told: {other:?}"),
@@ -708,7 +783,7 @@ mod tests {
         let one = hub.retained_all.load(Ordering::Acquire);
         let mut streams = Vec::new();
         for _ in 0..20 {
-            streams.push(hub.subscribe("w", 1, 7, true).unwrap());
+            streams.push(hub.subscribe("w", 1, 7, true, None).unwrap());
         }
         let (_, queued) = hub.held_bytes();
         assert!(
@@ -738,7 +813,7 @@ mod tests {
             ..NotificationHub::new(7)
         };
         let mut streams: Vec<_> = (0..8)
-            .map(|w| hub.subscribe(&format!("w{w}"), 0, 0, false).unwrap())
+            .map(|w| hub.subscribe(&format!("w{w}"), 0, 0, false, None).unwrap())
             .collect();
         for id in 0..100 {
             for w in 0..8 {
@@ -757,5 +832,72 @@ mod tests {
             ended += usize::from(why_ended);
         }
         assert!(ended > 0);
+    }
+
+    struct NullSink;
+
+    impl NotificationSink for NullSink {
+        fn deliver(&self, _: &Notification) -> bool {
+            true
+        }
+    }
+
+    /// A ring asking for a worker's notifications while another process
+    /// holds that worker's live stream is refused, unless it takes them
+    /// over (the stream is then told); the same process keeps both.
+    #[test]
+    fn a_ring_takes_another_process_s_notifications_only_when_asked() {
+        let hub = NotificationHub::new(7);
+        let mut victim = hub.subscribe("w", 0, 0, false, Some(100)).unwrap();
+        let sink: Arc<dyn NotificationSink> = Arc::new(NullSink);
+        assert!(matches!(
+            hub.attach_sink("w", sink.clone(), Some(200), false),
+            Err(SubscribeError::HeldElsewhere { .. })
+        ));
+        hub.send("w", note(1));
+        assert_eq!(
+            drain(&mut victim),
+            vec![1],
+            "the stream kept its notifications"
+        );
+        // Its own process: stream and ring side by side.
+        hub.attach_sink("w", sink.clone(), Some(100), false)
+            .unwrap();
+        hub.detach_sink("w", &sink);
+        hub.attach_sink("w", sink.clone(), Some(200), true).unwrap();
+        match victim.try_recv() {
+            Some(Err(status)) => assert_eq!(status.code(), tonic::Code::Aborted),
+            other => panic!("the stream must be told: {other:?}"),
+        }
+    }
+
+    fn message(id: u64) -> Notification {
+        Notification {
+            transfer_id: id,
+            kind: NotificationKind::Message as i32,
+            ..Default::default()
+        }
+    }
+
+    /// A peer's message to a worker that has not subscribed here yet (its
+    /// sidecar just restarted) is held a while and delivered when it does;
+    /// what is held for unknown workers stays small.
+    #[test]
+    fn messages_to_a_worker_not_yet_subscribed_wait_for_it_boundedly() {
+        let hub = NotificationHub::new(7);
+        assert!(!hub.send_if_known("late", message(1)));
+        for i in 0..(EARLY_MESSAGES as u64 * 2) {
+            hub.send_if_known(&format!("ghost-{i}"), message(i));
+        }
+        assert!(!hub.send_if_known("late", message(2)));
+        assert!(hub.early.lock().unwrap().len() <= EARLY_MESSAGES);
+        assert_eq!(hub.mailbox_count(), 0, "no mailbox for made-up workers");
+        let mut s = hub.subscribe("late", 0, 0, false, None).unwrap();
+        let got: Vec<u64> = std::iter::from_fn(|| s.try_recv())
+            .map(|i| i.unwrap().transfer_id)
+            .collect();
+        // The first was pushed out by the flood; the one after it came through.
+        assert_eq!(got, vec![2]);
+        assert!(hub.send_if_known("late", message(3)));
     }
 }

@@ -103,6 +103,10 @@ impl Daemon {
                 config.gpu_batch_copies,
             ),
             watched_workers: DashMap::new(),
+            exit_files: Default::default(),
+            transfer_budget: Arc::new(kvrail_core::budget::MemoryBudget::new(
+                config.max_transfer_state_bytes,
+            )),
             refusal_log: RateLimitedLog::new(5),
             // As region ids: an id a worker kept from before a restart names
             // no transfer of this incarnation (until 2^32 transfers later).

@@ -183,7 +183,8 @@ pub async fn start_transfer(
         };
         crate::trace_points::mark(crate::trace_points::START_SESSION_DONE);
         r.map_err(|e| match e {
-            kvrail_core::PlanError::SessionFull { .. } => (
+            kvrail_core::PlanError::SessionFull { .. }
+            | kvrail_core::PlanError::MemoryFull { .. } => (
                 "resource_exhausted",
                 Status::resource_exhausted(format!("peer {}: {e}", start.peer)),
             ),

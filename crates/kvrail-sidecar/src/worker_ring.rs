@@ -126,14 +126,25 @@ impl Drop for RingStream {
     }
 }
 
+/// Whether a ring takes its worker's transfer notifications.
+#[derive(Debug, Clone, Copy)]
+pub struct Notifications {
+    pub wanted: bool,
+    /// From a live stream of the same worker held by another process.
+    pub take_over: bool,
+    /// The process opening the ring.
+    pub pid: Option<i32>,
+}
+
 /// Opens and starts serving a worker's ring.
 pub fn open(
     shared: &Arc<Shared>,
     worker_id: &str,
     path: &str,
-    notifications: bool,
+    notes: Notifications,
     caller: kvrail_shm::Caller,
 ) -> Result<RingStream, Status> {
+    let notifications = notes.wanted;
     submit::require_text(worker_id, "worker_id")?;
     let slot = Slot::take(worker_id)?;
     let ring = SidecarRing::open(path, caller).map_err(ring_open_status)?;
@@ -152,7 +163,10 @@ pub fn open(
     });
     if notifications {
         let sink: Arc<dyn NotificationSink> = service.clone();
-        if let Err(e) = shared.hub.attach_sink(worker_id, sink) {
+        if let Err(e) = shared
+            .hub
+            .attach_sink(worker_id, sink, notes.pid, notes.take_over)
+        {
             service.ring.close(CloseReason::WorkerClosed);
             return Err(Status::already_exists(e.to_string()));
         }

@@ -334,6 +334,10 @@ class Client:
     def _call(self, fn: Callable[..., T], req: object, timeout: object = _DEFAULT) -> T:
         try:
             return fn(req, timeout=self.timeout if timeout is _DEFAULT else timeout)
+        except ValueError as e:
+            # grpc's "Cannot invoke RPC on closed channel": another thread
+            # closed this client (it found the sidecar gone).
+            raise SidecarUnavailable(f"client of {self.socket} closed: {e}") from None
         except grpc.RpcError as e:
             err = _error(e, self.socket)
             if isinstance(err, SidecarUnavailable) and self._answers():
@@ -346,7 +350,10 @@ class Client:
         :mod:`kvrail.ring`): pushes and pulls without a gRPC call per
         transfer; with ``notifications=True`` (the default) this worker's
         transfer notifications arrive in the ring instead of
-        :meth:`notifications`."""
+        :meth:`notifications`. While another process holds a live
+        :meth:`notifications` stream of this worker id, such a ring is refused
+        (AlreadyExists) unless ``take_over=True`` (that stream then ends
+        ABORTED)."""
         from .ring import Ring
 
         return Ring(self, **options)
@@ -362,7 +369,7 @@ class Client:
         try:
             self._stub.ListPeers(pb.ListPeersRequest(), timeout=1.0)
             return True
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
             return False
 
     # Regions -------------------------------------------------------------
@@ -584,14 +591,17 @@ class Client:
         RESOURCE_EXHAUSTED; resume it the same way. ``on_end`` is called (from
         the stream's thread) with the error that ended the stream, if one did:
         a way to learn at once that the sidecar went away."""
-        call = self._stub.Subscribe(
-            pb.SubscribeRequest(
-                worker_id=worker_id or self.worker_id,
-                after_sequence=after_sequence,
-                incarnation=incarnation,
-                take_over=take_over,
+        try:
+            call = self._stub.Subscribe(
+                pb.SubscribeRequest(
+                    worker_id=worker_id or self.worker_id,
+                    after_sequence=after_sequence,
+                    incarnation=incarnation,
+                    take_over=take_over,
+                )
             )
-        )
+        except ValueError as e:  # the channel was closed
+            raise SidecarUnavailable(f"client of {self.socket} closed: {e}") from None
         return Notifications(call, self.socket, on_end)
 
     def send_message(self, peer: str, to_worker: str, topic: str, payload: bytes = b"") -> None:
@@ -610,6 +620,13 @@ class Client:
     def peers(self) -> pb.ListPeersResponse:
         """This node's name and its peers (rails, transport, per-rail counters)."""
         return self._call(self._stub.ListPeers, pb.ListPeersRequest())
+
+    def remove_on_exit(self, paths: Sequence[str | os.PathLike[str]]) -> None:
+        """Asks the sidecar to remove these files (this process's own) once
+        this process has exited, however it exits: memory adopted into a file
+        (:func:`kvrail.memory.adopt_host_memory`) would otherwise stay in
+        /dev/shm after a SIGKILL."""
+        self._call(self._stub.RemoveOnExit, pb.RemoveOnExitRequest(paths=[str(p) for p in paths]))
 
     def incarnation(self, timeout: float = 2.0) -> int:
         """The sidecar process answering now (random per start): a change

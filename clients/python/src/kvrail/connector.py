@@ -432,17 +432,21 @@ class _SidecarLink:
             return
 
     def connect_now(self) -> Client | None:
-        """One attempt, now, to reach a sidecar that went away (for callers
-        with nothing to set up on a new connection: the scheduler)."""
-        if self.on_connect is not None:
-            raise RuntimeError("connect_now is for links without on_connect")
+        """One attempt, now, to reach a sidecar that went away (``on_connect``
+        runs in the caller's thread)."""
         existing = self.get()
         if existing is not None:
             return existing
         try:
             client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
-            incarnation = client.incarnation()
         except KvrailError:
+            return None
+        try:
+            incarnation = client.incarnation()
+            if self.on_connect is not None:
+                self.on_connect(client)
+        except KvrailError:
+            client.close()
             return None
         with self._lock:
             if self._client is None and not self._closed:
@@ -522,7 +526,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched = _SchedulerState()
             # Grants from decode engines arrive as messages to this id.
             self._sched.wants_grants = self.mode == "push" and getattr(cfg, "kv_role", None) != "kv_consumer"
-            self._subscribe_grants(client)
+            self._sched.messages = self._grant_stream(client)
+            # A restarted sidecar is subscribed to at once (by the
+            # reconnecting thread), before decode engines send it grants.
+            self._link.on_connect = self._scheduler_reconnected
         else:
             self._work = _WorkerState(client.notifications(on_end=self._stream_ended), self.timeout_s)
             self._link.on_connect = self._reconnected
@@ -676,13 +683,15 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if _sidecar_gone(e):
             self._link.lost(e)
 
-    def _subscribe_grants(self, client: Client) -> None:
-        """Push mode, prefill side: subscribes to the grants decode engines
-        send this engine's scheduler."""
-        s = self._sched
-        if s.wants_grants:
-            s.messages = client.notifications(worker_id=scheduler_id(self.worker_id), on_end=self._stream_ended)
-            s.messages_generation = self._link.generation
+    def _grant_stream(self, client: Client) -> Notifications | None:
+        """Push mode, prefill side: a subscription to the grants decode
+        engines send this engine's scheduler (None where none is wanted)."""
+        if not self._sched.wants_grants:
+            return None
+        return client.notifications(worker_id=scheduler_id(self.worker_id), on_end=self._stream_ended)
+
+    def _scheduler_reconnected(self, client: Client) -> None:
+        self._sched.pending_messages = self._grant_stream(client)
 
     def _collect_grants(self, now: float) -> None:
         """Prefill side: takes the grants that arrived (every step, so that
@@ -695,13 +704,15 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             return
         arrived: list[Notification] = []
         try:
-            if s.messages is None or s.messages_generation != self._link.generation:
+            client = self._link.get()
+            if client is not None and s.messages_generation != self._link.generation:
+                # A new sidecar: its subscription was made on connecting.
                 if s.messages is not None:
                     s.messages.close()
-                s.messages = None
-                client = self._link.get()
-                if client is not None:
-                    self._subscribe_grants(client)
+                s.messages, s.pending_messages = s.pending_messages, None
+                s.messages_generation = self._link.generation
+            if s.messages is None and client is not None:
+                s.messages = self._grant_stream(client)
             if s.messages is not None:
                 arrived = s.messages.poll()
         except KvrailError as e:
@@ -853,6 +864,13 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             json.dumps({"node": self.node, "worker_id": self.worker_id, "layers": w.layer_names, "regions": table})
         )
         tmp.replace(self.region_table_path)  # readers never see half a file
+        # vLLM kills its workers with SIGKILL at shutdown: the sidecar removes
+        # the worker's files once its process is gone.
+        files = [a.path for a in w.adopted if a.owned] + [self.region_table_path]
+        try:
+            client.remove_on_exit(files)
+        except KvrailError as e:
+            log.warning("kvrail: the sidecar will not remove %s at exit: %s", files, e)
         return table
 
     def _reconnected(self, client: Client) -> None:
@@ -1104,8 +1122,10 @@ class _SchedulerState:
     # when each request started waiting for its grant
     messages: Notifications | None = None
     wants_grants: bool = False
-    #: The sidecar connection ``messages`` was subscribed on.
-    messages_generation: int = 0
+    #: The sidecar connection ``messages`` was subscribed on, and the
+    #: subscription made on a new connection, not yet taken into use.
+    messages_generation: int = 1
+    pending_messages: Notifications | None = None
     grants: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     num_layers: int = 0
     waiting_since: dict[str, float] = field(default_factory=dict)

@@ -208,7 +208,7 @@ class Ring:
     """A ring served for one worker. ``Client.open_ring`` makes one."""
 
     def __init__(self, client: "Client", *, sq_entries: int = 256, cq_entries: int = 1024,
-                 slot_bytes: int = 4096, notifications: bool = True,
+                 slot_bytes: int = 4096, notifications: bool = True, take_over: bool = False,
                  spin_s: float | None = None, impl: str | None = None) -> None:
         #: "native" (the compiled extension) or "python" (see the module doc).
         self.impl = _pick_impl(impl)
@@ -244,7 +244,8 @@ class Ring:
         self._released = False
         try:
             self._call = client._stub.OpenRing(pb.OpenRingRequest(
-                worker_id=client.worker_id, shm_path=str(path), notifications=notifications))
+                worker_id=client.worker_id, shm_path=str(path), notifications=notifications,
+                take_over=take_over))
             first = next(self._call)
         except Exception as e:  # grpc.RpcError, StopIteration
             self._release()

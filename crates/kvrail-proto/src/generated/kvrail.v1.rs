@@ -351,6 +351,16 @@ pub struct RingEvent {
     #[prost(uint64, tag = "2")]
     pub incarnation: u64,
 }
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RemoveOnExitRequest {
+    /// Absolute paths of the caller's own regular files (at most 64 per process).
+    /// Each is removed when the calling process exits, if its name still names
+    /// the same file then.
+    #[prost(string, repeated, tag = "1")]
+    pub paths: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RemoveOnExitResponse {}
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
 pub enum TransferState {
@@ -872,6 +882,34 @@ pub mod sidecar_client {
                 .insert(GrpcMethod::new("kvrail.v1.Sidecar", "OpenRing"));
             self.inner.server_streaming(req, path, codec).await
         }
+        /// Files the calling process made (KV-cache memory it moved under a file, a
+        /// table it publishes) that the sidecar removes once that process has
+        /// exited, however it exits: an engine killed with SIGKILL cannot remove its
+        /// own, and a KV cache left in /dev/shm holds its memory.
+        pub async fn remove_on_exit(
+            &mut self,
+            request: impl tonic::IntoRequest<super::RemoveOnExitRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RemoveOnExitResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvrail.v1.Sidecar/RemoveOnExit",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvrail.v1.Sidecar", "RemoveOnExit"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -992,6 +1030,17 @@ pub mod sidecar_server {
             &self,
             request: tonic::Request<super::OpenRingRequest>,
         ) -> std::result::Result<tonic::Response<Self::OpenRingStream>, tonic::Status>;
+        /// Files the calling process made (KV-cache memory it moved under a file, a
+        /// table it publishes) that the sidecar removes once that process has
+        /// exited, however it exits: an engine killed with SIGKILL cannot remove its
+        /// own, and a KV cache left in /dev/shm holds its memory.
+        async fn remove_on_exit(
+            &self,
+            request: tonic::Request<super::RemoveOnExitRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RemoveOnExitResponse>,
+            tonic::Status,
+        >;
     }
     #[derive(Debug)]
     pub struct SidecarServer<T> {
@@ -1642,6 +1691,51 @@ pub mod sidecar_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.server_streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvrail.v1.Sidecar/RemoveOnExit" => {
+                    #[allow(non_camel_case_types)]
+                    struct RemoveOnExitSvc<T: Sidecar>(pub Arc<T>);
+                    impl<
+                        T: Sidecar,
+                    > tonic::server::UnaryService<super::RemoveOnExitRequest>
+                    for RemoveOnExitSvc<T> {
+                        type Response = super::RemoveOnExitResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::RemoveOnExitRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as Sidecar>::remove_on_exit(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = RemoveOnExitSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

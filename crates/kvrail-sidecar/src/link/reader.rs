@@ -44,6 +44,7 @@ pub(super) fn wire_reason(e: &wire::WireError) -> &'static str {
         wire::WireError::Version(_) => "version",
         wire::WireError::UnknownKind(_) => "unknown_kind",
         wire::WireError::TooLong { .. } | wire::WireError::MessageTooLong { .. } => "too_long",
+        wire::WireError::TooManyEntries { .. } => "too_many_entries",
         wire::WireError::ShortData => "short_data",
         wire::WireError::Decode(_) | wire::WireError::EmptyMessage => "decode",
     }

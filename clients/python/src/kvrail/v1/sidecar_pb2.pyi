@@ -374,3 +374,13 @@ class RingEvent(_message.Message):
     version: int
     incarnation: int
     def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class RemoveOnExitRequest(_message.Message):
+    __slots__ = ("paths",)
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RemoveOnExitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -99,6 +99,11 @@ class SidecarStub(object):
                 request_serializer=kvrail_dot_v1_dot_sidecar__pb2.OpenRingRequest.SerializeToString,
                 response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.RingEvent.FromString,
                 _registered_method=True)
+        self.RemoveOnExit = channel.unary_unary(
+                '/kvrail.v1.Sidecar/RemoveOnExit',
+                request_serializer=kvrail_dot_v1_dot_sidecar__pb2.RemoveOnExitRequest.SerializeToString,
+                response_deserializer=kvrail_dot_v1_dot_sidecar__pb2.RemoveOnExitResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer(object):
@@ -199,6 +204,16 @@ class SidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveOnExit(self, request, context):
+        """Files the calling process made (KV-cache memory it moved under a file, a
+        table it publishes) that the sidecar removes once that process has
+        exited, however it exits: an engine killed with SIGKILL cannot remove its
+        own, and a KV cache left in /dev/shm holds its memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +281,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.OpenRing,
                     request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.OpenRingRequest.FromString,
                     response_serializer=kvrail_dot_v1_dot_sidecar__pb2.RingEvent.SerializeToString,
+            ),
+            'RemoveOnExit': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveOnExit,
+                    request_deserializer=kvrail_dot_v1_dot_sidecar__pb2.RemoveOnExitRequest.FromString,
+                    response_serializer=kvrail_dot_v1_dot_sidecar__pb2.RemoveOnExitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +639,33 @@ class Sidecar(object):
             '/kvrail.v1.Sidecar/OpenRing',
             kvrail_dot_v1_dot_sidecar__pb2.OpenRingRequest.SerializeToString,
             kvrail_dot_v1_dot_sidecar__pb2.RingEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveOnExit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrail.v1.Sidecar/RemoveOnExit',
+            kvrail_dot_v1_dot_sidecar__pb2.RemoveOnExitRequest.SerializeToString,
+            kvrail_dot_v1_dot_sidecar__pb2.RemoveOnExitResponse.FromString,
             options,
             channel_credentials,
             insecure,
