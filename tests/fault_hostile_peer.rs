@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, KvRegion};
-use kvrail_core::wire::{self, pb, Body, FRAME_HEADER_LEN};
+use kvrail_core::wire::{self, pb, Body, ErrorCode, FRAME_HEADER_LEN};
 use kvrail_e2e::raw_peer::{self, read_control};
 use kvrail_e2e::Pair;
 use kvrail_examples::fill;
@@ -314,7 +314,17 @@ async fn a_peer_opening_session_after_session_is_capped() {
     let mut held = Vec::new();
     let mut refused = None;
     for session_id in 2000..2020u64 {
-        let mut sock = open(session_id);
+        // Refused before any ack once eight carry transfers.
+        let (mut sock, answer) = raw_peer::hello(pair.decode.listen, "prefill", session_id);
+        match answer {
+            Some(Body::HelloAck(_)) => {}
+            Some(Body::Abort(a)) if a.transfer_id == 0 => {
+                assert_eq!(a.code, ErrorCode::TooManySessions as i32, "{a:?}");
+                refused = Some((session_id, a.message));
+                break;
+            }
+            other => panic!("session {session_id}: the handshake got {other:?}"),
+        }
         let push = pb::PushOpen {
             transfer_id: session_id,
             request_id: format!("held-{session_id}"),

@@ -41,6 +41,10 @@ pub struct RingOptions {
     pub slot_bytes: u32,
     /// Deliver this worker's transfer notifications to the ring.
     pub notifications: bool,
+    /// With `notifications`: take them over from a live Subscribe stream of
+    /// this worker held by another process (that stream ends ABORTED);
+    /// without it such a ring is refused (ALREADY_EXISTS).
+    pub take_over: bool,
     /// How long [`Ring::wait`] spins before it sleeps (default: 50 us with at
     /// least 4 CPUs, else 0: on two cores a spinning waiter takes the core
     /// the sidecar needs to answer).
@@ -54,6 +58,7 @@ impl Default for RingOptions {
             cq_entries: 1024,
             slot_bytes: 4096,
             notifications: true,
+            take_over: false,
             spin: default_spin(),
         }
     }
@@ -149,6 +154,7 @@ impl Client {
                 worker_id: worker_id.into(),
                 shm_path: path.to_string_lossy().into_owned(),
                 notifications: options.notifications,
+                take_over: options.take_over,
             })
             .await;
         // Mapped on both sides (or refused): the name is no longer needed.
@@ -190,6 +196,7 @@ impl Client {
                 worker_id: worker_id.into(),
                 shm_path: path.to_string_lossy().into_owned(),
                 notifications,
+                take_over: false,
             })
             .await?
             .into_inner())

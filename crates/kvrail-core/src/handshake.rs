@@ -56,6 +56,19 @@ pub enum HandshakeError {
         len: usize,
         max: usize,
     },
+    /// The node holds as many sessions here as it may, each carrying
+    /// transfers (decided before anything is answered).
+    #[error("{node} already has {sessions} sessions carrying transfers here (at most {max})")]
+    TooManySessions {
+        node: String,
+        sessions: usize,
+        max: usize,
+    },
+    /// A session of a process of the node that a newer one has replaced.
+    #[error(
+        "{node}'s process {incarnation:#x} was replaced by a newer one: its sessions are refused"
+    )]
+    Superseded { node: String, incarnation: u64 },
 }
 
 impl HandshakeError {
@@ -78,8 +91,89 @@ impl HandshakeError {
             HandshakeError::Proof(_) => "proof",
             HandshakeError::Timeout(_) => "timeout",
             HandshakeError::CannotSign(_) => "internal",
+            HandshakeError::TooManySessions { .. } => "too_many_sessions",
+            HandshakeError::Superseded { .. } => "superseded",
         }
     }
+
+    /// The code the refusal's `Abort` carries.
+    pub fn code(&self) -> crate::wire::ErrorCode {
+        match self {
+            HandshakeError::TooManySessions { .. } => crate::wire::ErrorCode::TooManySessions,
+            _ => crate::wire::ErrorCode::Protocol,
+        }
+    }
+}
+
+/// A session a node already holds here, as the session cap sees it.
+#[derive(Debug, Clone)]
+pub struct HeldSession {
+    pub session_id: u64,
+    /// The dialing process's incarnation (0: not sent).
+    pub incarnation: u64,
+    pub active_transfers: usize,
+    pub created: Instant,
+}
+
+/// What becomes of a hello's session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionAdmission {
+    /// The node holds that session already: the connection joins it.
+    Join,
+    /// A new session, once the sessions named here are closed: those of an
+    /// earlier process of the node (it restarted: they can never resume),
+    /// and, at the cap, the oldest with nothing in flight.
+    New {
+        replace: Vec<u64>,
+    },
+    Refuse(HandshakeError),
+}
+
+/// The inbound session cap, decided from the hello before it is answered:
+/// a node holds at most `max` sessions here. `retired` lists incarnations of
+/// the node that newer ones replaced (their new sessions are refused, so two
+/// live processes of one name cannot evict each other for ever). An
+/// incarnation of 0 (an older peer) neither replaces nor is replaced.
+pub fn admit_session(
+    node: &str,
+    session_id: u64,
+    incarnation: u64,
+    held: &[HeldSession],
+    retired: &[u64],
+    max: usize,
+) -> SessionAdmission {
+    if held.iter().any(|s| s.session_id == session_id) {
+        return SessionAdmission::Join;
+    }
+    if incarnation != 0 && retired.contains(&incarnation) {
+        return SessionAdmission::Refuse(HandshakeError::Superseded {
+            node: node.to_string(),
+            incarnation,
+        });
+    }
+    let stale =
+        |s: &&HeldSession| incarnation != 0 && s.incarnation != 0 && s.incarnation != incarnation;
+    let mut replace: Vec<u64> = held.iter().filter(stale).map(|s| s.session_id).collect();
+    let current: Vec<&HeldSession> = held.iter().filter(|s| !stale(s)).collect();
+    if current.len() >= max {
+        // The oldest session with nothing in flight gives way; only
+        // sessions all carrying transfers refuse the new one.
+        match current
+            .iter()
+            .filter(|s| s.active_transfers == 0)
+            .min_by_key(|s| s.created)
+        {
+            Some(idle) => replace.push(idle.session_id),
+            None => {
+                return SessionAdmission::Refuse(HandshakeError::TooManySessions {
+                    node: node.to_string(),
+                    sessions: current.len(),
+                    max,
+                })
+            }
+        }
+    }
+    SessionAdmission::New { replace }
 }
 
 /// Longest node name (as in a DNS label set).
@@ -127,6 +221,27 @@ pub fn check_hello_sizes(hello: &pb::Hello) -> Result<(), HandshakeError> {
     )?;
     check("nonce", hello.nonce.len(), NONCE_BYTES)?;
     check("software", hello.software.len(), MAX_SOFTWARE_BYTES)?;
+    Ok(())
+}
+
+/// Size checks of every variable-length field of an ack (its software
+/// string is shown in `kvrail doctor`, its transports chosen from).
+pub fn check_ack_sizes(ack: &pb::HelloAck) -> Result<(), HandshakeError> {
+    let check = |field, len: usize, max| {
+        if len > max {
+            Err(HandshakeError::Oversized { field, len, max })
+        } else {
+            Ok(())
+        }
+    };
+    check("node_name", ack.node_name.len(), MAX_NODE_NAME_BYTES)?;
+    check("transports", ack.transports.len(), MAX_TRANSPORTS)?;
+    for t in &ack.transports {
+        check("transport name", t.len(), MAX_TRANSPORT_NAME_BYTES)?;
+    }
+    check("certificate", ack.certificate.len(), MAX_CERTIFICATE_BYTES)?;
+    check("nonce", ack.nonce.len(), NONCE_BYTES)?;
+    check("software", ack.software.len(), MAX_SOFTWARE_BYTES)?;
     Ok(())
 }
 
@@ -250,6 +365,9 @@ pub struct AcceptorConfig<'a> {
     pub incarnation: u64,
     /// Our kvrail release.
     pub software: &'a str,
+    /// The session cap ([`admit_session`]), asked before the ack is made: a
+    /// refusal is the answer, instead of an ack followed by a close.
+    pub admit: Option<&'a (dyn Fn(&pb::Hello) -> Result<(), HandshakeError> + Sync)>,
 }
 
 /// What the acceptor's driver does next.
@@ -394,6 +512,9 @@ impl<'a> Acceptor<'a> {
         }
         let ours: Vec<&str> = c.transports.iter().map(String::as_str).collect();
         check_hello(hello, c.node, c.is_known_peer, &ours)?;
+        if let Some(admit) = c.admit {
+            admit(hello)?;
+        }
         let mut ack = pb::HelloAck {
             protocol_version: u32::from(PROTOCOL_VERSION),
             node_name: c.node.to_string(),
@@ -428,8 +549,14 @@ impl<'a> Acceptor<'a> {
 pub enum DialRefusal {
     #[error("answered as {0:?}")]
     AnsweredAs(String),
-    #[error("{0}")]
-    Aborted(String),
+    #[error("{message}")]
+    Aborted {
+        code: crate::wire::ErrorCode,
+        message: String,
+    },
+    /// The ack carries a field longer than any real one.
+    #[error("the answer's {0}")]
+    Oversized(HandshakeError),
     #[error("unexpected handshake reply")]
     Unexpected,
     #[error("peer speaks protocol version {0}, this sidecar speaks {PROTOCOL_VERSION}")]
@@ -495,12 +622,20 @@ impl<'a> Dialer<'a> {
         let ack = match message {
             Body::HelloAck(ack) if &ack.node_name == peer => ack,
             Body::HelloAck(ack) => return Err(DialRefusal::AnsweredAs(ack.node_name)),
-            Body::Abort(a) => return Err(DialRefusal::Aborted(a.message)),
+            Body::Abort(a) => {
+                return Err(DialRefusal::Aborted {
+                    code: crate::wire::ErrorCode::try_from(a.code)
+                        .unwrap_or(crate::wire::ErrorCode::Unspecified),
+                    // Bounded: it is shown to workers and in `kvrail doctor`.
+                    message: crate::wire::peer_text(a.message),
+                });
+            }
             _ => return Err(DialRefusal::Unexpected),
         };
         if ack.protocol_version != u32::from(PROTOCOL_VERSION) {
             return Err(DialRefusal::Version(ack.protocol_version));
         }
+        check_ack_sizes(&ack).map_err(DialRefusal::Oversized)?;
         let Some(id) = self.credentials else {
             return Ok(Dialed { ack, proof: None });
         };

@@ -80,6 +80,7 @@ impl Setup {
                 nonce: self.acceptor_nonce.clone(),
                 incarnation: 99,
                 software: "test",
+                admit: None,
             },
             now,
         );
@@ -134,7 +135,7 @@ fn an_authenticated_handshake_proves_both_keys() {
 fn refused(end: HandshakeEnd) -> HandshakeError {
     let e = end.acceptor.unwrap_err();
     match (&end.dialer, end.acceptor_sent.last()) {
-        (Err(DialRefusal::Aborted(m)), Some(Body::Abort(a))) => {
+        (Err(DialRefusal::Aborted { message: m, .. }), Some(Body::Abort(a))) => {
             assert_eq!(m, &e.to_string());
             assert_eq!(a.message, e.to_string());
         }
@@ -327,6 +328,7 @@ fn plain_acceptor_config<'a>(
         nonce: Vec::new(),
         incarnation: 1,
         software: "test",
+        admit: None,
     }
 }
 
@@ -393,4 +395,123 @@ fn an_undecodable_message_is_refused_as_malformed() {
         AcceptorStep::Refuse(e) => assert_eq!(e.label(), "malformed"),
         other => panic!("{other:?}"),
     }
+}
+
+/// The session cap is decided before the ack: a node holding `max` sessions
+/// here that all carry transfers has its next session refused (the dialer
+/// hears why, with the code), an idle one gives way, a session it holds
+/// already is joined, and sessions of an earlier process of the node give
+/// way to its new one (whose own are never confused with them).
+#[test]
+fn the_session_cap_is_decided_before_anything_is_answered() {
+    let now = Instant::now();
+    let held = |id, incarnation, active| HeldSession {
+        session_id: id,
+        incarnation,
+        active_transfers: active,
+        created: now + std::time::Duration::from_secs(id),
+    };
+    let busy: Vec<HeldSession> = (1..=8).map(|id| held(id, 5, 1)).collect();
+    assert_eq!(
+        admit_session("prefill", 3, 5, &busy, &[], 8),
+        SessionAdmission::Join
+    );
+    let SessionAdmission::Refuse(e) = admit_session("prefill", 9, 5, &busy, &[], 8) else {
+        panic!("a ninth busy session must be refused")
+    };
+    assert_eq!(e.code(), crate::wire::ErrorCode::TooManySessions);
+    assert!(e.to_string().contains("8 sessions"), "{e}");
+    let mut one_idle = busy.clone();
+    one_idle[5].active_transfers = 0;
+    one_idle[2].active_transfers = 0;
+    assert_eq!(
+        admit_session("prefill", 9, 5, &one_idle, &[], 8),
+        SessionAdmission::New { replace: vec![3] },
+        "the oldest idle one gives way"
+    );
+    // A new process of the node: all eight of the old one's go, busy or not.
+    assert_eq!(
+        admit_session("prefill", 9, 6, &busy, &[], 8),
+        SessionAdmission::New {
+            replace: (1..=8).collect()
+        }
+    );
+    // Incarnation 0 (an older peer) neither replaces nor is replaced.
+    assert!(matches!(
+        admit_session("prefill", 9, 0, &busy, &[], 8),
+        SessionAdmission::Refuse(_)
+    ));
+    // A replaced process cannot come back and evict its successor.
+    assert!(matches!(
+        admit_session("prefill", 10, 5, &[held(9, 6, 1)], &[5], 8),
+        SessionAdmission::Refuse(HandshakeError::Superseded { .. })
+    ));
+
+    // Through the acceptor: the refusal is the answer, no ack is sent.
+    let transports = vec!["tcp".to_string()];
+    let known = |_: &str| true;
+    let admit = |h: &pb::Hello| match admit_session(
+        &h.node_name,
+        h.session_id,
+        h.incarnation,
+        &busy,
+        &[],
+        8,
+    ) {
+        SessionAdmission::Refuse(e) => Err(e),
+        _ => Ok(()),
+    };
+    let mut acceptor = Acceptor::new(
+        AcceptorConfig {
+            rail_count: 2,
+            admit: Some(&admit),
+            ..plain_acceptor_config(&transports, &known)
+        },
+        now,
+    );
+    let mut wire = [VecDeque::new(), VecDeque::new()];
+    let ninth = pb::Hello {
+        session_id: 99,
+        incarnation: 5,
+        ..hello()
+    };
+    let (dialer, sent) = Dialer::start(ninth, None, Vec::new(), now);
+    let end = run_handshake(&mut wire, &dialer, sent, &mut acceptor, now, &mut |_| {});
+    assert!(matches!(
+        end.acceptor,
+        Err(HandshakeError::TooManySessions { .. })
+    ));
+    assert!(end
+        .acceptor_sent
+        .iter()
+        .all(|b| !matches!(b, Body::HelloAck(_))));
+    match end.dialer {
+        Err(DialRefusal::Aborted { code, message }) => {
+            assert_eq!(code, crate::wire::ErrorCode::TooManySessions);
+            assert!(message.contains("sessions"), "{message}");
+        }
+        other => panic!("the dialer must hear the refusal: {other:?}"),
+    }
+}
+
+/// An ack with fields no real one has (a software string of escape
+/// sequences for `kvrail doctor`'s table) is refused by the dialer.
+#[test]
+fn an_oversized_ack_is_refused_by_the_dialer() {
+    let (dialer, _) = Dialer::start(hello(), None, Vec::new(), Instant::now());
+    let ack = |software: String| pb::HelloAck {
+        protocol_version: u32::from(PROTOCOL_VERSION),
+        node_name: "decode".into(),
+        transports: vec!["tcp".into()],
+        software,
+        ..Default::default()
+    };
+    assert!(dialer
+        .on_message(Body::HelloAck(ack("kvrail 1".into())))
+        .is_ok());
+    let forged = "\u{1b}[2K\rOK all good".repeat(8);
+    assert!(matches!(
+        dialer.on_message(Body::HelloAck(ack(forged))),
+        Err(DialRefusal::Oversized(_))
+    ));
 }

@@ -334,7 +334,7 @@ pub fn run_handshake(
                 AcceptorStep::Refuse(e) => (
                     Body::Abort(pb::Abort {
                         transfer_id: 0,
-                        code: crate::wire::ErrorCode::Protocol as i32,
+                        code: e.code() as i32,
                         message: e.to_string(),
                     }),
                     Some(Err(e)),

@@ -10,7 +10,10 @@ use crate::dial::{random_nonce, IdentityCredentials};
 use crate::ratelog::RateLimitedLog;
 use dashmap::DashMap;
 use kvrail_auth::Identity;
-use kvrail_core::handshake::{Acceptor, AcceptorConfig, AcceptorStep, Credentials};
+use kvrail_core::handshake::{
+    admit_session, Acceptor, AcceptorConfig, AcceptorStep, Credentials, HeldSession,
+    SessionAdmission,
+};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
@@ -57,6 +60,9 @@ pub struct Shared {
     pub transfers: TransferTable,
     pub peers: HashMap<String, PeerSlot>,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
+    /// Per peer node, incarnations of its processes that newer ones replaced
+    /// (the last few): their new sessions are refused.
+    pub retired_incarnations: DashMap<String, Vec<u64>>,
     /// Stream transports (quic, tcp) in our order of preference.
     pub transports: Vec<Arc<dyn Transport>>,
     pub rdma: RdmaRails,
@@ -555,6 +561,12 @@ impl Shared {
             None => Ok(()),
         };
         let identity = self.tcp_identity(transport).map(IdentityCredentials);
+        // The session cap, before anything is answered: a refused dialer
+        // hears why instead of an ack and a close.
+        let admit = |hello: &pb::Hello| match self.admission(hello) {
+            SessionAdmission::Refuse(e) => Err(e),
+            _ => Ok(()),
+        };
         let mut acceptor = Acceptor::new(
             AcceptorConfig {
                 node: &self.config.node,
@@ -566,6 +578,7 @@ impl Shared {
                 nonce: random_nonce(),
                 incarnation: self.incarnation,
                 software: env!("CARGO_PKG_VERSION"),
+                admit: Some(&admit),
             },
             tokio::time::Instant::now().into_std(),
         );
@@ -588,7 +601,9 @@ impl Shared {
             };
             let (mut ack, accepted) = match step {
                 AcceptorStep::Refuse(e) => {
-                    return self.refuse(conn, from, e.to_string(), e.label()).await
+                    return self
+                        .refuse(conn, from, e.to_string(), e.label(), e.code())
+                        .await
                 }
                 AcceptorStep::Accept(hello) => break hello,
                 AcceptorStep::AnswerThenAwaitProof(ack) => (ack, None),
@@ -620,41 +635,29 @@ impl Shared {
             return;
         }
         let key = (hello.node_name.clone(), hello.session_id);
-        if !self.inbound.contains_key(&key) {
-            // Each session holds a link and up to 64 connections: a peer that
-            // keeps opening new ones (its restarts end the old ones) is capped.
-            self.inbound.retain(|_, l| !l.is_dead());
-            let sessions = self
-                .inbound
-                .iter()
-                .filter(|e| e.key().0 == hello.node_name)
-                .count();
-            if sessions >= MAX_INBOUND_SESSIONS_PER_PEER {
-                // A dialer makes a new session each time it dials again; one
-                // whose connections outlived a crash or a partition may never
-                // notice. The oldest session with nothing in flight gives way
-                // to the new one; only sessions all carrying transfers refuse
-                // it. (Not any idle one: the youngest may be a session whose
-                // first open is still on its way, and its peer was told it
-                // was accepted.)
-                let idle = self
-                    .inbound
-                    .iter()
-                    .filter(|e| e.key().0 == hello.node_name)
-                    .filter(|e| e.value().inspect(|s| s.active_transfers()) == 0)
-                    .min_by_key(|e| e.value().created)
-                    .map(|e| e.key().clone());
-                match idle.and_then(|k| self.inbound.remove(&k)) {
-                    Some((old, link)) => {
-                        info!(peer = %hello.node_name, old_session = old.1, "closing an idle session: the node opened a new one");
+        // Decided again now that the dialer is who it says (the proof came
+        // after the first decision): sessions it replaces are closed.
+        match self.admission(&hello) {
+            SessionAdmission::Join => {}
+            SessionAdmission::Refuse(e) => {
+                return self
+                    .refuse(conn, from, e.to_string(), e.label(), e.code())
+                    .await
+            }
+            SessionAdmission::New { replace } => {
+                for old in replace {
+                    let Some((_, link)) = self.inbound.remove(&(hello.node_name.clone(), old))
+                    else {
+                        continue;
+                    };
+                    let theirs = link.dialer_incarnation.load(Ordering::Acquire);
+                    if theirs != 0 && theirs != hello.incarnation && hello.incarnation != 0 {
+                        info!(peer = %hello.node_name, old_session = old, "the peer restarted: closing its old process's session");
+                        self.retire_incarnation(&hello.node_name, theirs);
+                        link.close("replaced by a new process of the same node");
+                    } else {
+                        info!(peer = %hello.node_name, old_session = old, "closing an idle session: the node opened a new one");
                         link.close("replaced by a newer session of the same node");
-                    }
-                    None => {
-                        let reason = format!(
-                            "{} already has {sessions} sessions carrying transfers here (at most {MAX_INBOUND_SESSIONS_PER_PEER})",
-                            hello.node_name
-                        );
-                        return self.refuse(conn, from, reason, "too_many_sessions").await;
                     }
                 }
             }
@@ -663,13 +666,16 @@ impl Shared {
             .inbound
             .entry(key)
             .or_insert_with(|| {
-                PeerLink::new(
+                let link = PeerLink::new(
                     &hello.node_name,
                     transport,
                     self.link_env(),
                     self.session_config(false),
                     None,
-                )
+                );
+                link.dialer_incarnation
+                    .store(hello.incarnation, Ordering::Release);
+                link
             })
             .clone();
         if hello.connection_index == 0 {
@@ -682,12 +688,58 @@ impl Shared {
         self.inbound.retain(|_, l| !l.is_dead());
     }
 
+    /// The inbound session cap for this hello ([`admit_session`]): the node's
+    /// sessions here, what they carry, and its retired incarnations.
+    fn admission(&self, hello: &pb::Hello) -> SessionAdmission {
+        self.inbound.retain(|_, l| !l.is_dead());
+        let held: Vec<HeldSession> = self
+            .inbound
+            .iter()
+            .filter(|e| e.key().0 == hello.node_name)
+            .map(|e| HeldSession {
+                session_id: e.key().1,
+                incarnation: e.value().dialer_incarnation.load(Ordering::Acquire),
+                active_transfers: e.value().inspect(|s| s.active_transfers()),
+                created: e.value().created,
+            })
+            .collect();
+        let retired = self
+            .retired_incarnations
+            .get(&hello.node_name)
+            .map(|r| r.clone())
+            .unwrap_or_default();
+        admit_session(
+            &hello.node_name,
+            hello.session_id,
+            hello.incarnation,
+            &held,
+            &retired,
+            MAX_INBOUND_SESSIONS_PER_PEER,
+        )
+    }
+
+    /// Remembers that `incarnation` of `node` was replaced (the last few).
+    fn retire_incarnation(&self, node: &str, incarnation: u64) {
+        const KEPT: usize = 16;
+        let mut retired = self
+            .retired_incarnations
+            .entry(node.to_string())
+            .or_default();
+        if !retired.contains(&incarnation) {
+            if retired.len() >= KEPT {
+                retired.remove(0);
+            }
+            retired.push(incarnation);
+        }
+    }
+
     async fn refuse(
         &self,
         mut conn: Connection,
         from: SocketAddr,
         reason: String,
         label: &'static str,
+        code: ErrorCode,
     ) {
         // Bounded: a refusal says at most this much, however long the peer's
         // fields were, and a flood of refusals logs a few lines a second.
@@ -699,7 +751,7 @@ impl Shared {
         }
         let abort = wire::message(Body::Abort(pb::Abort {
             transfer_id: 0,
-            code: ErrorCode::Protocol as i32,
+            code: code as i32,
             message: reason,
         }));
         let frame = wire::encode_control(&abort);

@@ -1,18 +1,23 @@
 //! The `/metrics` listener: a deliberately small HTTP/1 server. Anyone who can
 //! reach the port can open connections, so each is bounded: at most
-//! [`MAX_CONNECTIONS`] at once (more are closed at once), a request head of at
-//! most 8 KiB that must arrive within [`REQUEST_TIMEOUT`], one response, then
-//! close. Accept errors (such as running out of file descriptors) back off and
-//! are logged a few times a second at most.
+//! [`MAX_CONNECTIONS`] at once, a request head of at most 8 KiB that must
+//! arrive within [`REQUEST_TIMEOUT`], one response, then close. When all are
+//! taken, a new connection closes the oldest one that has not finished
+//! sending its request (a scraper sends its GET at once; a client that holds
+//! connections open silently can no longer keep every scrape out). Accept
+//! errors (such as running out of file descriptors) back off and are logged a
+//! few times a second at most.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 use tracing::warn;
 
 use crate::ratelog::RateLimitedLog;
@@ -44,23 +49,40 @@ pub async fn serve(addr: SocketAddr, handle: PrometheusHandle) -> anyhow::Result
     Ok(bound)
 }
 
+/// A connection being served, and whether its request head has arrived.
+struct Served {
+    task: JoinHandle<()>,
+    asked: Arc<AtomicBool>,
+}
+
 async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // Oldest first.
+    let mut served: VecDeque<Served> = VecDeque::new();
     let log = RateLimitedLog::new(2);
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                // Full: close at once rather than hold a descriptor for a client
-                // that may never speak.
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    drop(stream);
-                    continue;
-                };
+                served.retain(|c| !c.task.is_finished());
+                if served.len() >= MAX_CONNECTIONS {
+                    // The oldest that is still silent gives way; if every one
+                    // is answering, the newcomer is closed at once.
+                    let silent = served.iter().position(|c| !c.asked.load(Ordering::Acquire));
+                    match silent.and_then(|i| served.remove(i)) {
+                        Some(c) => c.task.abort(),
+                        None => {
+                            drop(stream);
+                            continue;
+                        }
+                    }
+                }
                 let handle = handle.clone();
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &handle)).await;
-                    drop(permit);
+                let asked = Arc::new(AtomicBool::new(false));
+                let flag = asked.clone();
+                let task = tokio::spawn(async move {
+                    let _ =
+                        tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &handle, &flag)).await;
                 });
+                served.push_back(Served { task, asked });
             }
             Err(e) => {
                 if let Some(suppressed) = log.admit() {
@@ -73,7 +95,11 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
     }
 }
 
-async fn answer(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
+async fn answer(
+    mut stream: TcpStream,
+    handle: &PrometheusHandle,
+    asked: &AtomicBool,
+) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -86,6 +112,7 @@ async fn answer(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Re
             return respond(&mut stream, "431 Request Header Fields Too Large", "").await;
         }
     }
+    asked.store(true, Ordering::Release);
     let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
     let mut words = line.split(|b| *b == b' ');
     let (method, path) = (

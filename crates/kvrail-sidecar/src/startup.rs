@@ -104,6 +104,7 @@ impl Daemon {
             ),
             watched_workers: DashMap::new(),
             exit_files: Default::default(),
+            retired_incarnations: DashMap::new(),
             transfer_budget: Arc::new(kvrail_core::budget::MemoryBudget::new(
                 config.max_transfer_state_bytes,
             )),

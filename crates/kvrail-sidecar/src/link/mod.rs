@@ -168,6 +168,9 @@ pub struct PeerLink {
     held: HeldPayload,
     /// When the session began (which idle session gives way first).
     pub created: Instant,
+    /// Inbound links: the incarnation of the dialing process (0: not sent),
+    /// so a restarted peer's new sessions replace its old ones.
+    pub dialer_incarnation: std::sync::atomic::AtomicU64,
     /// How long a reader waits for the rest of a slice whose header it read
     /// (the session's progress timeout): a peer that stops mid-payload and
     /// keeps its connection open has its connection cut, so the slice is
@@ -192,6 +195,7 @@ impl PeerLink {
             transport,
             direction: if dial.is_some() { "out" } else { "in" },
             created: Instant::now(),
+            dialer_incarnation: Default::default(),
             payload_deadline: session.progress_timeout,
             state: Mutex::new(LinkState {
                 session: Session::new(session),
