@@ -11,7 +11,6 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvrail_client::proto::TransferState;
 use kvrail_client::{blocks, dense_layout, KvRegion};
 use kvrail_core::wire::{self, pb, Body, ErrorCode};
 use kvrail_e2e::raw_peer;
@@ -159,8 +158,86 @@ fn held_metrics_connections_do_not_keep_scrapes_out() {
     drop(held);
 }
 
-/// A transfer's record once it has ended.
-#[allow(dead_code)]
-fn ended(state: i32) -> bool {
-    state == TransferState::Done as i32 || state == TransferState::Failed as i32
+/// A peer trickles a slice into blocks whose worker then releases them:
+/// ReleaseBlocks used to answer UNAVAILABLE after 5 s while bytes kept
+/// landing in the released block, and the worker heard FAILED a minute later
+/// (the payload deadline). The connection reading the slice is now cut after
+/// the writers' grace: ReleaseBlocks succeeds, nothing lands afterwards, the
+/// worker is told at once and the region can go.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slice_trickled_into_released_blocks_is_cut() {
+    use tokio_stream::StreamExt;
+    let pair = Pair::start(&["--progress-timeout-ms", "60000"]);
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 4, 1 << 20);
+    let kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let region = d.register_region("d0", &kv, false).await.unwrap();
+    let mut notes = d.subscribe("d0").await.unwrap();
+    let mut sock = raw_peer::session(pair.decode.listen, 9);
+    let open = pb::PushOpen {
+        transfer_id: 1,
+        request_id: "trickled".into(),
+        destination: Some(pb::BlockSet {
+            region_id: region,
+            layer_start: 0,
+            layer_count: 1,
+            block_ids: vec![0],
+            generations: Vec::new(),
+        }),
+        block_bytes: 1 << 20,
+        total_bytes: 1 << 20,
+        one_sided: false,
+    };
+    sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
+        .unwrap();
+    sock.write_all(&wire::encode_data_header(
+        wire::SliceHeader {
+            transfer_id: 1,
+            offset: 0,
+        },
+        1 << 20,
+    ))
+    .unwrap();
+    sock.write_all(&[0xAB; 4096]).unwrap();
+    // The bytes keep coming, slowly, from another thread.
+    let mut trickle = sock.try_clone().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    let trickler = std::thread::spawn(move || {
+        while !stopped.load(std::sync::atomic::Ordering::Acquire) {
+            if trickle.write_all(&[0xCD; 1024]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let (_, failed) = d.release_blocks(region, vec![0]).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(failed, 1);
+    assert!(took < Duration::from_secs(4), "ReleaseBlocks took {took:?}");
+    // Nothing lands after ReleaseBlocks returned.
+    let mut after = vec![0u8; 1 << 20];
+    kv.memory.read_at(0, &mut after).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut later = vec![0u8; 1 << 20];
+    kv.memory.read_at(0, &mut later).unwrap();
+    assert!(
+        after == later,
+        "bytes landed in the released block afterwards"
+    );
+    // The worker hears of it now, and the region can go.
+    let note = tokio::time::timeout(Duration::from_secs(5), notes.next())
+        .await
+        .expect("the worker is told at once")
+        .unwrap()
+        .unwrap();
+    assert_eq!(note.request_id, "trickled");
+    let why = note.failure.map(|f| f.code).unwrap_or_default();
+    assert_eq!(why, "blocks_released");
+    d.unregister_region(region).await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    trickler.join().unwrap();
+    kv.unlink();
 }

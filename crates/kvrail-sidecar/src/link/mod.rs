@@ -80,6 +80,9 @@ enum Sink {
 struct ConnHandle {
     writer: Option<Sink>,
     reader: Option<AbortHandle>,
+    /// The transfer (plus one; 0: none) whose payload the reader is reading
+    /// now (stream connections).
+    reading: Option<Arc<std::sync::atomic::AtomicU64>>,
     writer_task: Option<AbortHandle>,
     rail: RailId,
     /// Tells a dead connection's late reports from those of the one reusing its slot.
@@ -311,15 +314,49 @@ impl PeerLink {
                 self.with_session(|s, _| s.abort_again(&failed, ErrorCode::BlocksReleased, why));
             }
         }
-        // A slice being placed finishes within one memcpy of a slice; there is
-        // no event for it, so look again shortly.
+        // A slice being placed finishes within one memcpy of a slice, if its
+        // peer sends it; there is no event for it, so look again shortly. A
+        // peer that trickles it past the writers' grace has the connection
+        // reading it cut (the slice, and any byte after it, never lands).
+        let mut readers_cut = false;
         while self.inspect(|s| s.still_placing(&failed)) {
-            if tokio::time::Instant::now() >= deadline {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
                 return (failed.len(), false);
+            }
+            if !readers_cut && now >= cut_at {
+                readers_cut = true;
+                self.cut_reading_connections(&failed);
             }
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
         (failed.len(), true)
+    }
+
+    /// Stops the connections reading a payload of one of `transfers` now
+    /// (see `release_blocks`).
+    fn cut_reading_connections(&self, transfers: &[u64]) {
+        use std::sync::atomic::Ordering;
+        let keys: Vec<ConnKey> = {
+            let st = self.lock();
+            st.conns
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| {
+                    h.reading.as_ref().is_some_and(|r| {
+                        let now = r.load(Ordering::Acquire);
+                        now != 0 && transfers.contains(&(now - 1))
+                    })
+                })
+                .map(|(c, h)| (c, h.generation))
+                .collect()
+        };
+        for key in keys {
+            self.connection_failed(
+                key,
+                "the peer did not finish a slice into blocks its worker released (cut)",
+            );
+        }
     }
 
     /// Stops connections whose writers hold a released transfer's payload in a
@@ -695,11 +732,13 @@ impl PeerLink {
                 counters: counters.clone(),
             };
             let queued = sink.queued.clone();
+            let reading = Arc::new(std::sync::atomic::AtomicU64::new(0));
             let reader = tokio::spawn(reader_task(
                 self.clone(),
                 key,
                 counters.clone(),
                 conn.reader,
+                reading.clone(),
             ));
             let writer = tokio::spawn(writer_task(
                 self.clone(),
@@ -711,7 +750,7 @@ impl PeerLink {
             ));
             (
                 Sink::Stream(sink),
-                Some(reader.abort_handle()),
+                Some((reader.abort_handle(), reading)),
                 writer.abort_handle(),
             )
         })
@@ -723,7 +762,13 @@ impl PeerLink {
         &self,
         rail: RailId,
         one_sided: bool,
-        start: impl FnOnce(ConnKey) -> (Sink, Option<AbortHandle>, AbortHandle),
+        start: impl FnOnce(
+            ConnKey,
+        ) -> (
+            Sink,
+            Option<(AbortHandle, Arc<std::sync::atomic::AtomicU64>)>,
+            AbortHandle,
+        ),
     ) -> Option<ConnId> {
         let mut st = self.lock();
         if st.closed {
@@ -738,9 +783,11 @@ impl PeerLink {
         st.next_generation += 1;
         let generation = st.next_generation;
         let (sink, reader, writer) = start((id, generation));
+        let (reader, reading) = reader.unzip();
         let handle = ConnHandle {
             writer: Some(sink),
             reader,
+            reading,
             writer_task: Some(writer),
             rail,
             generation,

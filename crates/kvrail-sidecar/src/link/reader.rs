@@ -23,9 +23,18 @@ pub(super) async fn reader_task(
     key: ConnKey,
     counters: m::ConnCounters,
     mut reader: Box<dyn FrameReader>,
+    reading: Arc<std::sync::atomic::AtomicU64>,
 ) {
     let mut held = Held::new(link.clone(), key);
-    let reason = match read_loop(&link, key.0, &counters, reader.as_mut(), &mut held).await {
+    let read = read_loop(
+        &link,
+        key.0,
+        &counters,
+        reader.as_mut(),
+        &mut held,
+        &reading,
+    );
+    let reason = match read.await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
             metrics::counter!(m::FRAMES_REJECTED, "reason" => wire_reason(&e)).increment(1);
@@ -152,6 +161,7 @@ async fn read_loop(
     counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
     held: &mut Held,
+    reading: &std::sync::atomic::AtomicU64,
 ) -> Result<(), TransportError> {
     loop {
         let Some(env) = link.env.upgrade() else {
@@ -254,6 +264,7 @@ async fn read_loop(
                     inner: reader,
                     limit: link.payload_deadline,
                     transfer: id,
+                    reading,
                 };
                 match admission {
                     Admission::Place(slice) => {
@@ -289,6 +300,20 @@ struct PayloadDeadline<'a> {
     inner: &'a mut dyn FrameReader,
     limit: std::time::Duration,
     transfer: u64,
+    /// The transfer whose payload this connection is reading now, plus one
+    /// (0: none): what a worker's ReleaseBlocks cuts when it takes too long.
+    reading: &'a std::sync::atomic::AtomicU64,
+}
+
+impl PayloadDeadline<'_> {
+    fn mark_reading(&self, reading: bool) {
+        let v = if reading {
+            self.transfer.wrapping_add(1)
+        } else {
+            0
+        };
+        self.reading.store(v, std::sync::atomic::Ordering::Release);
+    }
 }
 
 /// Bytes a second a payload is allowed at least, on top of the progress
@@ -323,12 +348,18 @@ impl PayloadDeadline<'_> {
 impl FrameReader for PayloadDeadline<'_> {
     async fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
         let len = buf.len() as u64;
-        Self::within(self.limit, self.transfer, len, self.inner.read_exact(buf)).await
+        self.mark_reading(true);
+        let read = Self::within(self.limit, self.transfer, len, self.inner.read_exact(buf)).await;
+        self.mark_reading(false);
+        read
     }
 
     async fn read_payload(&mut self, dst: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<()> {
         let len = dst.iter().map(|b| b.len() as u64).sum();
-        Self::within(self.limit, self.transfer, len, self.inner.read_payload(dst)).await
+        self.mark_reading(true);
+        let read = Self::within(self.limit, self.transfer, len, self.inner.read_payload(dst)).await;
+        self.mark_reading(false);
+        read
     }
 
     fn input_pending(&mut self) -> bool {
