@@ -8,13 +8,21 @@
 //! certificates required); the dialer checks that the server is the peer it
 //! dialed, and the acceptor gets the client's certificate in
 //! [`Connection::peer_certificate`] to check against the name in its hello.
+//!
+//! Handshakes cost the listener a key exchange and a signature each, so it
+//! admits them with care ([`HandshakeAdmission`]): an Initial from an address
+//! that has not proved it receives there is answered with a stateless Retry
+//! (no TLS work: a flood of replayed or spoofed Initials costs a few bytes
+//! each), and proven addresses are held to a few handshakes in progress and a
+//! rate each, with a cap on all of them together; a handshake has a few
+//! seconds to finish.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -331,6 +339,14 @@ impl QuicTransport {
             QuicServerConfig::try_from(server_tls).map_err(invalid)?,
         ));
         server.transport_config(transport.clone());
+        // A Retry token is good for a moment (a dialer answers it within a
+        // round trip); Initials queued before the accept task takes them are
+        // bounded (past them quinn drops new ones before deriving any key).
+        server
+            .retry_token_lifetime(RETRY_TOKEN_LIFETIME)
+            .max_incoming(MAX_INCOMING)
+            .incoming_buffer_size(16 << 10)
+            .incoming_buffer_size_total(4 << 20);
         let client_tls = identity.client_config().map_err(invalid)?;
         let mut client = quinn::ClientConfig::new(Arc::new(
             QuicClientConfig::try_from(client_tls).map_err(invalid)?,
@@ -386,8 +402,13 @@ impl Transport for QuicTransport {
             None => return Err(io::Error::other("no QUIC endpoint")),
         };
         let (tx, rx) = mpsc::channel(64);
+        let admission = Arc::new(HandshakeAdmission::default());
         for endpoint in &endpoints {
-            tokio::spawn(accept_incoming(endpoint.clone(), tx.clone()));
+            tokio::spawn(accept_incoming(
+                endpoint.clone(),
+                tx.clone(),
+                admission.clone(),
+            ));
         }
         Ok(Box::new(QuicListener {
             rx,
@@ -485,29 +506,170 @@ fn describe(e: &quinn::ConnectionError) -> String {
     }
 }
 
-/// Completes handshakes concurrently, so one slow or hostile client holds up no
-/// other; hands established connections (or the reason one was refused) over.
+/// How long a Retry token is accepted.
+const RETRY_TOKEN_LIFETIME: Duration = Duration::from_secs(5);
+/// Initials a listener's endpoint holds before its accept task takes them.
+const MAX_INCOMING: usize = 256;
+/// Handshakes in progress over the whole listener...
+pub const MAX_HANDSHAKES: usize = 64;
+/// ...and per source address.
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 4;
+/// Handshakes a source address may start per second (a burst of twice that).
+pub const HANDSHAKES_PER_ADDRESS_PER_SEC: f64 = 20.0;
+/// How long a handshake may take before it is dropped.
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(3);
+/// Source addresses tracked at once (the oldest forgotten first).
+const TRACKED_ADDRESSES: usize = 4096;
+
+/// Who may start a QUIC handshake with this listener now (see the module
+/// doc). Shared by the listener's endpoints.
+#[derive(Default)]
+pub struct HandshakeAdmission {
+    state: Mutex<AdmissionState>,
+}
+
+#[derive(Default)]
+struct AdmissionState {
+    in_progress: usize,
+    /// Per source address: handshakes in progress, and its token bucket
+    /// (tokens, when last filled).
+    by_address: HashMap<IpAddr, (usize, f64, Instant)>,
+}
+
+/// A handshake admitted; given back when dropped.
+pub struct HandshakePermit {
+    admission: Arc<HandshakeAdmission>,
+    from: IpAddr,
+}
+
+impl HandshakeAdmission {
+    /// A permit for a handshake from `from` at `now`, or None (then the
+    /// Initial is ignored: the dialer sends it again after its timer).
+    pub fn admit(self: &Arc<Self>, from: IpAddr, now: Instant) -> Option<HandshakePermit> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.in_progress >= MAX_HANDSHAKES {
+            return None;
+        }
+        if st.by_address.len() >= TRACKED_ADDRESSES && !st.by_address.contains_key(&from) {
+            // Forget addresses with nothing in progress (their buckets refill anyway).
+            st.by_address.retain(|_, (n, _, _)| *n > 0);
+            if st.by_address.len() >= TRACKED_ADDRESSES {
+                return None;
+            }
+        }
+        let burst = 2.0 * HANDSHAKES_PER_ADDRESS_PER_SEC;
+        let entry = st.by_address.entry(from).or_insert((0, burst, now));
+        let (active, tokens, filled) = entry;
+        *tokens = (*tokens
+            + now.saturating_duration_since(*filled).as_secs_f64()
+                * HANDSHAKES_PER_ADDRESS_PER_SEC)
+            .min(burst);
+        *filled = now;
+        if *active >= MAX_HANDSHAKES_PER_ADDRESS || *tokens < 1.0 {
+            return None;
+        }
+        *tokens -= 1.0;
+        *active += 1;
+        st.in_progress += 1;
+        Some(HandshakePermit {
+            admission: self.clone(),
+            from,
+        })
+    }
+
+    /// Handshakes in progress now.
+    pub fn in_progress(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .in_progress
+    }
+}
+
+impl Drop for HandshakePermit {
+    fn drop(&mut self) {
+        let mut st = self
+            .admission
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        st.in_progress = st.in_progress.saturating_sub(1);
+        if let Some((active, _, _)) = st.by_address.get_mut(&self.from) {
+            *active = active.saturating_sub(1);
+        }
+    }
+}
+
+/// Refusals of handshakes are counted here and logged a few times a minute
+/// (a flood would otherwise fill the log, and queue behind real connections).
+struct RefusalLog {
+    last: Mutex<Option<Instant>>,
+    suppressed: std::sync::atomic::AtomicU64,
+}
+
+static REFUSALS: RefusalLog = RefusalLog {
+    last: Mutex::new(None),
+    suppressed: std::sync::atomic::AtomicU64::new(0),
+};
+
+impl RefusalLog {
+    fn note(&self, why: &str) {
+        let now = Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(10)) {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        *last = Some(now);
+        let suppressed = self.suppressed.swap(0, Ordering::Relaxed);
+        warn!(suppressed, "QUIC handshake refused: {why}");
+    }
+}
+
+/// Admits handshakes (see [`HandshakeAdmission`]) and completes them
+/// concurrently, so one slow or hostile client holds up no other; hands
+/// established connections over (refusals are logged here, not queued).
 async fn accept_incoming(
     endpoint: quinn::Endpoint,
     tx: mpsc::Sender<io::Result<(Connection, SocketAddr)>>,
+    admission: Arc<HandshakeAdmission>,
 ) {
     while let Some(incoming) = endpoint.accept().await {
+        if !incoming.remote_address_validated() {
+            // Stateless: no TLS work, no connection state. A spoofed source
+            // never gets the token; a real dialer answers in one round trip.
+            if incoming.may_retry() {
+                let _ = incoming.retry();
+            } else {
+                incoming.ignore();
+            }
+            continue;
+        }
+        let from = incoming.remote_address();
+        let Some(permit) = admission.admit(from.ip(), Instant::now()) else {
+            incoming.ignore();
+            continue;
+        };
         let tx = tx.clone();
         tokio::spawn(async move {
-            let from = incoming.remote_address();
-            let conn = match incoming.await {
-                Ok(conn) => conn,
-                Err(e) => {
-                    let refused = io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!("from {from}: {}", describe(&e)),
-                    );
-                    if tx.send(Err(refused)).await.is_err() {
-                        debug!("QUIC listener closed while a handshake finished");
-                    }
-                    return;
+            let handshake = async {
+                let connecting = incoming.accept()?;
+                connecting.await
+            };
+            let conn = match tokio::time::timeout(HANDSHAKE_DEADLINE, handshake).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => {
+                    drop(permit);
+                    return REFUSALS.note(&format!("from {from}: {}", describe(&e)));
+                }
+                Err(_) => {
+                    drop(permit);
+                    return REFUSALS.note(&format!(
+                        "from {from}: not finished within {HANDSHAKE_DEADLINE:?}"
+                    ));
                 }
             };
+            drop(permit);
             // Every stream the dialer opens is one kvrail connection.
             let mut streams = 0u64;
             loop {
@@ -533,6 +695,43 @@ async fn accept_incoming(
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use super::*;
+
+    /// An address holds a few handshakes at a time and starts a bounded
+    /// number per second; all of them together are capped; permits given
+    /// back make room again.
+    #[test]
+    fn handshakes_are_admitted_per_address_and_in_all() {
+        let a = Arc::new(HandshakeAdmission::default());
+        let now = Instant::now();
+        let ip = |n: u8| IpAddr::from([10, 0, 0, n]);
+        let held: Vec<_> = (0..MAX_HANDSHAKES_PER_ADDRESS)
+            .map(|_| a.admit(ip(1), now).unwrap())
+            .collect();
+        assert!(a.admit(ip(1), now).is_none(), "per address");
+        assert!(a.admit(ip(2), now).is_some(), "another address");
+        drop(held);
+        // The bucket: a burst, then the rate.
+        let mut started = 0;
+        while let Some(p) = a.admit(ip(3), now) {
+            drop(p);
+            started += 1;
+            assert!(started < 1000);
+        }
+        assert_eq!(started as f64, 2.0 * HANDSHAKES_PER_ADDRESS_PER_SEC);
+        assert!(a.admit(ip(3), now + Duration::from_millis(100)).is_some());
+        let all: Vec<_> = (0..=255u8)
+            .flat_map(|n| a.admit(IpAddr::from([10, 1, 0, n]), now))
+            .collect();
+        assert_eq!(all.len(), MAX_HANDSHAKES);
+        assert_eq!(a.in_progress(), MAX_HANDSHAKES);
+        drop(all);
+        assert_eq!(a.in_progress(), 0);
     }
 }
 
