@@ -205,3 +205,142 @@ async fn a_flood_of_quic_initials_does_not_stop_quic() {
     p_kv.unlink();
     d_kv.unlink();
 }
+
+/// Connections from 127.0.0.2 that each send a hello claiming to be
+/// `prefill`, with prefill's (public) certificate, and then never prove it:
+/// each costs the listener a certificate check and a signature, and holds a
+/// handshake slot until its deadline (the last 64 are kept open), until `stop`.
+fn hello_flood(to: SocketAddr, certificate: Vec<u8>, stop: Arc<AtomicBool>, sent: Arc<AtomicU64>) {
+    use kvrail_core::wire::{self, pb, Body};
+    use std::io::Write;
+    let mut held = std::collections::VecDeque::new();
+    while !stop.load(Ordering::Acquire) {
+        let sock = socket_from(std::net::Ipv4Addr::new(127, 0, 0, 2), to);
+        let Some(mut sock) = sock else { continue };
+        let hello = pb::Hello {
+            protocol_version: 1,
+            node_name: "prefill".into(),
+            session_id: rand_u64(),
+            transports: vec!["tcp".into()],
+            rail_count: 1,
+            expected_peer: "decode".into(),
+            certificate: certificate.clone(),
+            nonce: vec![7; 32],
+            ..Default::default()
+        };
+        if sock
+            .write_all(&wire::encode_control(&wire::message(Body::Hello(hello))))
+            .is_ok()
+        {
+            sent.fetch_add(1, Ordering::Relaxed);
+        }
+        held.push_back(sock);
+        if held.len() > 64 {
+            held.pop_front();
+        }
+    }
+}
+
+/// A TCP connection to `to` from the address `ip`.
+fn socket_from(ip: std::net::Ipv4Addr, to: SocketAddr) -> Option<std::net::TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+    s.bind(&SocketAddr::from((ip, 0)).into()).ok()?;
+    s.connect_timeout(&to.into(), Duration::from_millis(200))
+        .ok()?;
+    Some(s.into())
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
+    h.finish()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_hellos_with_a_copied_certificate_does_not_lock_peers_out() {
+    let certs = tempfile::tempdir().unwrap();
+    generate::cluster(certs.path(), &["prefill", "decode"], Validity::days(1)).unwrap();
+    let dir = certs.path().display().to_string();
+    let tcp = ["--tls-dir", dir.as_str(), "--transports", "tcp"];
+    let lo = [std::net::IpAddr::from([127, 0, 0, 1])];
+    let mut pair = Pair::start_each(&lo, &lo, &tcp, &tcp);
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 64, 64 << 10);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let dr = d.register_region("d0", &d_kv, false).await.unwrap();
+    let prefill_cert = Identity::load("prefill", &IdentityFiles::in_dir(certs.path(), "prefill"))
+        .unwrap()
+        .certificate()
+        .to_vec();
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let flooders: Vec<_> = (0..8)
+        .map(|_| {
+            let (stop, sent, to, cert) = (
+                stop.clone(),
+                sent.clone(),
+                pair.decode.listen,
+                prefill_cert.clone(),
+            );
+            std::thread::spawn(move || hello_flood(to, cert, stop, sent))
+        })
+        .collect();
+    // Under the flood, the prefill dials afresh five times (a restart
+    // each): every first push gets through, promptly.
+    let mut dials = Vec::new();
+    for round in 0..5u32 {
+        // The flood in full swing before each dial.
+        let floods_at = sent.load(Ordering::Relaxed) + 500;
+        while sent.load(Ordering::Relaxed) < floods_at {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if round > 0 {
+            pair.prefill.kill();
+            pair.prefill.restart();
+        }
+        let mut p = pair.prefill.client().await;
+        let pr = p.register_region("p0", &p_kv, false).await.unwrap();
+        let t0 = Instant::now();
+        let pushed = p
+            .push(
+                "p0",
+                &format!("dial-{round}"),
+                "decode",
+                blocks(pr, 0..1, vec![round]),
+                blocks(dr, 0..1, vec![round]),
+            )
+            .await;
+        let done = match pushed {
+            Ok(t) => p
+                .wait(t.transfer_id, Some(Duration::from_secs(20)))
+                .await
+                .ok(),
+            Err(e) => panic!("dial {round} under the flood refused: {e}"),
+        };
+        assert_eq!(
+            done.map(|s| s.state),
+            Some(TransferState::Done as i32),
+            "dial {round}"
+        );
+        dials.push(t0.elapsed());
+    }
+    stop.store(true, Ordering::Release);
+    for f in flooders {
+        f.join().unwrap();
+    }
+    let flooded = sent.load(Ordering::Relaxed);
+    println!("first pushes of 5 dials under {flooded} forged hellos: {dials:?}");
+    assert!(
+        flooded > 1000,
+        "the flood was too small to mean anything: {flooded}"
+    );
+    let worst = dials.iter().max().unwrap();
+    assert!(
+        *worst < Duration::from_secs(3),
+        "worst first push {worst:?}"
+    );
+    p_kv.unlink();
+    d_kv.unlink();
+}

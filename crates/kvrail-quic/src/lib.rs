@@ -10,12 +10,12 @@
 //! [`Connection::peer_certificate`] to check against the name in its hello.
 //!
 //! Handshakes cost the listener a key exchange and a signature each, so it
-//! admits them with care ([`HandshakeAdmission`]): an Initial from an address
-//! that has not proved it receives there is answered with a stateless Retry
-//! (no TLS work: a flood of replayed or spoofed Initials costs a few bytes
-//! each), and proven addresses are held to a few handshakes in progress and a
-//! rate each, with a cap on all of them together; a handshake has a few
-//! seconds to finish.
+//! admits them with care: an Initial from an address that has not proved it
+//! receives there is answered with a stateless Retry (no TLS work: a flood of
+//! replayed or spoofed Initials costs a few bytes each), and proven addresses
+//! go through [`HandshakeAdmission`] (a few handshakes in progress and a rate
+//! each, the peers' addresses first); a handshake has [`HANDSHAKE_DEADLINE`]
+//! to finish.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use kvrail_auth::Identity;
+use kvrail_transport::admission::HandshakeAdmission;
 use kvrail_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{MtuDiscoveryConfig, TransportConfig, VarInt};
@@ -73,6 +74,10 @@ pub struct QuicSettings {
     /// machine (4.9 and 5.7 GB/s with one socket per connection; docs/quic.md).
     /// 0: one per core, at most 16, on machines of more than 4 cores; 1 below.
     pub receive_sockets: usize,
+    /// Where the configured peers dial from (their rails' addresses): their
+    /// handshakes are admitted before others' (see
+    /// [`kvrail_transport::admission`]).
+    pub peer_addresses: Vec<IpAddr>,
 }
 
 impl Default for QuicSettings {
@@ -88,6 +93,7 @@ impl Default for QuicSettings {
             socket_buffer: 32 << 20,
             streams_per_connection: 1,
             receive_sockets: 0,
+            peer_addresses: Vec::new(),
         }
     }
 }
@@ -402,7 +408,7 @@ impl Transport for QuicTransport {
             None => return Err(io::Error::other("no QUIC endpoint")),
         };
         let (tx, rx) = mpsc::channel(64);
-        let admission = Arc::new(HandshakeAdmission::default());
+        let admission = HandshakeAdmission::new(self.settings.peer_addresses.iter().copied());
         for endpoint in &endpoints {
             tokio::spawn(accept_incoming(
                 endpoint.clone(),
@@ -510,95 +516,8 @@ fn describe(e: &quinn::ConnectionError) -> String {
 const RETRY_TOKEN_LIFETIME: Duration = Duration::from_secs(5);
 /// Initials a listener's endpoint holds before its accept task takes them.
 const MAX_INCOMING: usize = 256;
-/// Handshakes in progress over the whole listener...
-pub const MAX_HANDSHAKES: usize = 64;
-/// ...and per source address.
-pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 4;
-/// Handshakes a source address may start per second (a burst of twice that).
-pub const HANDSHAKES_PER_ADDRESS_PER_SEC: f64 = 20.0;
 /// How long a handshake may take before it is dropped.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(3);
-/// Source addresses tracked at once (the oldest forgotten first).
-const TRACKED_ADDRESSES: usize = 4096;
-
-/// Who may start a QUIC handshake with this listener now (see the module
-/// doc). Shared by the listener's endpoints.
-#[derive(Default)]
-pub struct HandshakeAdmission {
-    state: Mutex<AdmissionState>,
-}
-
-#[derive(Default)]
-struct AdmissionState {
-    in_progress: usize,
-    /// Per source address: handshakes in progress, and its token bucket
-    /// (tokens, when last filled).
-    by_address: HashMap<IpAddr, (usize, f64, Instant)>,
-}
-
-/// A handshake admitted; given back when dropped.
-pub struct HandshakePermit {
-    admission: Arc<HandshakeAdmission>,
-    from: IpAddr,
-}
-
-impl HandshakeAdmission {
-    /// A permit for a handshake from `from` at `now`, or None (then the
-    /// Initial is ignored: the dialer sends it again after its timer).
-    pub fn admit(self: &Arc<Self>, from: IpAddr, now: Instant) -> Option<HandshakePermit> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.in_progress >= MAX_HANDSHAKES {
-            return None;
-        }
-        if st.by_address.len() >= TRACKED_ADDRESSES && !st.by_address.contains_key(&from) {
-            // Forget addresses with nothing in progress (their buckets refill anyway).
-            st.by_address.retain(|_, (n, _, _)| *n > 0);
-            if st.by_address.len() >= TRACKED_ADDRESSES {
-                return None;
-            }
-        }
-        let burst = 2.0 * HANDSHAKES_PER_ADDRESS_PER_SEC;
-        let entry = st.by_address.entry(from).or_insert((0, burst, now));
-        let (active, tokens, filled) = entry;
-        *tokens = (*tokens
-            + now.saturating_duration_since(*filled).as_secs_f64()
-                * HANDSHAKES_PER_ADDRESS_PER_SEC)
-            .min(burst);
-        *filled = now;
-        if *active >= MAX_HANDSHAKES_PER_ADDRESS || *tokens < 1.0 {
-            return None;
-        }
-        *tokens -= 1.0;
-        *active += 1;
-        st.in_progress += 1;
-        Some(HandshakePermit {
-            admission: self.clone(),
-            from,
-        })
-    }
-
-    /// Handshakes in progress now.
-    pub fn in_progress(&self) -> usize {
-        self.state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .in_progress
-    }
-}
-
-impl Drop for HandshakePermit {
-    fn drop(&mut self) {
-        let mut st = self
-            .admission
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        st.in_progress = st.in_progress.saturating_sub(1);
-        if let Some((active, _, _)) = st.by_address.get_mut(&self.from) {
-            *active = active.saturating_sub(1);
-        }
-    }
-}
 
 /// Refusals of handshakes are counted here and logged a few times a minute
 /// (a flood would otherwise fill the log, and queue behind real connections).
@@ -695,43 +614,6 @@ async fn accept_incoming(
                 }
             }
         });
-    }
-}
-
-#[cfg(test)]
-mod admission_tests {
-    use super::*;
-
-    /// An address holds a few handshakes at a time and starts a bounded
-    /// number per second; all of them together are capped; permits given
-    /// back make room again.
-    #[test]
-    fn handshakes_are_admitted_per_address_and_in_all() {
-        let a = Arc::new(HandshakeAdmission::default());
-        let now = Instant::now();
-        let ip = |n: u8| IpAddr::from([10, 0, 0, n]);
-        let held: Vec<_> = (0..MAX_HANDSHAKES_PER_ADDRESS)
-            .map(|_| a.admit(ip(1), now).unwrap())
-            .collect();
-        assert!(a.admit(ip(1), now).is_none(), "per address");
-        assert!(a.admit(ip(2), now).is_some(), "another address");
-        drop(held);
-        // The bucket: a burst, then the rate.
-        let mut started = 0;
-        while let Some(p) = a.admit(ip(3), now) {
-            drop(p);
-            started += 1;
-            assert!(started < 1000);
-        }
-        assert_eq!(started as f64, 2.0 * HANDSHAKES_PER_ADDRESS_PER_SEC);
-        assert!(a.admit(ip(3), now + Duration::from_millis(100)).is_some());
-        let all: Vec<_> = (0..=255u8)
-            .flat_map(|n| a.admit(IpAddr::from([10, 1, 0, n]), now))
-            .collect();
-        assert_eq!(all.len(), MAX_HANDSHAKES);
-        assert_eq!(a.in_progress(), MAX_HANDSHAKES);
-        drop(all);
-        assert_eq!(a.in_progress(), 0);
     }
 }
 

@@ -468,8 +468,22 @@ impl Config {
             socket_buffer: self.quic_socket_buffer,
             streams_per_connection: self.quic_streams_per_connection,
             receive_sockets: self.quic_receive_sockets,
+            peer_addresses: self.peer_addresses(),
             ..Default::default()
         }
+    }
+
+    /// Where the configured peers dial from: their rails' addresses (their
+    /// handshakes are admitted before others').
+    pub fn peer_addresses(&self) -> Vec<std::net::IpAddr> {
+        let mut ips: Vec<std::net::IpAddr> = self
+            .peers
+            .iter()
+            .flat_map(|p| p.rails.iter().map(|r| r.ip()))
+            .collect();
+        ips.sort_unstable();
+        ips.dedup();
+        ips
     }
 
     /// Transports in order of preference: as configured, or by default rdma,

@@ -220,9 +220,22 @@ async fn accept_loop(
     // peers out, and a burst of real handshakes (a reconnect storm) does not
     // push out the ones about to finish.
     let mut pending: std::collections::VecDeque<PendingHandshake> = Default::default();
+    // Per source address first: a few handshakes in progress and a rate each
+    // (a handshake costs a signature), the peers' rail addresses before others.
+    let admission =
+        kvrail_transport::admission::HandshakeAdmission::new(shared.config.peer_addresses());
     loop {
         match listener.accept().await {
             Ok((conn, from)) => {
+                let Some(permit) = admission.admit(from.ip(), std::time::Instant::now()) else {
+                    metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "rate_limited")
+                        .increment(1);
+                    if let Some(suppressed) = shared.refusal_log.admit() {
+                        warn!(%from, suppressed, "refused peer connection: its address has too many handshakes in progress, or started too many");
+                    }
+                    drop(conn);
+                    continue;
+                };
                 pending.retain(|p| !p.task.is_finished());
                 if pending.len() >= MAX_CONCURRENT_HANDSHAKES {
                     let silent = pending.iter().position(|p| {
@@ -262,6 +275,7 @@ async fn accept_loop(
                 let heard = spoke.clone();
                 let task = tokio::spawn(async move {
                     shared.accept_one(transport, conn, from, heard).await;
+                    drop(permit);
                 });
                 pending.push_back(PendingHandshake {
                     spoke,

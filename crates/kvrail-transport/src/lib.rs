@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use kvrail_core::wire::{self, FrameHeader, WireError, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
 
+pub mod admission;
 pub mod tcp;
 
 /// A transport failure, saying whether the bytes or the peer were at fault.
