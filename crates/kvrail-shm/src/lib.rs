@@ -534,6 +534,21 @@ impl SharedRegion {
     }
 }
 
+/// Gives the system back the free pages of this process's heap (glibc's
+/// `malloc_trim`): glibc keeps freed chunks of its arenas resident, so the
+/// megabytes of block lists a peer made the daemon hold stayed resident for
+/// good after the transfers ended (240 MiB in the memory test). A call walks
+/// the arenas; call it when much was freed, not per free. Elsewhere than
+/// glibc, nothing.
+pub fn release_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes a byte count and only returns free pages of
+    // the allocator's own arenas to the system; it touches no caller memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Waits for process `pid` to exit, through a pidfd (readable once the process
 /// has exited) watched by the tokio reactor: no polling, no thread. Fails at once
 /// when the process does not exist (or pidfds are unsupported).

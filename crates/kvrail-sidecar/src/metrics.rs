@@ -47,6 +47,9 @@ pub const GPU_STAGING_BUFFER_BYTES: &str = "kvrail_gpu_staging_buffer_bytes";
 pub const RINGS_OPEN: &str = "kvrail_rings_open";
 pub const RING_SUBMISSIONS: &str = "kvrail_ring_submissions_total";
 pub const RINGS_CLOSED: &str = "kvrail_rings_closed_total";
+/// Memory peers and workers make this node hold, by `kind`
+/// (`transfer_state`, `notifications_retained`, `notifications_queued`).
+pub const HELD_BYTES: &str = "kvrail_held_bytes";
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -88,6 +91,11 @@ fn describe() {
         "Size of a pinned staging buffer (grows to the largest staged slice received)"
     );
     describe_gauge!(RINGS_OPEN, "Worker submission rings being served");
+    describe_gauge!(
+        HELD_BYTES,
+        Unit::Bytes,
+        "Memory held for peers and workers, by kind (see README Security)"
+    );
     describe_counter!(
         RING_SUBMISSIONS,
         "Submissions read from worker rings, by outcome"

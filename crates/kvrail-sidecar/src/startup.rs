@@ -152,6 +152,7 @@ impl Daemon {
             }
         };
         tasks.push(api);
+        tasks.push(tokio::spawn(report_held_bytes(Arc::downgrade(&shared))));
         if shared.busy_poll.runtime_spin() {
             tasks.push(tokio::spawn(shared.busy_poll.clone().run()));
         }
@@ -182,6 +183,38 @@ impl Daemon {
         }
         if let Some(bound) = self.bound_socket {
             bound.remove_if_ours(&self.socket);
+        }
+    }
+}
+
+/// Memory given back that makes it worth returning the heap's free pages to
+/// the system (see `kvrail_shm::release_free_heap`).
+const RELEASE_HEAP_AFTER: u64 = 32 << 20;
+
+/// Sets the held-memory gauges once a second (see README Security), and
+/// returns the heap's free pages once much of what was held has been let go.
+async fn report_held_bytes(shared: std::sync::Weak<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut high: u64 = 0;
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let (retained, queued) = shared.hub.held_bytes();
+        let transfers = shared.transfer_budget.held();
+        for (kind, bytes) in [
+            ("transfer_state", transfers),
+            ("notifications_retained", retained as u64),
+            ("notifications_queued", queued as u64),
+        ] {
+            metrics::gauge!(m::HELD_BYTES, "kind" => kind).set(bytes as f64);
+        }
+        let held = transfers + retained as u64 + queued as u64;
+        high = high.max(held);
+        if high - held >= RELEASE_HEAP_AFTER {
+            tokio::task::spawn_blocking(kvrail_shm::release_free_heap);
+            high = held;
         }
     }
 }

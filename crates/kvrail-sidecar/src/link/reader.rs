@@ -15,8 +15,10 @@ use kvrail_core::{Admission, Admitted, ConnPlacer};
 use super::gpu_staging::receive_staged;
 use super::*;
 
-/// Control messages read back to back that go into the session in one lock.
+/// Control messages read back to back that go into the session in one lock...
 const CONTROL_BATCH: usize = 64;
+/// ...unless their opens name this many blocks before that.
+const CONTROL_BATCH_BLOCKS: usize = 1 << 16;
 
 pub(super) async fn reader_task(
     link: Arc<PeerLink>,
@@ -72,6 +74,8 @@ struct Held {
     /// Admitted, payload being read now.
     reading: Option<Admitted>,
     controls: Vec<Body>,
+    /// Blocks the opens among `controls` name.
+    control_blocks: usize,
 }
 
 impl Held {
@@ -82,6 +86,7 @@ impl Held {
             placer: ConnPlacer::default(),
             reading: None,
             controls: Vec::new(),
+            control_blocks: 0,
         }
     }
 
@@ -112,6 +117,7 @@ impl Held {
         let placed = self.placer.take_placed();
         let reading = self.reading.take();
         let controls = std::mem::take(&mut self.controls);
+        self.control_blocks = 0;
         let env = self.link.env.upgrade();
         let dir = env.as_ref().map(|env| env.directory());
         inline::with_inline_control(last, || {
@@ -216,8 +222,18 @@ async fn read_loop(
                 link.on_rdma_accept(a)
             }
             Frame::Control(body) => {
+                // An open names up to a million blocks (12 MiB decoded):
+                // large ones go to the session at once, not held back with
+                // others (64 of them would be held at once).
+                held.control_blocks += match &body {
+                    Body::PushOpen(o) => o.destination.as_ref().map_or(0, |b| b.block_ids.len()),
+                    Body::PullOpen(o) => o.source.as_ref().map_or(0, |b| b.block_ids.len()),
+                    _ => 0,
+                };
                 held.controls.push(body);
-                if held.controls.len() >= CONTROL_BATCH {
+                if held.controls.len() >= CONTROL_BATCH
+                    || held.control_blocks >= CONTROL_BATCH_BLOCKS
+                {
                     held.settle(false);
                 }
             }
