@@ -3,7 +3,9 @@
 //! Workers push and pull random numbers of blocks with a concurrency that
 //! wanders up to `--max-concurrency`, while a chaos task pauses (SIGSTOP and
 //! SIGCONT), kills and restarts either sidecar, and truncates a worker's file
-//! under a transfer. Every transfer must end done or failed with a reason;
+//! under a transfer; and the decode worker aborts requests as vLLM's
+//! connector does when a client goes away (a pull cancelled, a push's
+//! destination blocks released), after which nothing may land in them. Every transfer must end done or failed with a reason;
 //! every done transfer's destination blocks are compared byte for byte with
 //! what the source wrote; every done push must reach the receiving worker as a
 //! notification (unless that sidecar was killed before delivering it); a canary
@@ -46,8 +48,9 @@ pub struct SoakArgs {
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "quic"])]
     pub transport: String,
     /// Faults to inject, comma-separated: pause, kill, cut (rail connections
-    /// reset for 0.3-3 s; TCP, needs root), truncate.
-    #[arg(long, value_delimiter = ',', default_value = "pause,kill,cut,truncate", value_parser = ["pause", "kill", "cut", "truncate"])]
+    /// reset for 0.3-3 s; TCP, needs root), truncate, abort (the decode worker
+    /// aborts one request in 8: cancels a pull, releases a push's blocks).
+    #[arg(long, value_delimiter = ',', default_value = "pause,kill,cut,truncate,abort", value_parser = ["pause", "kill", "cut", "truncate", "abort"])]
     pub chaos: Vec<String>,
     /// Mean time between faults.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -138,6 +141,13 @@ struct Counts {
     notes_excused: u64,
     /// Notifications lost otherwise: a finding.
     notes_missing: Vec<String>,
+    /// Requests the decode worker aborted: ended failed as cancelled or
+    /// released, or done before the abort took effect.
+    aborted: u64,
+    aborted_after_done: u64,
+    /// Bytes that landed in a push's destination after its worker released
+    /// the blocks: a finding.
+    landed_after_release: Vec<String>,
     pauses: u64,
     cuts: u64,
     kills: u64,
@@ -169,6 +179,8 @@ struct World {
     counts: Mutex<Counts>,
     seq: AtomicU64,
     inflight: AtomicU64,
+    /// The decode worker aborts requests (`--chaos abort`).
+    aborts: bool,
 }
 
 impl World {
@@ -259,6 +271,19 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
     } else {
         (d.client.clone(), "decode")
     };
+    // The decode worker aborts one request in 8, a moment after it started.
+    let abort = world.aborts && rng.random_bool(0.125);
+    let mut destination = blocks(d.region, LAYERS, dst.clone());
+    if abort && push {
+        // As vLLM's connector grants them: a push naming the blocks'
+        // generations fails once the decode releases them, wherever it is.
+        destination.generations = d
+            .client
+            .clone()
+            .block_generations(d.region, dst.clone())
+            .await
+            .unwrap_or_default();
+    }
     let started = if push {
         client
             .push(
@@ -266,7 +291,7 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
                 &req,
                 "decode",
                 blocks(p.region, LAYERS, src.clone()),
-                blocks(d.region, LAYERS, dst.clone()),
+                destination,
             )
             .await
     } else {
@@ -280,6 +305,21 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
             )
             .await
     };
+    let mut released_as = None;
+    if let (true, Ok(t)) = (abort, &started) {
+        tokio::time::sleep(Duration::from_micros(rng.random_range(0..3_000))).await;
+        let mut dc = d.client.clone();
+        if push {
+            // What vLLM's connector does with a push-mode request aborted
+            // while its layers arrive: the blocks' generations move on, and
+            // every transfer naming them fails before this returns.
+            if dc.release_blocks(d.region, dst.clone()).await.is_ok() {
+                released_as = Some(read_blocks(&world.dst, &dst));
+            }
+        } else {
+            let _ = dc.cancel(t.transfer_id).await;
+        }
+    }
     let outcome = match started {
         Err(e) => Err(("refused", e.code().map(|c| format!("{c:?}")), e.to_string())),
         Ok(t) => match client
@@ -309,6 +349,20 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
         },
     };
     world.inflight.fetch_sub(1, Ordering::Relaxed);
+    if abort {
+        // Released blocks: nothing may land in them from then on.
+        if let Some(before) = &released_as {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if read_blocks(&world.dst, &dst) != *before {
+                world.count(|c| c.landed_after_release.push(req.clone()));
+            }
+        }
+        let done = outcome.is_ok();
+        world.count(|c| {
+            c.aborted += 1;
+            c.aborted_after_done += u64::from(done);
+        });
+    }
     match outcome {
         Ok(()) => {
             let mut bad = None;
@@ -367,6 +421,32 @@ async fn one_transfer(world: Arc<World>, mut rng: StdRng) {
         }
     }
     World::give(&world.free_src, src);
+}
+
+/// Every byte of `ids` (each layer and plane), in order.
+fn read_blocks(kv: &KvRegion, ids: &[u32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for layer in LAYERS {
+        for plane in 0..kv.layout.planes_per_layer {
+            for &b in ids {
+                out.extend(kv.read_block(layer, plane, b).unwrap_or_default());
+            }
+        }
+    }
+    out
+}
+
+/// Memory each kind of held state takes in a sidecar (`kvrail_held_bytes`).
+fn held_bytes(cluster: &LocalCluster, side: &SidecarProcess) -> serde_json::Value {
+    let Ok(text) = cluster.scrape(side) else {
+        return json!(null);
+    };
+    let kind = |k: &str| loadgen::prometheus::sum(&text, "kvrail_held_bytes", &[k]) as u64;
+    json!({
+        "transfer_state": kind("transfer_state"),
+        "notifications_retained": kind("notifications_retained"),
+        "notifications_queued": kind("notifications_queued"),
+    })
 }
 
 /// Follows the decode worker's notifications across sidecar restarts.
@@ -537,6 +617,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut opts = ClusterOptions::new(4, 1 << 20, 8 << 20);
     opts.kvrail_binary = args.kvrail_binary.clone();
+    opts.metrics = true;
     opts.tls = args.transport == "quic";
     opts.transports = vec![args.transport.clone()];
     let mut cluster = LocalCluster::start(&opts).await?;
@@ -570,6 +651,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         counts: Mutex::new(Counts::default()),
         seq: AtomicU64::new(0),
         inflight: AtomicU64::new(0),
+        aborts: args.chaos.iter().any(|c| c == "abort"),
     });
     let stop = Arc::new(AtomicU64::new(0));
     let notes = tokio::spawn(follow_notes(
@@ -593,7 +675,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let others: Vec<String> = args
         .chaos
         .iter()
-        .filter(|c| c.as_str() != "kill")
+        .filter(|c| c.as_str() != "kill" && c.as_str() != "abort")
         .cloned()
         .collect();
     let mut concurrency = 1 + args.max_concurrency / 4;
@@ -625,6 +707,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
                 "t": start.elapsed().as_secs_f64(),
                 "prefill": resources(cluster.prefill.pid()),
                 "decode": resources(cluster.decode.pid()),
+                "prefill_held": held_bytes(&cluster, &cluster.prefill),
+                "decode_held": held_bytes(&cluster, &cluster.decode),
+                "aborted": c.aborted,
                 "concurrency": concurrency,
                 "inflight": world.inflight.load(Ordering::Relaxed),
                 "started": c.started, "done": c.done,
@@ -759,7 +844,20 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         .lock()
         .map_err(|_| anyhow::anyhow!("poisoned"))?;
     let slopes = rss_slopes(&samples);
+    // With nothing in flight, no transfer state may be held (the gauge is
+    // set once a second).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let held_at_end = [
+        held_bytes(&cluster, &cluster.prefill),
+        held_bytes(&cluster, &cluster.decode),
+    ];
+    let state_leaked: u64 = held_at_end
+        .iter()
+        .map(|h| h["transfer_state"].as_u64().unwrap_or(0))
+        .sum();
     let findings = c.misdelivered.len() as u64
+        + c.landed_after_release.len() as u64
+        + u64::from(state_leaked > 0)
         + c.no_reason
         + c.stuck.len() as u64
         + c.notes_missing.len() as u64
@@ -788,6 +886,11 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         "notifications_lost_with_a_killed_sidecar": c.notes_excused,
         "notifications_missing": c.notes_missing.len(),
         "notifications_missing_first": c.notes_missing.iter().take(20).collect::<Vec<_>>(),
+        "aborted": c.aborted,
+        "aborted_after_done": c.aborted_after_done,
+        "landed_after_release": c.landed_after_release.len(),
+        "landed_after_release_first": c.landed_after_release.iter().take(20).collect::<Vec<_>>(),
+        "held_bytes_at_end": {"prefill": held_at_end[0], "decode": held_at_end[1]},
         "pauses": c.pauses,
         "rail_cuts": c.cuts,
         // Received for pushes whose worker never saw them done (their wait
