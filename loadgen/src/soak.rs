@@ -10,7 +10,7 @@
 //! what the source wrote; every done push must reach the receiving worker as a
 //! notification (unless that sidecar was killed before delivering it); a canary
 //! region that nothing targets must stay zero. Both daemons' RSS, descriptors
-//! and threads are sampled; the summary states the RSS slope of every process
+//! and threads are sampled; the summary states the private RSS slope of every process
 //! lifetime long enough to judge. One JSON line per sample, one at the end; a
 //! finding makes the exit status 1.
 //!
@@ -525,7 +525,10 @@ fn resources(pid: u32) -> serde_json::Value {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
         .unwrap_or(0);
-    json!({"pid": pid, "rss_kb": field("VmRSS:"), "fds": fds, "threads": field("Threads:")})
+    // RssAnon: the process's own memory. VmRSS also counts the pages of the
+    // workers' shared regions it has touched, which grows towards their size
+    // as more blocks are used, leak or not.
+    json!({"pid": pid, "rss_kb": field("VmRSS:"), "rss_anon_kb": field("RssAnon:"), "fds": fds, "threads": field("Threads:")})
 }
 
 async fn register(
@@ -913,7 +916,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// RSS slope (kB per minute) of every process lifetime sampled for at least
+/// Private RSS (RssAnon) slope (kB per minute) of every process lifetime sampled for at least
 /// three minutes, skipping its first minute (warm-up).
 fn rss_slopes(samples: &[serde_json::Value]) -> serde_json::Value {
     let mut series: BTreeMap<(String, u64), Vec<(f64, f64)>> = BTreeMap::new();
@@ -921,7 +924,7 @@ fn rss_slopes(samples: &[serde_json::Value]) -> serde_json::Value {
         let t = s["t"].as_f64().unwrap_or(0.0);
         for side in ["prefill", "decode"] {
             let pid = s[side]["pid"].as_u64().unwrap_or(0);
-            let rss = s[side]["rss_kb"].as_f64().unwrap_or(0.0);
+            let rss = s[side]["rss_anon_kb"].as_f64().unwrap_or(0.0);
             series
                 .entry((side.to_string(), pid))
                 .or_default()
@@ -950,7 +953,7 @@ fn rss_slopes(samples: &[serde_json::Value]) -> serde_json::Value {
         let slope_per_s = if sxx > 0.0 { sxy / sxx } else { 0.0 };
         out.push(json!({
             "side": side, "pid": pid, "seconds": span,
-            "rss_kb_first": body.first().map(|p| p.1), "rss_kb_last": body.last().map(|p| p.1),
+            "rss_anon_kb_first": body.first().map(|p| p.1), "rss_anon_kb_last": body.last().map(|p| p.1),
             "slope_kb_per_min": slope_per_s * 60.0,
         }));
     }
