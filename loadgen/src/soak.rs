@@ -916,6 +916,23 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Slope of the least-squares line through `points` (0 for fewer than 2).
+fn least_squares_slope(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return 0.0;
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if sxx > 0.0 {
+        sxy / sxx
+    } else {
+        0.0
+    }
+}
+
 /// Private RSS (RssAnon) slope (kB per minute) of every process lifetime sampled for at least
 /// three minutes, skipping its first minute (warm-up).
 fn rss_slopes(samples: &[serde_json::Value]) -> serde_json::Value {
@@ -945,16 +962,15 @@ fn rss_slopes(samples: &[serde_json::Value]) -> serde_json::Value {
         if body.len() < 3 || span < 120.0 {
             continue;
         }
-        let n = body.len() as f64;
-        let mx = body.iter().map(|p| p.0).sum::<f64>() / n;
-        let my = body.iter().map(|p| p.1).sum::<f64>() / n;
-        let sxy: f64 = body.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-        let sxx: f64 = body.iter().map(|p| (p.0 - mx).powi(2)).sum();
-        let slope_per_s = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+        // A heap grows to its working size over minutes (the allocator's
+        // arenas); a leak goes on growing: the second half tells them apart.
+        let mid = body.first().map(|f| f.0).unwrap_or(0.0) + span / 2.0;
+        let late: Vec<(f64, f64)> = body.iter().copied().filter(|p| p.0 >= mid).collect();
         out.push(json!({
             "side": side, "pid": pid, "seconds": span,
             "rss_anon_kb_first": body.first().map(|p| p.1), "rss_anon_kb_last": body.last().map(|p| p.1),
-            "slope_kb_per_min": slope_per_s * 60.0,
+            "slope_kb_per_min": least_squares_slope(&body) * 60.0,
+            "second_half_slope_kb_per_min": least_squares_slope(&late) * 60.0,
         }));
     }
     serde_json::Value::Array(out)

@@ -312,7 +312,43 @@ def test_adopted_memory_files_stay_while_the_engine_lives_and_dead_ones_are_swep
     stale = tmp_path / f"{ADOPTED_PREFIX}{dead.pid}-7f00"
     live = tmp_path / f"{ADOPTED_PREFIX}{os.getppid()}-7f00"
     other = tmp_path / "kvrail-adopted-notapid-1"
-    for f in (stale, live, other):
+    # A dead pid as this namespace sees it, but a live engine (another pid
+    # namespace) holds the file's lock.
+    locked = tmp_path / f"{ADOPTED_PREFIX}{dead.pid}-7e00"
+    for f in (stale, live, other, locked):
         f.write_bytes(b"kv")
-    assert sweep_adopted_files() == [stale]
-    assert live.exists() and other.exists() and not stale.exists()
+    import fcntl
+
+    holder = os.open(locked, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        assert sweep_adopted_files() == [stale]
+    finally:
+        os.close(holder)
+    assert live.exists() and other.exists() and locked.exists() and not stale.exists()
+
+
+def test_the_reconnecting_thread_survives_a_failed_set_up(pair):
+    # Setting up on the new sidecar can fail in ways that are not the
+    # sidecar's (a full /dev/shm when the region table is written): the
+    # thread tries again instead of dying with reconnection left "under way".
+    from kvrail.connector import _SidecarLink
+
+    client = kvrail.Client(pair.decode.socket, "w")
+    link = _SidecarLink(pair.decode.socket, "w", client, client.incarnation())
+    attempts = []
+
+    def on_connect(c):
+        attempts.append(c)
+        if len(attempts) == 1:
+            raise OSError(28, "No space left on device")
+
+    link.on_connect = on_connect
+    link.lost(kvrail.SidecarUnavailable("test"))
+    wait_for(lambda: link.get() is not None, timeout=10)
+    assert len(attempts) == 2
+    # And it can be lost and found again.
+    link.lost(kvrail.SidecarUnavailable("test"))
+    wait_for(lambda: link.get() is not None, timeout=10)
+    assert len(attempts) == 3
+    link.close()

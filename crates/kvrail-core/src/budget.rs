@@ -1,6 +1,7 @@
 //! Memory a peer or a worker can make this node hold for open transfers:
 //! block ids and generations, plans and queued opens. Each session counts
-//! what its transfers hold against its own cap and against one budget shared
+//! what its transfers hold against the budget of its peer (shared by every
+//! session with that peer, inbound and outbound) and against one budget shared
 //! by every session of the node, so that neither one peer nor all of them
 //! together can grow it past what is configured. (Payload is not counted
 //! here: it lives in the workers' regions, or in bounded staging pools.)
@@ -11,8 +12,8 @@ use crate::plan::{BlockSelection, Plan};
 
 /// Default of the node-wide budget: `[SessionConfig::node_budget]`.
 pub const DEFAULT_NODE_TRANSFER_BYTES: u64 = 1 << 30;
-/// Default of one session's cap: `[SessionConfig::max_held_bytes]`.
-pub const DEFAULT_SESSION_TRANSFER_BYTES: u64 = 512 << 20;
+/// Default of one peer's budget: `[SessionConfig::peer_budget]`.
+pub const DEFAULT_PEER_TRANSFER_BYTES: u64 = 512 << 20;
 
 /// Bytes held by open transfers over the whole node, and how many may be.
 #[derive(Debug)]

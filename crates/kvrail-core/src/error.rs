@@ -81,8 +81,8 @@ pub enum PlanError {
         max_transfers: usize,
         max_segments: u64,
     },
-    /// The transfers open with this peer (`scope` "session"), or with every
-    /// peer ("node"), hold as much memory as they may.
+    /// The transfers open with this peer (`scope` "peer's sessions"), or
+    /// with every peer ("node"), hold as much memory as they may.
     #[error("open transfers hold {held} bytes in this {scope} (at most {max}); this one needs {wanted}: wait for some to finish")]
     MemoryFull {
         scope: &'static str,

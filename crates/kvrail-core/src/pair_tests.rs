@@ -1390,7 +1390,7 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
     use crate::budget::MemoryBudget;
     let node = std::sync::Arc::new(MemoryBudget::new(100 << 20));
     let config = SessionConfig {
-        max_held_bytes: 64 << 20,
+        peer_budget: std::sync::Arc::new(MemoryBudget::new(64 << 20)),
         node_budget: node.clone(),
         ..small_slices()
     };
@@ -1418,9 +1418,9 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
     for id in 1..=10 {
         b.session.handle_control(0, open(id), now, &b.regions);
     }
-    // 12 MiB and more each: at most five fit the session's 64 MiB.
+    // 12 MiB and a bit each: five fit the peer's 64 MiB.
     let open_now = b.session.active_transfers();
-    assert!((1..=5).contains(&open_now), "{open_now} open");
+    assert_eq!(open_now, 5);
     assert!(b.session.held_bytes() <= 64 << 20);
     assert_eq!(node.held(), b.session.held_bytes());
     let refusals: Vec<String> = std::iter::from_fn(|| b.session.poll_transmit(now))
@@ -1433,9 +1433,17 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
         })
         .collect();
     assert_eq!(refusals.len(), 10 - open_now, "{refusals:?}");
-    assert!(refusals[0].contains("in this session"), "{}", refusals[0]);
-    // A second session of the node draws from the same budget.
-    let mut q = Pair::new(1, config, 4);
+    assert!(
+        refusals[0].contains("in this peer's sessions"),
+        "{}",
+        refusals[0]
+    );
+    // A second session of another peer draws from the node's budget too.
+    let other_peer = SessionConfig {
+        peer_budget: std::sync::Arc::new(MemoryBudget::new(64 << 20)),
+        ..config
+    };
+    let mut q = Pair::new(1, other_peer, 4);
     q.add_region(1, 2, RegionLayout::dense(1, 1, blocks, 1), false, false);
     let c = &mut q.sides[1];
     for id in 1..=10 {

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::budget::{transfer_bytes, MemoryBudget, DEFAULT_SESSION_TRANSFER_BYTES};
+use crate::budget::{transfer_bytes, MemoryBudget, DEFAULT_PEER_TRANSFER_BYTES};
 use crate::error::{PlanError, TransferError};
 use crate::layout::RegionLayout;
 use crate::placement::{Admitted, OwnedGate, PlacementGate};
@@ -84,9 +84,10 @@ pub struct SessionConfig {
     /// docs/gpu.md), so these slices are larger; the receiving side's
     /// staging buffers must hold them.
     pub staged_slice_bytes: u64,
-    /// Memory this session's open transfers may hold (block ids,
-    /// generations, plans, queued opens: [`crate::budget`])...
-    pub max_held_bytes: u64,
+    /// Memory the open transfers of every session with this peer may hold
+    /// together (block ids, generations, plans, queued opens:
+    /// [`crate::budget`])...
+    pub peer_budget: Arc<MemoryBudget>,
     /// ...and the budget every session of the node draws from together.
     pub node_budget: Arc<MemoryBudget>,
 }
@@ -104,7 +105,7 @@ impl Default for SessionConfig {
             probes_rails: true,
             eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
             staged_slice_bytes: DEFAULT_STAGED_SLICE_BYTES,
-            max_held_bytes: DEFAULT_SESSION_TRANSFER_BYTES,
+            peer_budget: Arc::new(MemoryBudget::new(DEFAULT_PEER_TRANSFER_BYTES)),
             node_budget: Arc::default(),
         }
     }
@@ -422,6 +423,9 @@ pub struct Session {
     segments_held: u64,
     /// Bytes its transfers hold (see `Transfer::held_bytes`).
     bytes_held: u64,
+    /// Transfers ended since the control queue was last rid of the opens of
+    /// ended transfers (see `unhold`).
+    ended_with_open: usize,
     control: VecDeque<(Option<ConnId>, PeerMessage)>,
     events: VecDeque<Event>,
     /// Transfers this side refused: repeated announcements stay quiet.
@@ -493,6 +497,7 @@ impl Drop for Session {
     /// A session dropped with transfers open gives their bytes back to the
     /// node's budget (the other sessions draw from it).
     fn drop(&mut self) {
+        self.config.peer_budget.give_back(self.bytes_held);
         self.config.node_budget.give_back(self.bytes_held);
     }
 }
@@ -508,6 +513,7 @@ impl Session {
             transfers: BTreeMap::new(),
             segments_held: 0,
             bytes_held: 0,
+            ended_with_open: 0,
             control: VecDeque::new(),
             events: VecDeque::new(),
             rejected: RecentIds::default(),
@@ -750,8 +756,8 @@ impl Session {
     }
 
     /// Whether a transfer with `plan` that holds `bytes` fits under the
-    /// session's caps and the node's budget; on success the node's bytes are
-    /// taken, and [`Self::hold`] must follow.
+    /// session's caps and the peer's and the node's budgets; on success the
+    /// bytes are taken from both, and [`Self::hold`] must follow.
     fn admit(&self, plan: &Plan, bytes: u64) -> Result<(), PlanError> {
         let segments = plan.segments().len() as u64;
         if self.transfers.len() >= MAX_TRANSFERS
@@ -764,23 +770,20 @@ impl Session {
                 max_segments: MAX_SEGMENTS_HELD,
             });
         }
-        if self.bytes_held.saturating_add(bytes) > self.config.max_held_bytes {
-            return Err(PlanError::MemoryFull {
-                scope: "session",
-                held: self.bytes_held,
-                wanted: bytes,
-                max: self.config.max_held_bytes,
-            });
-        }
-        self.config
-            .node_budget
+        let full = |scope, (held, max)| PlanError::MemoryFull {
+            scope,
+            held,
+            wanted: bytes,
+            max,
+        };
+        let c = &self.config;
+        c.peer_budget
             .try_take(bytes)
-            .map_err(|(held, max)| PlanError::MemoryFull {
-                scope: "node",
-                held,
-                wanted: bytes,
-                max,
-            })
+            .map_err(|e| full("peer's sessions", e))?;
+        c.node_budget.try_take(bytes).map_err(|e| {
+            c.peer_budget.give_back(bytes);
+            full("node", e)
+        })
     }
 
     /// Records an open transfer admitted for `bytes` (counted against the
@@ -799,9 +802,17 @@ impl Session {
         let t = self.transfers.remove(&id)?;
         self.release(&t);
         // Its open may still wait in the control queue (no live connection
-        // took it): it goes with the transfer.
+        // took it, the rails are down): such opens go in one pass once they
+        // may be half the queue (each pass then pays for the ends that
+        // preceded it).
         if t.open_msg.is_some() {
-            self.control.retain(|(_, m)| open_id(m) != Some(id));
+            self.ended_with_open += 1;
+            if self.ended_with_open >= 64 && 2 * self.ended_with_open >= self.control.len() {
+                let transfers = &self.transfers;
+                self.control
+                    .retain(|(_, m)| open_id(m).is_none_or(|id| transfers.contains_key(&id)));
+                self.ended_with_open = 0;
+            }
         }
         Some(t)
     }
@@ -809,6 +820,7 @@ impl Session {
     fn release(&mut self, t: &Transfer) {
         self.segments_held -= t.plan.segments().len() as u64;
         self.bytes_held -= t.held_bytes;
+        self.config.peer_budget.give_back(t.held_bytes);
         self.config.node_budget.give_back(t.held_bytes);
     }
 

@@ -28,6 +28,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use kvrail_auth::Identity;
 use kvrail_transport::admission::HandshakeAdmission;
+use kvrail_transport::ratelog::RateLimitedLog;
 use kvrail_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{MtuDiscoveryConfig, TransportConfig, VarInt};
@@ -519,28 +520,14 @@ const MAX_INCOMING: usize = 256;
 /// How long a handshake may take before it is dropped.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(3);
 
-/// Refusals of handshakes are counted here and logged a few times a minute
-/// (a flood would otherwise fill the log, and queue behind real connections).
-struct RefusalLog {
-    last: Mutex<Option<Instant>>,
-    suppressed: std::sync::atomic::AtomicU64,
-}
+/// Refusals of handshakes are logged a few times a second at most (a flood
+/// would otherwise fill the log), here rather than queued behind real
+/// connections.
+static REFUSALS: std::sync::LazyLock<RateLimitedLog> =
+    std::sync::LazyLock::new(|| RateLimitedLog::new(2));
 
-static REFUSALS: RefusalLog = RefusalLog {
-    last: Mutex::new(None),
-    suppressed: std::sync::atomic::AtomicU64::new(0),
-};
-
-impl RefusalLog {
-    fn note(&self, why: &str) {
-        let now = Instant::now();
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(10)) {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        *last = Some(now);
-        let suppressed = self.suppressed.swap(0, Ordering::Relaxed);
+fn log_refusal(why: &str) {
+    if let Some(suppressed) = REFUSALS.admit() {
         warn!(suppressed, "QUIC handshake refused: {why}");
     }
 }
@@ -579,11 +566,11 @@ async fn accept_incoming(
                 Ok(Ok(conn)) => conn,
                 Ok(Err(e)) => {
                     drop(permit);
-                    return REFUSALS.note(&format!("from {from}: {}", describe(&e)));
+                    return log_refusal(&format!("from {from}: {}", describe(&e)));
                 }
                 Err(_) => {
                     drop(permit);
-                    return REFUSALS.note(&format!(
+                    return log_refusal(&format!(
                         "from {from}: not finished within {HANDSHAKE_DEADLINE:?}"
                     ));
                 }

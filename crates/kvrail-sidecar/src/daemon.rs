@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::dial::{random_nonce, IdentityCredentials};
-use crate::ratelog::RateLimitedLog;
 use dashmap::DashMap;
 use kvrail_auth::Identity;
 use kvrail_core::handshake::{
@@ -17,6 +16,7 @@ use kvrail_core::handshake::{
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
+use kvrail_transport::ratelog::RateLimitedLog;
 use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport};
 use tokio::sync::Mutex as AsyncMutex;
 use tracing::{debug, info, warn};
@@ -72,8 +72,11 @@ pub struct Shared {
     pub gpus: GpuDevices,
     /// Worker processes whose exit we watch (to drop their regions).
     pub(crate) watched_workers: DashMap<i32, ()>,
-    /// Memory open transfers hold over every session (`max_transfer_state_bytes`).
+    /// Memory open transfers hold over every session (`max_transfer_state_bytes`)...
     pub transfer_budget: Arc<kvrail_core::budget::MemoryBudget>,
+    /// ...and per peer node, over that peer's sessions (only configured
+    /// peers' names can have sessions).
+    pub peer_budgets: DashMap<String, Arc<kvrail_core::budget::MemoryBudget>>,
     /// Files worker processes asked to have removed when they exit.
     pub exit_files: crate::exit_files::ExitFiles,
     pub(crate) next_transfer: AtomicU64,
@@ -130,8 +133,22 @@ impl Shared {
         weak
     }
 
-    /// Session settings; `dialer` sessions rebuild down rails themselves.
-    pub fn session_config(&self, dialer: bool) -> SessionConfig {
+    /// The transfer-state budget shared by every session with `peer` (half
+    /// the node's: one peer, over all its sessions, cannot take it all).
+    fn peer_budget(&self, peer: &str) -> Arc<kvrail_core::budget::MemoryBudget> {
+        self.peer_budgets
+            .entry(peer.to_string())
+            .or_insert_with(|| {
+                Arc::new(kvrail_core::budget::MemoryBudget::new(
+                    self.transfer_budget.max() / 2,
+                ))
+            })
+            .clone()
+    }
+
+    /// Session settings for a session with `peer`; `dialer` sessions rebuild
+    /// down rails themselves.
+    pub fn session_config(&self, peer: &str, dialer: bool) -> SessionConfig {
         SessionConfig {
             slice_bytes: self.config.slice_bytes,
             window_bytes: self.config.window_bytes,
@@ -140,7 +157,7 @@ impl Shared {
             probes_rails: dialer,
             eager_max_bytes: self.config.rdma_eager_max_bytes,
             staged_slice_bytes: self.config.staged_slice_bytes(),
-            max_held_bytes: self.transfer_budget.max() / 2,
+            peer_budget: self.peer_budget(peer),
             node_budget: self.transfer_budget.clone(),
         }
     }
@@ -349,7 +366,7 @@ impl Shared {
             &peer.name,
             transport,
             self.link_env(),
-            self.session_config(true),
+            self.session_config(&peer.name, true),
             Some(dial.clone()),
         );
         let mut reasons = Vec::new();
@@ -670,7 +687,7 @@ impl Shared {
                     &hello.node_name,
                     transport,
                     self.link_env(),
-                    self.session_config(false),
+                    self.session_config(&hello.node_name, false),
                     None,
                 );
                 link.dialer_incarnation
@@ -966,12 +983,18 @@ pub fn watch_worker(shared: &Arc<Shared>, pid: i32) {
     let weak = Arc::downgrade(shared);
     tokio::spawn(async move {
         if let Err(e) = kvrail_shm::process_exit(pid).await {
-            warn!(
-                pid,
-                "cannot watch worker process, its regions stay until unregistered: {e}"
-            );
-            if let Some(shared) = weak.upgrade() {
-                shared.watched_workers.remove(&pid);
+            let Some(shared) = weak.upgrade() else { return };
+            shared.watched_workers.remove(&pid);
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                // Gone already (it asked, then exited; or the credentials
+                // were a parent's that exited): what it asked for is due.
+                shared.exit_files.exited(pid);
+            } else {
+                warn!(
+                    pid,
+                    "cannot watch worker process, its regions stay until unregistered: {e}"
+                );
+                shared.exit_files.forget(pid);
             }
             return;
         }

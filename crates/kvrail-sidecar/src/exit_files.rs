@@ -45,6 +45,10 @@ pub enum PinError {
         owner: u32,
         caller: u32,
     },
+    /// The caller could not remove the file itself (its directory is not the
+    /// caller's to write): the sidecar will not do it for it.
+    #[error("the caller (uid {caller}) may not remove files from the directory of {path:?}")]
+    DirectoryNotWritable { path: PathBuf, caller: u32 },
     #[error("at most {MAX_FILES_PER_PROCESS} files per process and {MAX_FILES} in all")]
     TooMany,
 }
@@ -102,6 +106,21 @@ impl PinnedFile {
                 return Err(PinError::NotOwner {
                     path: path.to_path_buf(),
                     owner: meta.uid(),
+                    caller: uid,
+                });
+            }
+            // Removing a name writes its directory: the caller's own, or
+            // one open to everyone (/dev/shm, /tmp: sticky, so only the
+            // owner of the file may remove it, and the caller owns it).
+            let dir = pinned.dir.metadata().map_err(|source| PinError::Stat {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let writable =
+                (dir.uid() == uid && dir.mode() & 0o300 == 0o300) || dir.mode() & 0o003 == 0o003;
+            if uid != 0 && !writable {
+                return Err(PinError::DirectoryNotWritable {
+                    path: path.to_path_buf(),
                     caller: uid,
                 });
             }
@@ -166,6 +185,13 @@ impl ExitFiles {
     pub fn has(&self, pid: i32) -> bool {
         let by_pid = self.by_pid.lock().unwrap_or_else(|e| e.into_inner());
         by_pid.get(&pid).is_some_and(|f| !f.is_empty())
+    }
+
+    /// Forgets process `pid`'s files without removing them (its exit cannot
+    /// be watched).
+    pub fn forget(&self, pid: i32) {
+        let mut by_pid = self.by_pid.lock().unwrap_or_else(|e| e.into_inner());
+        by_pid.remove(&pid);
     }
 
     /// Process `pid` exited: removes its files (those still its own).
@@ -249,5 +275,37 @@ mod tests {
             })
             .collect();
         assert!(matches!(files.pin(2, None, &many), Err(PinError::TooMany)));
+    }
+
+    /// Removing a name writes its directory: a caller that could not remove
+    /// the file itself (its own file, in a directory not its own to write)
+    /// does not get the sidecar to do it.
+    #[test]
+    fn a_file_the_caller_could_not_remove_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("locked");
+        std::fs::create_dir(&sub).unwrap();
+        let f = sub.join("kv");
+        std::fs::write(&f, b"").unwrap();
+        let me = std::fs::metadata(&f).unwrap().uid();
+        // Root may remove anything: the caller is then another user, who
+        // owns the file but not the directory.
+        let caller = if me == 0 { 12345 } else { me };
+        if me == 0 {
+            std::os::unix::fs::chown(&f, Some(caller), None).unwrap();
+        }
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let files = ExitFiles::default();
+        let path = f.to_string_lossy().into_owned();
+        let refused = files.pin(1, Some(caller), std::slice::from_ref(&path));
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(
+            matches!(refused, Err(PinError::DirectoryNotWritable { .. })),
+            "{refused:?}"
+        );
+        // A directory open to everyone (sticky, as /dev/shm) is fine.
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        files.pin(1, Some(caller), &[path]).unwrap();
     }
 }

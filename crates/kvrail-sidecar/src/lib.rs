@@ -20,7 +20,6 @@ pub mod netinfo;
 pub mod notify;
 #[cfg(feature = "profile")]
 pub mod profile;
-pub mod ratelog;
 pub mod rdma;
 pub mod regions;
 pub mod startup;

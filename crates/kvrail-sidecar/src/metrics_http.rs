@@ -20,7 +20,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use crate::ratelog::RateLimitedLog;
+use kvrail_transport::ratelog::RateLimitedLog;
 
 /// Scrapes served at once.
 pub const MAX_CONNECTIONS: usize = 16;
@@ -53,7 +53,13 @@ pub async fn serve(addr: SocketAddr, handle: PrometheusHandle) -> anyhow::Result
 struct Served {
     task: JoinHandle<()>,
     asked: Arc<AtomicBool>,
+    accepted: std::time::Instant,
 }
+
+/// A connection that has not sent its request may be closed for a newcomer
+/// once it has had this long to: a scraper sends its GET at once, but it is
+/// read only when its task runs.
+const SILENT_AGE: Duration = Duration::from_millis(20);
 
 async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
     // Oldest first.
@@ -66,7 +72,9 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
                 if served.len() >= MAX_CONNECTIONS {
                     // The oldest that is still silent gives way; if every one
                     // is answering, the newcomer is closed at once.
-                    let silent = served.iter().position(|c| !c.asked.load(Ordering::Acquire));
+                    let silent = served.iter().position(|c| {
+                        !c.asked.load(Ordering::Acquire) && c.accepted.elapsed() >= SILENT_AGE
+                    });
                     match silent.and_then(|i| served.remove(i)) {
                         Some(c) => c.task.abort(),
                         None => {
@@ -82,7 +90,11 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
                     let _ =
                         tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &handle, &flag)).await;
                 });
-                served.push_back(Served { task, asked });
+                served.push_back(Served {
+                    task,
+                    asked,
+                    accepted: std::time::Instant::now(),
+                });
             }
             Err(e) => {
                 if let Some(suppressed) = log.admit() {

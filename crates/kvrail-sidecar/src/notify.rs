@@ -435,6 +435,15 @@ impl NotificationHub {
                 early.pop_front();
             }
             early.push_back((now, worker_id.to_string(), n));
+            drop(early);
+            // The worker may have subscribed meanwhile (after the check
+            // above, before the push): it takes what waits for it now.
+            if self.mailboxes.contains_key(worker_id) {
+                for n in self.take_early(worker_id) {
+                    self.send(worker_id, n);
+                }
+                return true;
+            }
             return false;
         }
         self.send(worker_id, n);

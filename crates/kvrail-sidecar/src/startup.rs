@@ -23,10 +23,10 @@ use crate::daemon::{PeerSlot, Shared, MAX_CONCURRENT_HANDSHAKES};
 use crate::gpu::GpuDevices;
 use crate::metrics as m;
 use crate::notify::NotificationHub;
-use crate::ratelog::RateLimitedLog;
 use crate::rdma::RdmaRails;
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
+use kvrail_transport::ratelog::RateLimitedLog;
 
 /// A running daemon.
 pub struct Daemon {
@@ -104,6 +104,7 @@ impl Daemon {
             ),
             watched_workers: DashMap::new(),
             exit_files: Default::default(),
+            peer_budgets: DashMap::new(),
             retired_incarnations: DashMap::new(),
             transfer_budget: Arc::new(kvrail_core::budget::MemoryBudget::new(
                 config.max_transfer_state_bytes,

@@ -59,7 +59,8 @@ impl HandshakeAdmission {
     /// Admission for a listener whose peers dial from `peers`.
     pub fn new(peers: impl IntoIterator<Item = IpAddr>) -> Arc<Self> {
         Arc::new(HandshakeAdmission {
-            peers: peers.into_iter().collect(),
+            // An IPv4 peer reaches a dual-stack listener as ::ffff:a.b.c.d.
+            peers: peers.into_iter().map(|ip| ip.to_canonical()).collect(),
             state: Mutex::default(),
         })
     }
@@ -71,6 +72,7 @@ impl HandshakeAdmission {
     /// A permit for a handshake from `from` at `now`, or None: the
     /// connection is dropped unanswered.
     pub fn admit(self: &Arc<Self>, from: IpAddr, now: Instant) -> Option<HandshakePermit> {
+        let from = from.to_canonical();
         let mut st = self.lock();
         if st.in_progress >= MAX_HANDSHAKES {
             return None;

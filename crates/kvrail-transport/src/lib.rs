@@ -14,6 +14,7 @@ use bytes::Bytes;
 use kvrail_core::wire::{self, FrameHeader, WireError, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
 
 pub mod admission;
+pub mod ratelog;
 pub mod tcp;
 
 /// A transport failure, saying whether the bytes or the peer were at fault.

@@ -364,6 +364,10 @@ class _SidecarLink:
         self._ready: Client | None = None
         self._reconnecting = False
         self._closed = False
+        # One connection attempt at a time (the reconnecting thread, or
+        # connect_now from the engine's thread): `on_connect` runs once per
+        # new client.
+        self._attempt = threading.Lock()
         #: Connections taken into use so far (1: the first).
         self.generation = 1
         #: Runs in the reconnecting thread with a new client, before it is
@@ -405,49 +409,58 @@ class _SidecarLink:
             threading.Thread(target=self._reconnect, name="kvrail-reconnect", daemon=True).start()
 
     def _reconnect(self) -> None:
-        while True:
-            time.sleep(RECONNECT_INTERVAL_S)
-            if self._closed:
+        try:
+            while not self._closed:
+                time.sleep(RECONNECT_INTERVAL_S)
+                with self._attempt:
+                    if self._closed or self._client is not None:
+                        return  # closed, or connect_now got there first
+                    attempt = self._connect()
+                if attempt is None:
+                    continue
+                client, incarnation = attempt
+                with self._lock:
+                    superseded = self._closed or self._client is not None
+                    if not superseded:
+                        self._ready, self._ready_incarnation = client, incarnation
+                if superseded:
+                    client.close()
                 return
-            try:
-                client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
-            except KvrailError as e:
-                log.debug("kvrail: sidecar at %s still away: %s", self.socket, e)
-                continue
-            try:
-                incarnation = client.incarnation()
-                if self.on_connect is not None:
-                    self.on_connect(client)
-            except KvrailError as e:
-                log.warning("kvrail: sidecar at %s is back but setting up failed: %s", self.socket, e)
-                client.close()
-                continue
+        finally:
+            # However the thread ends (an error nobody expected included), a
+            # later loss starts another.
             with self._lock:
                 self._reconnecting = False
-                superseded = self._closed or self._client is not None
-                if not superseded:
-                    self._ready, self._ready_incarnation = client, incarnation
-            if superseded:  # closed, or connect_now got there first
-                client.close()
-            return
 
-    def connect_now(self) -> Client | None:
-        """One attempt, now, to reach a sidecar that went away (``on_connect``
-        runs in the caller's thread)."""
-        existing = self.get()
-        if existing is not None:
-            return existing
+    def _connect(self) -> tuple[Client, int] | None:
+        """One attempt: a new client, set up (`on_connect`), and the
+        incarnation of the sidecar it reached; None if it failed (logged)."""
         try:
             client = Client(self.socket, self.worker_id, connect_timeout=RECONNECT_TIMEOUT_S)
-        except KvrailError:
+        except KvrailError as e:
+            log.debug("kvrail: sidecar at %s still away: %s", self.socket, e)
             return None
         try:
             incarnation = client.incarnation()
             if self.on_connect is not None:
                 self.on_connect(client)
-        except KvrailError:
+        except Exception as e:  # noqa: BLE001 - a full /dev/shm, a sidecar that went again...
+            log.warning("kvrail: sidecar at %s is back but setting up failed: %s", self.socket, e)
             client.close()
             return None
+        return client, incarnation
+
+    def connect_now(self) -> Client | None:
+        """One attempt, now, to reach a sidecar that went away (``on_connect``
+        runs in the caller's thread)."""
+        with self._attempt:
+            existing = self.get()
+            if existing is not None:
+                return existing
+            attempt = self._connect()
+        if attempt is None:
+            return None
+        client, incarnation = attempt
         with self._lock:
             if self._client is None and not self._closed:
                 self._client, self.incarnation = client, incarnation
@@ -964,7 +977,6 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             if self.mode == "push":
                 w.push_expected[rid] = len(w.layer_names)
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
-                w.push_generation[rid] = self._link.generation
                 continue
             pairs = _overlaps(spec.remote_regions, w.regions)
             for i, (src, src_layer, dst, dst_layer, count) in enumerate(pairs):
@@ -1171,11 +1183,10 @@ class _WorkerState:
         self.transfer_owner: dict[str, str] = {}  # transfer request name -> request
         self.local_blocks: dict[str, list[int]] = {}
         # push mode, decode side: layers expected and arrived per request, and
-        # the sidecar connection the grant's blocks were registered on
+        # when to give up
         self.push_expected: dict[str, int] = {}
         self.push_arrived: dict[str, int] = {}
         self.push_deadline: dict[str, float] = {}
-        self.push_generation: dict[str, int] = {}
         # pull mode, prefill side: bytes to be read, give-up time
         self.serve_expected: dict[str, int] = {}
         self.serve_deadline: dict[str, float] = {}
@@ -1212,7 +1223,6 @@ class _WorkerState:
         self.push_expected.pop(rid, None)
         self.push_deadline.pop(rid, None)
         self.push_arrived.pop(rid, None)
-        self.push_generation.pop(rid, None)
         self.local_blocks.pop(rid, None)
         self.done_receiving.add(rid)
 

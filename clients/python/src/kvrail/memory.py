@@ -4,8 +4,9 @@ IPC handles of GPU tensors."""
 from __future__ import annotations
 
 import ctypes
-import mmap
 import errno
+import fcntl
+import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -186,13 +187,19 @@ class AdoptedMemory:
     moved under a shared-memory file without moving its address, so the sidecar
     can map the same pages. See :func:`adopt_host_memory`."""
 
-    def __init__(self, path: Path, address: int, nbytes: int, owned: bool = True) -> None:
+    def __init__(
+        self, path: Path, address: int, nbytes: int, owned: bool = True, lock_fd: int | None = None
+    ) -> None:
         self.path = path
         self.address = address
         self.nbytes = nbytes
         #: False when the memory already was kvrail shared memory (a
         #: ``SharedMemory`` or ``HostKvCache`` keeps its own file).
         self.owned = owned
+        # Held open with a shared lock while this process lives: a sweep
+        # (sweep_adopted_files) never removes a file in use, whatever it
+        # makes of the pid in its name (another pid namespace).
+        self._lock_fd = lock_fd
 
     def unlink(self) -> None:
         """Removes the file (if adoption made it); the pages stay valid for
@@ -204,6 +211,9 @@ class AdoptedMemory:
             self.path.unlink()
         except FileNotFoundError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def adopt_host_memory(address: int, nbytes: int, min_allocation: int = 0) -> AdoptedMemory:
@@ -275,10 +285,12 @@ def adopt_host_memory(address: int, nbytes: int, min_allocation: int = 0) -> Ado
             pass
         raise
     inode = os.fstat(fd).st_ino
-    os.close(fd)
+    # Kept open, share-locked, for as long as this process lives (see
+    # AdoptedMemory): closed by unlink(), or by the process's end.
+    fcntl.flock(fd, fcntl.LOCK_SH)
     with _mapped_lock:
         _mapped[start] = (end, path, inode)
-    return AdoptedMemory(path, start, length)
+    return AdoptedMemory(path, start, length, lock_fd=fd)
 
 
 def _process_alive(pid: int) -> bool:
@@ -291,11 +303,28 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _in_use(path: Path) -> bool:
+    """Whether a live process holds ``path``'s adoption lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def sweep_adopted_files(directory: Path | None = None) -> list[Path]:
     """Removes adopted-memory files that processes which no longer exist left
-    behind (an engine killed with SIGKILL cannot remove its own), of this user
-    only, in ``directory`` (default :func:`shm_dir`). Returns what it removed.
-    A live process's files, and anything else, are left alone."""
+    behind (an engine killed with SIGKILL cannot remove its own, and its
+    sidecar may have been down too), of this user only, in ``directory``
+    (default :func:`shm_dir`). Returns what it removed. A file whose process
+    is alive, or that a process holds locked (an engine in another pid
+    namespace sharing the directory), and anything else, are left alone."""
     removed = []
     me = os.geteuid()
     for path in (directory or shm_dir()).glob(f"{ADOPTED_PREFIX}*-*"):
@@ -304,7 +333,7 @@ def sweep_adopted_files(directory: Path | None = None) -> list[Path]:
             continue
         try:
             st = path.lstat()
-            if st.st_uid != me or not path.is_file() or path.is_symlink():
+            if st.st_uid != me or not path.is_file() or path.is_symlink() or _in_use(path):
                 continue
             path.unlink()
             removed.append(path)

@@ -318,14 +318,14 @@ impl PeerLink {
         // peer sends it; there is no event for it, so look again shortly. A
         // peer that trickles it past the writers' grace has the connection
         // reading it cut (the slice, and any byte after it, never lands).
-        let mut readers_cut = false;
         while self.inspect(|s| s.still_placing(&failed)) {
             let now = tokio::time::Instant::now();
             if now >= deadline {
                 return (failed.len(), false);
             }
-            if !readers_cut && now >= cut_at {
-                readers_cut = true;
+            // On every look: a connection between two reads of the slice
+            // (staging, a chunk boundary) shows no payload read at that moment.
+            if now >= cut_at {
                 self.cut_reading_connections(&failed);
             }
             tokio::time::sleep(Duration::from_micros(200)).await;

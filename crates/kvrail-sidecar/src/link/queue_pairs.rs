@@ -213,8 +213,8 @@ impl PeerLink {
 }
 
 /// Declined queue-pair requests logged, at most a few a second.
-static QP_DECLINE_LOG: std::sync::LazyLock<crate::ratelog::RateLimitedLog> =
-    std::sync::LazyLock::new(|| crate::ratelog::RateLimitedLog::new(5));
+static QP_DECLINE_LOG: std::sync::LazyLock<kvrail_transport::ratelog::RateLimitedLog> =
+    std::sync::LazyLock::new(|| kvrail_transport::ratelog::RateLimitedLog::new(5));
 
 /// A rail's claim for one queue-pair setup, given back however the setup
 /// ends: the dialer's (`QpSetups::begin`/`end`) or the acceptor's

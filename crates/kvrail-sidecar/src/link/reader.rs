@@ -17,7 +17,8 @@ use super::*;
 
 /// Control messages read back to back that go into the session in one lock...
 const CONTROL_BATCH: usize = 64;
-/// ...unless their opens name this many blocks before that.
+/// ...unless their opens name this many blocks before that (a generation
+/// counts twice: eight bytes decoded against an id's four).
 const CONTROL_BATCH_BLOCKS: usize = 1 << 16;
 
 pub(super) async fn reader_task(
@@ -74,7 +75,7 @@ struct Held {
     /// Admitted, payload being read now.
     reading: Option<Admitted>,
     controls: Vec<Body>,
-    /// Blocks the opens among `controls` name.
+    /// Blocks (and generations, twice) the opens among `controls` name.
     control_blocks: usize,
 }
 
@@ -225,11 +226,13 @@ async fn read_loop(
                 // An open names up to a million blocks (12 MiB decoded):
                 // large ones go to the session at once, not held back with
                 // others (64 of them would be held at once).
-                held.control_blocks += match &body {
-                    Body::PushOpen(o) => o.destination.as_ref().map_or(0, |b| b.block_ids.len()),
-                    Body::PullOpen(o) => o.source.as_ref().map_or(0, |b| b.block_ids.len()),
-                    _ => 0,
+                let set = match &body {
+                    Body::PushOpen(o) => o.destination.as_ref(),
+                    Body::PullOpen(o) => o.source.as_ref(),
+                    _ => None,
                 };
+                held.control_blocks +=
+                    set.map_or(0, |b| b.block_ids.len() + 2 * b.generations.len());
                 held.controls.push(body);
                 if held.controls.len() >= CONTROL_BATCH
                     || held.control_blocks >= CONTROL_BATCH_BLOCKS
