@@ -24,7 +24,7 @@ const BUDGET: u64 = 128 << 20;
 /// What decoding may hold on top, per connection being read: one frame
 /// (16 MiB) and the open decoded from it (12 MiB), for the 8 sessions an
 /// attacker may hold with one connection each; and the allocator's slack.
-const TRANSIENT: u64 = 8 * 28 << 20;
+const TRANSIENT: u64 = (8 * 28) << 20;
 
 /// The resident memory of process `pid` (0 once it is gone).
 fn rss(pid: u32) -> u64 {

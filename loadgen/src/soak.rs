@@ -842,22 +842,32 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         buf.iter().filter(|b| **b != 0).count()
     };
     let alive = (cluster.prefill.is_running(), cluster.decode.is_running());
+    // With nothing in flight, no transfer state may be held. The gauge is set
+    // once a second: wait for it to read zero, for at most three updates.
+    let held_deadline = Instant::now() + Duration::from_secs(3);
+    let held_at_end = loop {
+        let held = [
+            held_bytes(&cluster, &cluster.prefill),
+            held_bytes(&cluster, &cluster.decode),
+        ];
+        let state: u64 = held
+            .iter()
+            .map(|h| h["transfer_state"].as_u64().unwrap_or(0))
+            .sum();
+        if state == 0 || Instant::now() >= held_deadline {
+            break held;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let state_leaked: u64 = held_at_end
+        .iter()
+        .map(|h| h["transfer_state"].as_u64().unwrap_or(0))
+        .sum();
     let c = world
         .counts
         .lock()
         .map_err(|_| anyhow::anyhow!("poisoned"))?;
     let slopes = rss_slopes(&samples);
-    // With nothing in flight, no transfer state may be held (the gauge is
-    // set once a second).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let held_at_end = [
-        held_bytes(&cluster, &cluster.prefill),
-        held_bytes(&cluster, &cluster.decode),
-    ];
-    let state_leaked: u64 = held_at_end
-        .iter()
-        .map(|h| h["transfer_state"].as_u64().unwrap_or(0))
-        .sum();
     let findings = c.misdelivered.len() as u64
         + c.landed_after_release.len() as u64
         + u64::from(state_leaked > 0)

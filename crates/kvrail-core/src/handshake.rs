@@ -340,6 +340,9 @@ pub trait Credentials: Sync {
     ) -> Result<(), String>;
 }
 
+/// Decides from the dialer's hello whether one more session may start.
+pub type AdmitSession<'a> = dyn Fn(&pb::Hello) -> Result<(), HandshakeError> + Sync + 'a;
+
 /// Given the node name a hello claims, why the connection's TLS certificate
 /// does not name it.
 pub type NameCheck<'a> = dyn Fn(&str) -> Result<(), String> + Sync + 'a;
@@ -367,7 +370,7 @@ pub struct AcceptorConfig<'a> {
     pub software: &'a str,
     /// The session cap ([`admit_session`]), asked before the ack is made: a
     /// refusal is the answer, instead of an ack followed by a close.
-    pub admit: Option<&'a (dyn Fn(&pb::Hello) -> Result<(), HandshakeError> + Sync)>,
+    pub admit: Option<&'a AdmitSession<'a>>,
 }
 
 /// What the acceptor's driver does next.

@@ -221,6 +221,9 @@ pub fn session(data: &[u8]) {
         probes_rails: c.u8() & 1 == 0,
         eager_max_bytes: u64::from(c.u8()) << 10,
         staged_slice_bytes: 8192,
+        // Small enough that a hostile sequence of opens reaches the cap.
+        peer_budget: std::sync::Arc::new(kvrail_core::budget::MemoryBudget::new(1 << 20)),
+        node_budget: std::sync::Arc::new(kvrail_core::budget::MemoryBudget::new(1 << 21)),
     });
     let regions = Regions(
         [
