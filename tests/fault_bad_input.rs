@@ -441,10 +441,12 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
             layer_count: 1,
             block_ids: vec![4],
             generations: Vec::new(),
+            slice: None,
         }),
         block_bytes: 4096,
         total_bytes: 8192,
         one_sided: false,
+        geometry: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

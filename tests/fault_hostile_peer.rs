@@ -243,10 +243,12 @@ async fn a_pull_open_with_an_unbounded_plan_is_refused() {
             layer_count: 80,
             block_ids: vec![0; 1_000_000],
             generations: Vec::new(),
+            slice: None,
         }),
         block_bytes: 64,
         total_bytes: 80 * 1_000_000 * 64,
         one_sided: false,
+        geometry: None,
     };
     let started = Instant::now();
     sock.write_all(&wire::encode_control(&wire::message(Body::PullOpen(open))))
@@ -334,10 +336,12 @@ async fn a_peer_opening_session_after_session_is_capped() {
                 layer_count: 1,
                 block_ids: vec![0],
                 generations: Vec::new(),
+                slice: None,
             }),
             block_bytes: 64,
             total_bytes: 64,
             one_sided: false,
+            geometry: None,
         };
         // A refused session may be closed already: its answer is read below.
         let _ = sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(push))));
@@ -491,10 +495,12 @@ async fn a_peer_that_stops_mid_payload_is_cut_and_its_transfer_ends() {
             layer_count: 1,
             block_ids: vec![0, 1],
             generations: Vec::new(),
+            slice: None,
         }),
         block_bytes: 4096,
         total_bytes: 8192,
         one_sided: false,
+        geometry: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

@@ -82,10 +82,12 @@ fn open(id: u64, region: u64, blocks: u32, generations: usize) -> Vec<u8> {
             layer_count: 1,
             block_ids: (0..blocks).collect(),
             generations: vec![0; generations],
+            slice: None,
         }),
         block_bytes: 64,
         total_bytes: 64 * u64::from(blocks),
         one_sided: false,
+        geometry: None,
     })))
 }
 
@@ -378,6 +380,130 @@ async fn ring_slots_naming_a_million_blocks_are_held_within_the_budget() {
         mib(peak),
         mib(base)
     );
+    p_kv.unlink();
+    d_kv.unlink();
+}
+
+/// The bounds of the README's Memory table, summed: a peer flooding opens
+/// that name a million blocks on 7 sessions while a worker with a full
+/// mailbox takes its stream over 50 times without reading. Each kind of held
+/// memory stays within its bound, and the daemon's RSS within the sum of the
+/// bounds that apply (transfer budget, one stream's queue, decoding).
+#[tokio::test(flavor = "multi_thread")]
+async fn every_attack_at_once_stays_within_the_sum_of_the_bounds() {
+    let budget = BUDGET.to_string();
+    let pair = Pair::start(&[
+        "--max-transfer-state-bytes",
+        &budget,
+        "--progress-timeout-ms",
+        "3000",
+    ]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 1 << 20, 64);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let pr = p.register_region("p0", &p_kv, false).await.unwrap();
+    let dr = d.register_region("d0", &d_kv, false).await.unwrap();
+    // A mailbox as full as it may be: pushes whose notifications name 16384
+    // blocks each.
+    let _first = d.subscribe("d0").await.unwrap();
+    let ids: Vec<u32> = (0..16384).collect();
+    for n in 0..200u32 {
+        let t = p
+            .push(
+                "p0",
+                &format!("fill-{n}"),
+                "decode",
+                blocks(pr, 0..1, ids.clone()),
+                blocks(dr, 0..1, ids.clone()),
+            )
+            .await
+            .unwrap();
+        p.wait(t.transfer_id, Some(Duration::from_secs(30)))
+            .await
+            .unwrap();
+    }
+    let pid = pair.decode.pid();
+    let metrics = pair.decode.metrics.unwrap();
+    let base = rss(pid);
+    let watch = PeakRss::watch(pid);
+    let listen = pair.decode.listen;
+    let flood = std::thread::spawn(move || {
+        let mut sessions: Vec<TcpStream> = (0..7u64)
+            .map(|s| raw_peer::session(listen, 9000 + s))
+            .collect();
+        let mut id = 1u64;
+        for _ in 0..40 {
+            for sock in &mut sessions {
+                // A refused open may close the session: later writes fail.
+                let _ = sock.write_all(&open(id, dr, 1 << 20, 1 << 20));
+                id += 1;
+            }
+        }
+        sessions
+    });
+    let mut streams = Vec::new();
+    for _ in 0..50 {
+        streams.push(d.subscribe_after("d0", 1, true).await.unwrap());
+    }
+    let sessions = flood.join().unwrap();
+    // Everything sent has been read once the held state stops changing.
+    let kinds = [
+        "transfer_state",
+        "notifications_retained",
+        "notifications_queued",
+    ];
+    let held_now = || {
+        let text = scrape(metrics);
+        kinds.map(|k| metric_sum(&text, "kvrail_held_bytes", &[k]) as u64)
+    };
+    // Sampled as the gauges move (once a second) until they stop: the most
+    // each kind held.
+    let (mut last, mut most) = ([u64::MAX; 3], [0u64; 3]);
+    loop {
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let held = held_now();
+        for (m, h) in most.iter_mut().zip(held) {
+            *m = (*m).max(h);
+        }
+        if held == last {
+            break;
+        }
+        last = held;
+    }
+    let peak = watch.peak();
+    // The bounds (README, Security: Memory) for one peer and one worker.
+    let bounds = [
+        BUDGET,
+        64 << 20,  // notifications retained, per worker
+        128 << 20, // queued on the one live stream (superseded ones emptied)
+    ];
+    for ((kind, held), bound) in kinds.iter().zip(most).zip(bounds) {
+        println!(
+            "{kind:>24}: at most {:>4} MiB held, bound {:>4} MiB",
+            mib(held),
+            mib(bound)
+        );
+        assert!(held <= bound, "{kind}: {held} bytes held, bound {bound}");
+    }
+    let sum: u64 = bounds.iter().sum::<u64>() + TRANSIENT;
+    println!(
+        "RSS {} MiB before (mailbox full), peak {} MiB; the bounds summed with decoding: {} MiB",
+        mib(base),
+        mib(peak),
+        mib(sum)
+    );
+    assert!(most.iter().sum::<u64>() <= bounds.iter().sum::<u64>());
+    assert!(
+        peak <= base + sum,
+        "RSS peaked at {} MiB (base {} MiB, bounds {} MiB)",
+        mib(peak),
+        mib(base),
+        mib(sum)
+    );
+    drop(streams);
+    drop(sessions);
     p_kv.unlink();
     d_kv.unlink();
 }

@@ -45,10 +45,12 @@ fn busy_session(
             layer_count: 1,
             block_ids: vec![0],
             generations: Vec::new(),
+            slice: None,
         }),
         block_bytes: 64,
         total_bytes: 64,
         one_sided: false,
+        geometry: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(push))))
         .unwrap();
@@ -183,10 +185,12 @@ async fn a_slice_trickled_into_released_blocks_is_cut() {
             layer_count: 1,
             block_ids: vec![0],
             generations: Vec::new(),
+            slice: None,
         }),
         block_bytes: 1 << 20,
         total_bytes: 1 << 20,
         one_sided: false,
+        geometry: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

@@ -90,6 +90,17 @@ pub enum PlanError {
         wanted: u64,
         max: u64,
     },
+    /// A head-sliced selection for a region registered without geometry.
+    #[error(
+        "the transfer moves head slices, but this region was registered without its KV geometry"
+    )]
+    NoGeometry,
+    /// A head slice this region cannot serve.
+    #[error("head slice: {0}")]
+    Slice(String),
+    /// The two sides' KV geometries cannot exchange these blocks.
+    #[error(transparent)]
+    Incompatible(#[from] crate::geometry::GeometryError),
 }
 
 impl PlanError {
@@ -102,6 +113,9 @@ impl PlanError {
                 ErrorCode::Protocol
             }
             PlanError::SessionFull { .. } | PlanError::MemoryFull { .. } => ErrorCode::Internal,
+            PlanError::NoGeometry | PlanError::Slice(_) | PlanError::Incompatible(_) => {
+                ErrorCode::IncompatibleLayout
+            }
             _ => ErrorCode::OutOfRange,
         }
     }

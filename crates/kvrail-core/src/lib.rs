@@ -8,6 +8,7 @@
 
 pub mod budget;
 pub mod error;
+pub mod geometry;
 pub mod handshake;
 pub mod layout;
 pub mod message;
@@ -22,6 +23,7 @@ pub mod transfer;
 pub mod wire;
 
 pub use error::{FailureSide, LayoutError, PlanError, TransferError};
+pub use geometry::{BlockInterior, HeadSlice, KvGeometry};
 pub use layout::RegionLayout;
 pub use placement::{Admission, Admitted, ConnPlacer, PlacementGate};
 pub use plan::{Access, BlockSelection, Plan, Segment, MAX_BLOCKS_PER_TRANSFER};

@@ -94,6 +94,7 @@ impl Fabric {
             staged: self.sides[0].regions.0[&local.region_id].staged,
             local,
             remote,
+            local_geometry: None,
         }
     }
 

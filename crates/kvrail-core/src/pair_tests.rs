@@ -108,6 +108,7 @@ impl Pair {
             local_layout: layout,
             remote,
             staged,
+            local_geometry: None,
         }
     }
 
@@ -1407,10 +1408,12 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
                 layer_count: 1,
                 block_ids: (0..blocks).collect(),
                 generations: vec![0; blocks as usize],
+                slice: None,
             }),
             block_bytes: 1,
             total_bytes: u64::from(blocks),
             one_sided: false,
+            geometry: None,
         })
     };
     let now = p.now;
@@ -1495,10 +1498,12 @@ fn a_session_holds_a_bounded_number_of_transfers_each_way() {
                 layer_count: 1,
                 block_ids: vec![1],
                 generations: Vec::new(),
+                slice: None,
             }),
             block_bytes: 100,
             total_bytes: 100,
             one_sided: false,
+            geometry: None,
         });
         b.session.handle_control(0, open, now, &b.regions);
     }

@@ -243,6 +243,7 @@ mod tests {
             layer_count: 1,
             block_ids: (0..blocks).collect(),
             generations: Vec::new(),
+            slice: None,
         };
         let plan = Plan::build(&layout, &selection, Access::Write).unwrap();
         let gate = Arc::new(PlacementGate::new(7, 3, Arc::new(plan)));

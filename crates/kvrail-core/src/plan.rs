@@ -6,6 +6,7 @@
 //! offsets in our memory: it can only name logical offsets below the agreed total.
 
 use crate::error::PlanError;
+use crate::geometry::{BlockInterior, HeadSlice, KvGeometry};
 use crate::layout::RegionLayout;
 
 /// Most blocks one request may list (per side), to bound plan memory.
@@ -27,6 +28,9 @@ pub struct BlockSelection {
     /// Empty, or one per block id: the generation each block must still be at
     /// (0 = any). Checked by the sidecar that holds the region.
     pub generations: Vec<u64>,
+    /// Move only these heads of these tokens (the region's geometry says
+    /// where they are); `None`: whole blocks.
+    pub slice: Option<HeadSlice>,
 }
 
 impl BlockSelection {
@@ -125,7 +129,22 @@ impl Plan {
         selection: &BlockSelection,
         access: Access,
     ) -> Result<Plan, PlanError> {
+        Self::build_for(layout, None, selection, access)
+    }
+
+    /// As [`Plan::build`], for a region whose blocks `geometry` describes: a
+    /// head-sliced selection needs it.
+    pub fn build_for(
+        layout: &RegionLayout,
+        geometry: Option<&KvGeometry>,
+        selection: &BlockSelection,
+        access: Access,
+    ) -> Result<Plan, PlanError> {
         selection.check_shape(access)?;
+        if let Some(slice) = &selection.slice {
+            let geometry = geometry.ok_or(PlanError::NoGeometry)?;
+            return build_sliced(layout, geometry, selection, slice);
+        }
         let layer_end = selection
             .layer_start
             .checked_add(selection.layer_count)
@@ -217,6 +236,159 @@ impl Plan {
     }
 }
 
+/// Most steps building one head-sliced plan may take (each emits at most one
+/// segment): bounds the work a hostile slice can ask for (~0.1 s).
+pub const MAX_SLICE_STEPS: u64 = 1 << 26;
+
+/// The plan of a head-sliced selection (see [`crate::geometry`]): the
+/// stream's heads of its tokens, mapped onto this region's blocks.
+fn build_sliced(
+    layout: &RegionLayout,
+    g: &KvGeometry,
+    selection: &BlockSelection,
+    slice: &HeadSlice,
+) -> Result<Plan, PlanError> {
+    let layer_end = selection
+        .layer_start
+        .checked_add(selection.layer_count)
+        .filter(|end| *end <= layout.num_layers)
+        .ok_or(PlanError::LayerOutOfRange {
+            start: selection.layer_start,
+            count: selection.layer_count,
+            num_layers: layout.num_layers,
+        })?;
+    if let Some(&bad) = selection
+        .block_ids
+        .iter()
+        .find(|b| **b >= layout.num_blocks)
+    {
+        return Err(PlanError::BlockOutOfRange {
+            block: bad,
+            num_blocks: layout.num_blocks,
+        });
+    }
+    let held = g.head_range();
+    let wanted = slice.heads();
+    let wanted_end = u64::from(slice.head_start) + u64::from(slice.head_count);
+    if slice.head_count == 0 || wanted.start < held.start || wanted_end > u64::from(held.end) {
+        return Err(PlanError::Slice(format!(
+            "heads {}..{} are not among the {}..{} this region holds",
+            slice.head_start,
+            u64::from(slice.head_start) + u64::from(slice.head_count),
+            held.start,
+            held.end
+        )));
+    }
+    let tpb = u64::from(g.tokens_per_block);
+    let chunk = u64::from(slice.chunk_tokens);
+    if slice.tokens == 0 || chunk == 0 {
+        return Err(PlanError::Slice("no tokens, or chunks of none".into()));
+    }
+    let blocks_needed = slice.tokens.div_ceil(tpb);
+    if blocks_needed != selection.block_ids.len() as u64 {
+        return Err(PlanError::Slice(format!(
+            "{} tokens at {tpb} per block are {blocks_needed} blocks, {} listed",
+            slice.tokens,
+            selection.block_ids.len()
+        )));
+    }
+    let opaque = g.interior == BlockInterior::HeadOpaque;
+    if opaque && (chunk != tpb || !slice.tokens.is_multiple_of(tpb)) {
+        return Err(PlanError::Slice(format!(
+            "this region's blocks hold heads in an opaque order: the stream must move whole \
+             blocks of {tpb} tokens (chunks of {chunk}, {} tokens)",
+            slice.tokens
+        )));
+    }
+    let planes = u64::from(layout.planes_per_layer);
+    let layers = u64::from(selection.layer_count);
+    let heads = u64::from(slice.head_count);
+    let chunks = slice.tokens.div_ceil(chunk);
+    let per_head = match g.interior {
+        BlockInterior::Nhd => slice.tokens,
+        BlockInterior::Hnd => chunks + blocks_needed,
+        BlockInterior::HeadOpaque => chunks,
+    };
+    let steps = layers
+        .saturating_mul(planes)
+        .saturating_mul(heads)
+        .saturating_mul(per_head);
+    if steps > MAX_SLICE_STEPS {
+        return Err(PlanError::TooManyPieces {
+            pieces: steps,
+            max: MAX_SLICE_STEPS,
+        });
+    }
+    // The unit the stream is counted in: one head of one token, or (opaque)
+    // one head of one block.
+    let unit = if opaque {
+        layout.block_bytes / u64::from(g.heads)
+    } else {
+        g.token_head_bytes()
+    };
+    let mut segments: Vec<Segment> = Vec::new();
+    let mut logical = 0u64;
+    let mut emit = |offset: u64, len: u64| -> Result<(), PlanError> {
+        match segments.last_mut() {
+            Some(last) if last.offset + last.len == offset => last.len += len,
+            _ => {
+                if segments.len() as u64 >= MAX_PIECES_PER_TRANSFER {
+                    return Err(PlanError::TooManyPieces {
+                        pieces: segments.len() as u64 + 1,
+                        max: MAX_PIECES_PER_TRANSFER,
+                    });
+                }
+                segments.push(Segment {
+                    logical,
+                    offset,
+                    len,
+                })
+            }
+        }
+        logical += len;
+        Ok(())
+    };
+    let held_heads = u64::from(g.heads);
+    for layer in selection.layer_start..layer_end {
+        for plane in 0..layout.planes_per_layer {
+            let block_at = |t: u64| {
+                let id = selection.block_ids[(t / tpb) as usize];
+                layout.block_offset(layer, plane, id)
+            };
+            for c in 0..chunks {
+                let (t0, t1) = (c * chunk, ((c + 1) * chunk).min(slice.tokens));
+                for head in wanted.clone() {
+                    let local = u64::from(head - held.start);
+                    match g.interior {
+                        BlockInterior::HeadOpaque => emit(block_at(t0) + local * unit, unit)?,
+                        BlockInterior::Hnd => {
+                            let mut t = t0;
+                            while t < t1 {
+                                let in_block = t % tpb;
+                                let run = (t1 - t).min(tpb - in_block);
+                                let offset = block_at(t) + (local * tpb + in_block) * unit;
+                                emit(offset, run * unit)?;
+                                t += run;
+                            }
+                        }
+                        BlockInterior::Nhd => {
+                            for t in t0..t1 {
+                                let offset = block_at(t) + ((t % tpb) * held_heads + local) * unit;
+                                emit(offset, unit)?;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(Plan {
+        segments,
+        total: logical,
+        block_bytes: unit,
+    })
+}
+
 /// Iterator over the region ranges behind one logical range.
 #[derive(Debug)]
 pub struct Pieces<'a> {
@@ -259,6 +431,7 @@ mod tests {
             layer_count: 80,
             block_ids: vec![0; 1_000_000],
             generations: Vec::new(),
+            slice: None,
         };
         assert!(matches!(
             hostile.check_shape(Access::Read),
@@ -274,6 +447,7 @@ mod tests {
             layer_count: 1,
             block_ids: (0..1 << 20).collect(),
             generations: Vec::new(),
+            slice: None,
         };
         // 2^20 pieces of one plane are fine; with 8 planes the plan is refused.
         assert!(Plan::build(&tiny, &all, Access::Read).is_ok());
@@ -291,6 +465,7 @@ mod tests {
             layer_count: layers.1,
             block_ids: blocks.to_vec(),
             generations: Vec::new(),
+            slice: None,
         }
     }
 

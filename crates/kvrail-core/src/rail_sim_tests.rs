@@ -193,6 +193,7 @@ impl Sim {
             local_layout: layout,
             remote: sel(remote, (0, layout.num_layers), blocks),
             staged: false,
+            local_geometry: None,
         }
     }
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::budget::{transfer_bytes, MemoryBudget, DEFAULT_PEER_TRANSFER_BYTES};
 use crate::error::{PlanError, TransferError};
+use crate::geometry::{HeadSlice, KvGeometry};
 use crate::layout::RegionLayout;
 use crate::placement::{Admitted, OwnedGate, PlacementGate};
 use crate::plan::{Access, BlockSelection, Plan};
@@ -134,6 +135,9 @@ pub struct RegionAccess {
     /// Its bytes go through staging buffers (GPU memory): a pull this side
     /// serves from it is cut into `SessionConfig::staged_slice_bytes` slices.
     pub staged: bool,
+    /// What its blocks hold, when the worker said (head-sliced transfers and
+    /// the compatibility check need it).
+    pub geometry: Option<Arc<KvGeometry>>,
 }
 
 /// The peer's answer to a one-sided transfer: where its blocks are, per rail.
@@ -401,6 +405,8 @@ pub struct LocalTransfer {
     /// Our blocks.
     pub local: BlockSelection,
     pub local_layout: RegionLayout,
+    /// What our blocks hold, when the worker said.
+    pub local_geometry: Option<Arc<KvGeometry>>,
     /// The peer's blocks.
     pub remote: BlockSelection,
     /// Our blocks go through staging buffers (GPU memory): the transfer is
@@ -543,7 +549,12 @@ impl Session {
     /// (see [`SessionConfig::eager_max_bytes`]). Staged memory (GPU) is not
     /// registered with verbs: it always moves two-sided.
     fn goes_one_sided(&self, req: &LocalTransfer, bytes: u64) -> bool {
-        !req.staged && bytes > self.config.eager_max_bytes && self.has_one_sided()
+        // A head-sliced transfer's remote plan needs the peer's geometry,
+        // which grants do not carry: it goes two-sided.
+        !req.staged
+            && req.local.slice.is_none()
+            && bytes > self.config.eager_max_bytes
+            && self.has_one_sided()
     }
 
     /// Whether a one-sided connection is alive on a rail that carries traffic.
@@ -831,7 +842,12 @@ impl Session {
 
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
-        let plan = Plan::build(&req.local_layout, &req.local, Access::Read)?;
+        let plan = Plan::build_for(
+            &req.local_layout,
+            req.local_geometry.as_deref(),
+            &req.local,
+            Access::Read,
+        )?;
         let one_sided = self.goes_one_sided(&req, plan.total_bytes());
         let bytes = transfer_bytes(
             &[&req.local],
@@ -848,6 +864,7 @@ impl Session {
             block_bytes: plan.block_bytes(),
             total_bytes: plan.total_bytes(),
             one_sided,
+            geometry: req.local_geometry.as_deref().map(KvGeometry::to_wire),
         }));
         let total = plan.total_bytes();
         let mut t = Transfer::new(req.request_id, TransferKind::Push, req.local, plan, now);
@@ -864,7 +881,12 @@ impl Session {
 
     /// Starts a pull: the peer's `remote` blocks come into our `local` blocks.
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
-        let plan = Plan::build(&req.local_layout, &req.local, Access::Write)?;
+        let plan = Plan::build_for(
+            &req.local_layout,
+            req.local_geometry.as_deref(),
+            &req.local,
+            Access::Write,
+        )?;
         let total = plan.total_bytes();
         let one_sided = self.goes_one_sided(&req, total);
         let bytes = transfer_bytes(
@@ -882,6 +904,7 @@ impl Session {
             block_bytes: plan.block_bytes(),
             total_bytes: total,
             one_sided,
+            geometry: req.local_geometry.as_deref().map(KvGeometry::to_wire),
         }));
         self.control.push_back((None, open.clone()));
         let mut t = Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now);
@@ -1078,12 +1101,17 @@ impl Session {
             return self.reject(conn, id, ErrorCode::Protocol, message);
         }
         let selection = selection_of(open.destination.as_ref());
+        if open.one_sided && selection.slice.is_some() {
+            let message = "a head-sliced transfer cannot go one-sided".to_string();
+            return self.reject(conn, id, ErrorCode::Protocol, message);
+        }
         match accept_plan(
             &selection,
             open.block_bytes,
             open.total_bytes,
             Access::Write,
             regions,
+            PeerGeometry::Sent(open.geometry.as_ref()),
         ) {
             Ok((plan, region)) => {
                 let bytes = transfer_bytes(&[&selection], &plan, 0, 0, &open.request_id);
@@ -1142,8 +1170,14 @@ impl Session {
             TransferKind::PushReceive => Access::Write,
             _ => Access::Read,
         };
-        let Ok((_, region)) = accept_plan(&t.selection, block_bytes, total_bytes, access, regions)
-        else {
+        let Ok((_, region)) = accept_plan(
+            &t.selection,
+            block_bytes,
+            total_bytes,
+            access,
+            regions,
+            PeerGeometry::Compared,
+        ) else {
             return;
         };
         let keys = if t.kind == TransferKind::PullServe && !t.passive {
@@ -1205,12 +1239,17 @@ impl Session {
             return;
         }
         let selection = selection_of(open.source.as_ref());
+        if open.one_sided && selection.slice.is_some() {
+            let message = "a head-sliced transfer cannot go one-sided".to_string();
+            return self.reject(conn, id, ErrorCode::Protocol, message);
+        }
         match accept_plan(
             &selection,
             open.block_bytes,
             open.total_bytes,
             Access::Read,
             regions,
+            PeerGeometry::Sent(open.geometry.as_ref()),
         ) {
             Ok((plan, region)) => {
                 let mut t = Transfer::new(
@@ -2490,6 +2529,7 @@ fn into_block_set(sel: BlockSelection) -> pb::BlockSet {
         layer_count: sel.layer_count,
         block_ids: sel.block_ids,
         generations: sel.generations,
+        slice: sel.slice.map(HeadSlice::to_wire),
     }
 }
 
@@ -2523,8 +2563,39 @@ fn selection_of(set: Option<&pb::BlockSet>) -> BlockSelection {
         layer_count: s.layer_count,
         block_ids: s.block_ids.clone(),
         generations: s.generations.clone(),
+        slice: s.slice.as_ref().map(HeadSlice::from_wire),
     })
     .unwrap_or_default()
+}
+
+/// Whether a peer's region (as its open describes it) and ours can exchange
+/// `selection`: when both carry a geometry they must agree (whole blocks: in
+/// everything; head slices: in the model, dtype and head shape), and a head
+/// slice needs both.
+fn check_peer_geometry(
+    selection: &BlockSelection,
+    ours: Option<&KvGeometry>,
+    sent: Option<&pb::KvGeometry>,
+) -> Result<(), PlanError> {
+    let theirs = sent.map(KvGeometry::from_wire).transpose()?;
+    match (ours, theirs) {
+        (Some(ours), Some(theirs)) => {
+            Ok(ours.check_compatible(&theirs, selection.slice.is_none())?)
+        }
+        (_, None) if selection.slice.is_some() => Err(PlanError::Slice(
+            "the peer's region was registered without its KV geometry".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// What a peer's open said of its region's geometry.
+#[derive(Clone, Copy)]
+enum PeerGeometry<'a> {
+    /// As its open sent it (compared with ours before anything is built).
+    Sent(Option<&'a pb::KvGeometry>),
+    /// Already compared when the transfer was opened.
+    Compared,
 }
 
 /// Validates a peer's request against our region: the plan, or the code and reason to refuse.
@@ -2534,6 +2605,7 @@ fn accept_plan(
     total_bytes: u64,
     access: Access,
     regions: &dyn RegionDirectory,
+    peer: PeerGeometry<'_>,
 ) -> Result<(Plan, RegionAccess), (ErrorCode, String)> {
     let region = regions.lookup(selection.region_id).ok_or_else(|| {
         (
@@ -2547,8 +2619,17 @@ fn accept_plan(
             format!("region {} is not exposed to peers", selection.region_id),
         ));
     }
-    let plan = Plan::build(&region.layout, selection, access)
-        .map_err(|e| (e.wire_code(), e.to_string()))?;
+    if let PeerGeometry::Sent(sent) = peer {
+        check_peer_geometry(selection, region.geometry.as_deref(), sent)
+            .map_err(|e| (e.wire_code(), e.to_string()))?;
+    }
+    let plan = Plan::build_for(
+        &region.layout,
+        region.geometry.as_deref(),
+        selection,
+        access,
+    )
+    .map_err(|e| (e.wire_code(), e.to_string()))?;
     regions
         .check_generations(selection)
         .map_err(|why| (ErrorCode::BlocksReleased, why))?;

@@ -191,6 +191,7 @@ impl RegionDirectory for Regions {
             exposed: r.exposed,
             keys: r.keys.clone(),
             staged: r.staged,
+            geometry: None,
         })
     }
 
@@ -215,6 +216,7 @@ pub fn sel(region: u64, layers: (u32, u32), blocks: &[u32]) -> BlockSelection {
         layer_count: layers.1,
         block_ids: blocks.to_vec(),
         generations: Vec::new(),
+        slice: None,
     }
 }
 

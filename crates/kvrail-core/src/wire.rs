@@ -373,6 +373,7 @@ impl ErrorCode {
             ErrorCode::RegionTruncated => "region_truncated",
             ErrorCode::BlocksReleased => "blocks_released",
             ErrorCode::TooManySessions => "too_many_sessions",
+            ErrorCode::IncompatibleLayout => "incompatible_layout",
         }
     }
 }

@@ -162,6 +162,7 @@ fn selection(c: &mut Cursor<'_>) -> BlockSelection {
         block_ids: (0..n).map(|_| c.small(70) as u32).collect(),
         // Mostly none, sometimes one per block, now and then a wrong count.
         generations: (0..c.small(n + 1).min(4096)).map(|_| c.small(3)).collect(),
+        slice: None,
     }
 }
 
@@ -234,6 +235,7 @@ pub fn session(data: &[u8]) {
                     exposed: true,
                     keys: Vec::new(),
                     staged: true,
+                    geometry: None,
                 },
             ),
             (
@@ -243,6 +245,7 @@ pub fn session(data: &[u8]) {
                     exposed: false,
                     keys: Vec::new(),
                     staged: false,
+                    geometry: None,
                 },
             ),
         ]
@@ -296,6 +299,7 @@ pub fn session(data: &[u8]) {
                     layer_count: 1,
                     block_ids: (0..(c.u8() % 5 + 1) as u32).collect(),
                     generations: Vec::new(),
+                    slice: None,
                 };
                 let req = LocalTransfer {
                     transfer_id: next_id,
@@ -307,6 +311,7 @@ pub fn session(data: &[u8]) {
                         ..local
                     },
                     staged: c.u8() & 1 == 0,
+                    local_geometry: None,
                 };
                 next_id += 1;
                 let _ = if c.u8() & 1 == 0 {
@@ -354,10 +359,12 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             layer_count: 1,
             block_ids: vec![0, 1],
             generations: Vec::new(),
+            slice: None,
         }),
         block_bytes: 512,
         total_bytes: 2048,
         one_sided: false,
+        geometry: None,
     }));
     match target {
         "frame" => {

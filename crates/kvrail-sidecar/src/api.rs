@@ -171,6 +171,7 @@ fn selection_of(b: &BlockRange) -> BlockSelection {
         layer_count: b.layer_count,
         block_ids: b.block_ids.clone(),
         generations: b.generations.clone(),
+        slice: None,
     }
 }
 

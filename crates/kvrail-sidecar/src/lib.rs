@@ -71,7 +71,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub rail_deadline_ms: Option<u64>,
     /// Memory all open transfers together may hold: block ids, generations,
-    /// plans (default 1073741824; one peer session half of it).
+    /// plans (default 1073741824; one peer, all its sessions together, half of it).
     #[arg(long)]
     pub max_transfer_state_bytes: Option<u64>,
     /// Serve Prometheus metrics on this address (default: not served).

@@ -61,6 +61,29 @@ struct Served {
 /// read only when its task runs.
 const SILENT_AGE: Duration = Duration::from_millis(20);
 
+/// Room for one more connection: the oldest silent one gives way once it
+/// has had [`SILENT_AGE`] to send its request (waiting that long for it at
+/// most); false when every one is being answered.
+async fn make_room(served: &mut VecDeque<Served>) -> bool {
+    loop {
+        served.retain(|c| !c.task.is_finished());
+        if served.len() < MAX_CONNECTIONS {
+            return true;
+        }
+        let Some(i) = served.iter().position(|c| !c.asked.load(Ordering::Acquire)) else {
+            return false;
+        };
+        let age = served[i].accepted.elapsed();
+        if age >= SILENT_AGE {
+            if let Some(c) = served.remove(i) {
+                c.task.abort();
+            }
+            return true;
+        }
+        tokio::time::sleep(SILENT_AGE - age).await;
+    }
+}
+
 async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
     // Oldest first.
     let mut served: VecDeque<Served> = VecDeque::new();
@@ -68,20 +91,9 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                served.retain(|c| !c.task.is_finished());
-                if served.len() >= MAX_CONNECTIONS {
-                    // The oldest that is still silent gives way; if every one
-                    // is answering, the newcomer is closed at once.
-                    let silent = served.iter().position(|c| {
-                        !c.asked.load(Ordering::Acquire) && c.accepted.elapsed() >= SILENT_AGE
-                    });
-                    match silent.and_then(|i| served.remove(i)) {
-                        Some(c) => c.task.abort(),
-                        None => {
-                            drop(stream);
-                            continue;
-                        }
-                    }
+                if !make_room(&mut served).await {
+                    drop(stream);
+                    continue;
                 }
                 let handle = handle.clone();
                 let asked = Arc::new(AtomicBool::new(false));

@@ -260,6 +260,7 @@ impl RegionDirectory for Registry {
             exposed: r.exposed,
             keys: Vec::new(),
             staged: r.memory.is_staged(),
+            geometry: None,
         })
     }
 

@@ -163,6 +163,7 @@ pub async fn start_transfer(
         local_layout: region.layout,
         remote: remote_sel,
         staged: region.memory.is_staged(),
+        local_geometry: None,
     };
     let kind = if push { "push" } else { "pull" };
     metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);

@@ -231,6 +231,7 @@ fn selection(b: RingBlocks) -> BlockSelection {
         layer_count: b.layer_count,
         block_ids: b.block_ids(),
         generations: b.generations,
+        slice: None,
     }
 }
 

@@ -37,6 +37,48 @@ pub struct BlockSet {
     /// (ERROR_CODE_BLOCKS_RELEASED) when a block has moved on: its worker released it.
     #[prost(uint64, repeated, tag = "5")]
     pub generations: ::prost::alloc::vec::Vec<u64>,
+    /// Set: move only these heads of these tokens (both sides' regions carry
+    /// their KV geometry); unset: whole blocks.
+    #[prost(message, optional, tag = "6")]
+    pub slice: ::core::option::Option<HeadSlice>,
+}
+/// A head-sliced stream: for each layer, plane, chunk of chunk_tokens tokens,
+/// head in \[head_start, head_start + head_count), token in the chunk: one head
+/// of one token (of one block, for head-opaque blocks).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct HeadSlice {
+    #[prost(uint32, tag = "1")]
+    pub head_start: u32,
+    #[prost(uint32, tag = "2")]
+    pub head_count: u32,
+    #[prost(uint64, tag = "3")]
+    pub tokens: u64,
+    #[prost(uint32, tag = "4")]
+    pub chunk_tokens: u32,
+}
+/// What a region's blocks hold (sidecar.proto's KvGeometry), sent with a
+/// transfer's open so that the side accepting it compares before any byte moves.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct KvGeometry {
+    #[prost(string, tag = "1")]
+    pub model: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub dtype: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "3")]
+    pub element_bytes: u32,
+    #[prost(uint32, tag = "4")]
+    pub head_size: u32,
+    #[prost(uint32, tag = "5")]
+    pub model_kv_heads: u32,
+    #[prost(uint32, tag = "6")]
+    pub head_start: u32,
+    #[prost(uint32, tag = "7")]
+    pub heads: u32,
+    #[prost(uint32, tag = "8")]
+    pub tokens_per_block: u32,
+    /// 1 NHD, 2 HND, 3 head-opaque.
+    #[prost(uint32, tag = "9")]
+    pub interior: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Hello {
@@ -138,6 +180,10 @@ pub struct PushOpen {
     /// The sender can write straight into the destination (RDMA): answer with a Grant.
     #[prost(bool, tag = "6")]
     pub one_sided: bool,
+    /// The geometry of the sender's region, when it was registered with one:
+    /// the receiver refuses a mismatch with its own before any byte moves.
+    #[prost(message, optional, tag = "7")]
+    pub geometry: ::core::option::Option<KvGeometry>,
 }
 /// Receiver of the data asks the peer to send `source` in logical order.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -157,6 +203,9 @@ pub struct PullOpen {
     /// send the data after all (the reader lost its one-sided paths).
     #[prost(bool, tag = "6")]
     pub one_sided: bool,
+    /// The geometry of the puller's region, when it was registered with one.
+    #[prost(message, optional, tag = "7")]
+    pub geometry: ::core::option::Option<KvGeometry>,
 }
 /// Where one region lives on one rail's RDMA device: a remote peer may touch
 /// \[addr, addr + length) with rkey, and only the blocks of the granted transfer.
@@ -348,6 +397,9 @@ pub enum ErrorCode {
     /// A handshake refused because the dialing node already holds as many
     /// sessions here as the acceptor allows (each carrying transfers).
     TooManySessions = 13,
+    /// The two sides' KV geometries (model, dtype, heads, block size, layout)
+    /// cannot exchange these blocks, or a head slice does not fit a region.
+    IncompatibleLayout = 14,
 }
 impl ErrorCode {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -370,6 +422,7 @@ impl ErrorCode {
             Self::RegionTruncated => "ERROR_CODE_REGION_TRUNCATED",
             Self::BlocksReleased => "ERROR_CODE_BLOCKS_RELEASED",
             Self::TooManySessions => "ERROR_CODE_TOO_MANY_SESSIONS",
+            Self::IncompatibleLayout => "ERROR_CODE_INCOMPATIBLE_LAYOUT",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -389,6 +442,7 @@ impl ErrorCode {
             "ERROR_CODE_REGION_TRUNCATED" => Some(Self::RegionTruncated),
             "ERROR_CODE_BLOCKS_RELEASED" => Some(Self::BlocksReleased),
             "ERROR_CODE_TOO_MANY_SESSIONS" => Some(Self::TooManySessions),
+            "ERROR_CODE_INCOMPATIBLE_LAYOUT" => Some(Self::IncompatibleLayout),
             _ => None,
         }
     }
