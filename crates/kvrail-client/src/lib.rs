@@ -139,6 +139,7 @@ pub fn blocks(region_id: u64, layers: std::ops::Range<u32>, block_ids: Vec<u32>)
         layer_count: layers.end.saturating_sub(layers.start),
         block_ids,
         generations: Vec::new(),
+        slice: None,
     }
 }
 
@@ -223,7 +224,9 @@ impl Client {
         source: BlockRange,
         destination: BlockRange,
     ) -> Result<TransferAccepted, ClientError> {
-        if self.submit_path == SubmitPath::Ring {
+        // Ring slots carry whole-block selections; head slices go by gRPC.
+        let sliced = source.slice.is_some() || destination.slice.is_some();
+        if self.submit_path == SubmitPath::Ring && !sliced {
             let rings = self.rings.clone();
             let call = ring_submit::TransferCall {
                 op,
@@ -283,6 +286,20 @@ impl Client {
         layout: RegionLayout,
         expose_to_peers: bool,
     ) -> Result<u64, ClientError> {
+        self.register_with_geometry(worker_id, path, layout, None, expose_to_peers)
+            .await
+    }
+
+    /// Registers a shared file whose blocks hold one rank's shard of a
+    /// model's KV cache as `geometry` says (head-sliced transfers need it).
+    pub async fn register_with_geometry(
+        &mut self,
+        worker_id: &str,
+        path: &Path,
+        layout: RegionLayout,
+        geometry: Option<kvrail_proto::KvGeometry>,
+        expose_to_peers: bool,
+    ) -> Result<u64, ClientError> {
         let r = self
             .inner
             .register_region(RegisterRegionRequest {
@@ -291,6 +308,7 @@ impl Client {
                 layout: Some(layout),
                 expose_to_peers,
                 cuda_ipc: None,
+                geometry,
             })
             .await?;
         Ok(r.into_inner().region_id)
@@ -318,6 +336,7 @@ impl Client {
                     handle: ipc_handle.to_vec(),
                     device,
                 }),
+                geometry: None,
             })
             .await?;
         Ok(r.into_inner().region_id)

@@ -39,3 +39,44 @@ impl From<kvrail_core::RegionLayout> for v1::RegionLayout {
         }
     }
 }
+
+impl TryFrom<&v1::KvGeometry> for kvrail_core::KvGeometry {
+    type Error = String;
+
+    fn try_from(g: &v1::KvGeometry) -> Result<Self, String> {
+        use kvrail_core::BlockInterior as I;
+        let interior = match v1::BlockInterior::try_from(g.interior) {
+            Ok(v1::BlockInterior::Nhd) => I::Nhd,
+            Ok(v1::BlockInterior::Hnd) => I::Hnd,
+            Ok(v1::BlockInterior::HeadOpaque) => I::HeadOpaque,
+            _ => {
+                return Err(format!(
+                    "geometry: interior {} is not NHD (1), HND (2) or HEAD_OPAQUE (3)",
+                    g.interior
+                ))
+            }
+        };
+        Ok(Self {
+            model: g.model.clone(),
+            dtype: g.dtype.clone(),
+            element_bytes: g.element_bytes,
+            head_size: g.head_size,
+            model_kv_heads: g.model_kv_heads,
+            head_start: g.head_start,
+            heads: g.heads,
+            tokens_per_block: g.tokens_per_block,
+            interior,
+        })
+    }
+}
+
+impl From<&v1::HeadSlice> for kvrail_core::HeadSlice {
+    fn from(s: &v1::HeadSlice) -> Self {
+        Self {
+            head_start: s.head_start,
+            head_count: s.head_count,
+            tokens: s.tokens,
+            chunk_tokens: s.chunk_tokens,
+        }
+    }
+}

@@ -171,7 +171,7 @@ fn selection_of(b: &BlockRange) -> BlockSelection {
         layer_count: b.layer_count,
         block_ids: b.block_ids.clone(),
         generations: b.generations.clone(),
-        slice: None,
+        slice: b.slice.as_ref().map(kvrail_core::HeadSlice::from),
     }
 }
 
@@ -300,6 +300,19 @@ impl Sidecar for Api {
         let req = req.into_inner();
         require_text(&req.worker_id, "worker_id")?;
         let layout = RegionLayout::from(require(&req.layout, "layout")?);
+        let geometry = req
+            .geometry
+            .as_ref()
+            .map(kvrail_core::KvGeometry::try_from)
+            .transpose()
+            .map_err(Status::invalid_argument)?;
+        if let Some(g) = &geometry {
+            layout
+                .validate(u64::MAX)
+                .map_err(|e| Status::invalid_argument(format!("invalid layout: {e}")))?;
+            g.validate(&layout)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        }
         // Opening the file (path lookups a hung filesystem can stall), CUDA
         // set-up, the generations and RDMA pinning all block: on the blocking
         // pool, not on the runtime's few workers that serve everyone else.
@@ -333,7 +346,7 @@ impl Sidecar for Api {
             };
             let region = shared
                 .registry
-                .register(&worker_id, owner_pid, source, layout, exposed)
+                .register(&worker_id, owner_pid, source, layout, geometry, exposed)
                 .map_err(|e| match e {
                     RegisterError::Shm(s) => shm_status(&s),
                     RegisterError::Layout(l) => {

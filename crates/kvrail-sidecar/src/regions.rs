@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dashmap::DashMap;
-use kvrail_core::{LayoutError, RegionAccess, RegionDirectory, RegionLayout};
+use kvrail_core::{KvGeometry, LayoutError, RegionAccess, RegionDirectory, RegionLayout};
 use kvrail_cuda::{CudaError, DeviceMemory};
 use kvrail_shm::{SharedRegion, ShmError};
 
@@ -19,6 +19,8 @@ pub struct Region {
     /// are dropped when it exits.
     pub owner_pid: Option<i32>,
     pub layout: RegionLayout,
+    /// What the blocks hold, when the worker said (validated against the layout).
+    pub geometry: Option<Arc<KvGeometry>>,
     pub exposed: bool,
     pub memory: RegionMemory,
     /// Each block's generation: 1 at registration, one more each time the
@@ -177,6 +179,7 @@ impl Registry {
         owner_pid: Option<i32>,
         source: RegionSource<'_>,
         layout: RegionLayout,
+        geometry: Option<KvGeometry>,
         exposed: bool,
     ) -> Result<Arc<Region>, RegisterError> {
         let memory = match source {
@@ -216,6 +219,7 @@ impl Registry {
             worker_id: worker_id.to_string(),
             owner_pid,
             layout,
+            geometry: geometry.map(Arc::new),
             exposed,
             memory,
             generations: (0..layout.num_blocks).map(|_| AtomicU64::new(1)).collect(),
@@ -260,7 +264,7 @@ impl RegionDirectory for Registry {
             exposed: r.exposed,
             keys: Vec::new(),
             staged: r.memory.is_staged(),
-            geometry: None,
+            geometry: r.geometry.clone(),
         })
     }
 
@@ -298,6 +302,7 @@ mod tests {
                 None,
                 RegionSource::Shm(&path, caller),
                 layout(blocks),
+                None,
                 false,
             )
         };
@@ -317,7 +322,14 @@ mod tests {
         // A registration that fails otherwise (past the file's end) takes none.
         let too_big = RegionLayout::dense(1, 1, 30, 1 << 20);
         let failed = registry
-            .register("w", None, RegionSource::Shm(&path, caller), too_big, false)
+            .register(
+                "w",
+                None,
+                RegionSource::Shm(&path, caller),
+                too_big,
+                None,
+                false,
+            )
             .unwrap_err();
         assert!(
             matches!(failed, RegisterError::Layout(_) | RegisterError::Shm(_)),

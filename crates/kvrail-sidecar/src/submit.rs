@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvrail_core::{Access, BlockSelection, LocalTransfer, Plan};
+use kvrail_core::{Access, BlockSelection, LocalTransfer, Plan, PlanError};
 use kvrail_proto::{Failure, FailureSide, TransferAccepted, TransferState, TransferStatus};
 use tonic::Status;
 
@@ -37,6 +37,25 @@ pub fn require_text(value: &str, name: &str) -> Result<(), Status> {
 }
 
 /// Checks the peer-side selection as far as this side can: shape and duplicates.
+/// A head slice describes the one stream both sides map: given on either
+/// selection it applies to both; given on both it must be the same.
+fn share_slice(
+    mut local: BlockSelection,
+    mut remote: BlockSelection,
+) -> Result<(BlockSelection, BlockSelection), Status> {
+    match (local.slice, remote.slice) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(Status::invalid_argument(format!(
+                "the source and destination name different head slices ({a:?} and {b:?})"
+            )))
+        }
+        (Some(a), None) => remote.slice = Some(a),
+        (None, Some(b)) => local.slice = Some(b),
+        _ => {}
+    }
+    Ok((local, remote))
+}
+
 fn check_remote(
     sel: &BlockSelection,
     write: bool,
@@ -108,14 +127,33 @@ pub async fn start_transfer(
         Status::not_found(format!("unknown local region {}", local_sel.region_id))
     })?;
     let access = if push { Access::Read } else { Access::Write };
-    let plan = Plan::build(&region.layout, &local_sel, access)
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-    check_remote(
-        &remote_sel,
-        push,
-        local_sel.block_ids.len(),
-        local_sel.layer_count,
-    )?;
+    let (local_sel, remote_sel) = share_slice(local_sel, remote_sel)?;
+    let plan = Plan::build_for(
+        &region.layout,
+        region.geometry.as_deref(),
+        &local_sel,
+        access,
+    )
+    .map_err(|e| match e {
+        PlanError::NoGeometry | PlanError::Slice(_) | PlanError::Incompatible(_) => {
+            Status::failed_precondition(e.to_string())
+        }
+        e => Status::invalid_argument(e.to_string()),
+    })?;
+    if local_sel.slice.is_some() {
+        // The stream's length is compared by the peer when it plans its side.
+        let remote_access = if push { Access::Write } else { Access::Read };
+        remote_sel
+            .check_shape(remote_access)
+            .map_err(|e| Status::invalid_argument(format!("peer-side selection: {e}")))?;
+    } else {
+        check_remote(
+            &remote_sel,
+            push,
+            local_sel.block_ids.len(),
+            local_sel.layer_count,
+        )?;
+    }
 
     crate::trace_points::mark(crate::trace_points::START_CHECKED);
     let id = shared.next_transfer_id();
@@ -163,7 +201,7 @@ pub async fn start_transfer(
         local_layout: region.layout,
         remote: remote_sel,
         staged: region.memory.is_staged(),
-        local_geometry: None,
+        local_geometry: region.geometry.clone(),
     };
     let kind = if push { "push" } else { "pull" };
     metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);

@@ -23,6 +23,47 @@ pub struct RegionLayout {
     #[prost(uint64, tag = "8")]
     pub block_stride: u64,
 }
+/// One tensor-parallel rank's shard of a model's KV cache, per plane of a block.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct KvGeometry {
+    /// Model identity (name and revision) and the KV cache's dtype, compared verbatim.
+    #[prost(string, tag = "1")]
+    pub model: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub dtype: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "3")]
+    pub element_bytes: u32,
+    /// Elements of one head of one token.
+    #[prost(uint32, tag = "4")]
+    pub head_size: u32,
+    /// KV heads of the whole model; this region holds \[head_start, head_start + heads).
+    #[prost(uint32, tag = "5")]
+    pub model_kv_heads: u32,
+    #[prost(uint32, tag = "6")]
+    pub head_start: u32,
+    #[prost(uint32, tag = "7")]
+    pub heads: u32,
+    #[prost(uint32, tag = "8")]
+    pub tokens_per_block: u32,
+    #[prost(enumeration = "BlockInterior", tag = "9")]
+    pub interior: i32,
+}
+/// Move model heads \[head_start, head_start + head_count) of the first `tokens`
+/// tokens (the listed blocks hold exactly those), instead of whole blocks. Both
+/// sides map one stream: layer, plane, chunk of chunk_tokens tokens, head,
+/// token. chunk_tokens leaves the fewest runs at the larger tokens per block
+/// of the two sides, or 1 when both are NHD (docs/tensor-parallel.md).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct HeadSlice {
+    #[prost(uint32, tag = "1")]
+    pub head_start: u32,
+    #[prost(uint32, tag = "2")]
+    pub head_count: u32,
+    #[prost(uint64, tag = "3")]
+    pub tokens: u64,
+    #[prost(uint32, tag = "4")]
+    pub chunk_tokens: u32,
+}
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RegisterRegionRequest {
     /// Who owns the region; notifications about it go to this worker.
@@ -41,6 +82,12 @@ pub struct RegisterRegionRequest {
     /// region is the layout's extent from the handle's address.
     #[prost(message, optional, tag = "5")]
     pub cuda_ipc: ::core::option::Option<CudaIpcMemory>,
+    /// Optional: what the layout's blocks hold. Needed to move head slices
+    /// between ranks sharded differently; when both sides of a transfer carry
+    /// one, they are compared before any byte moves and a mismatch is refused
+    /// naming both values.
+    #[prost(message, optional, tag = "6")]
+    pub geometry: ::core::option::Option<KvGeometry>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct CudaIpcMemory {
@@ -83,6 +130,10 @@ pub struct BlockRange {
     /// transfer with code "blocks_released".
     #[prost(uint64, repeated, tag = "5")]
     pub generations: ::prost::alloc::vec::Vec<u64>,
+    /// Set on the source, the destination or both (then equal): move these
+    /// heads of these tokens; both regions must carry their geometry.
+    #[prost(message, optional, tag = "6")]
+    pub slice: ::core::option::Option<HeadSlice>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct BlockGenerationsRequest {
@@ -361,6 +412,42 @@ pub struct RemoveOnExitRequest {
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RemoveOnExitResponse {}
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum BlockInterior {
+    Unspecified = 0,
+    /// \[tokens, heads, head_size\] (vLLM's default).
+    Nhd = 1,
+    /// \[heads, tokens, head_size\].
+    Hnd = 2,
+    /// Each head's bytes contiguous in a kernel-specific order (vLLM's CPU
+    /// backend): heads can be sliced, tokens cannot.
+    HeadOpaque = 3,
+}
+impl BlockInterior {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "BLOCK_INTERIOR_UNSPECIFIED",
+            Self::Nhd => "BLOCK_INTERIOR_NHD",
+            Self::Hnd => "BLOCK_INTERIOR_HND",
+            Self::HeadOpaque => "BLOCK_INTERIOR_HEAD_OPAQUE",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "BLOCK_INTERIOR_UNSPECIFIED" => Some(Self::Unspecified),
+            "BLOCK_INTERIOR_NHD" => Some(Self::Nhd),
+            "BLOCK_INTERIOR_HND" => Some(Self::Hnd),
+            "BLOCK_INTERIOR_HEAD_OPAQUE" => Some(Self::HeadOpaque),
+            _ => None,
+        }
+    }
+}
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
 pub enum TransferState {
