@@ -189,7 +189,11 @@ async fn every_tp_pair_lands_the_reference_reshaping() {
             n += 1;
             // Alternate which side has the large blocks, which is HND, and
             // whether decode pulls or prefill pushes.
-            let (p_tpb, d_tpb) = if n.is_multiple_of(2) { (16, 64) } else { (64, 16) };
+            let (p_tpb, d_tpb) = if n.is_multiple_of(2) {
+                (16, 64)
+            } else {
+                (64, 16)
+            };
             let p_hnd = n % 4 < 2;
             let pull = (n / 2).is_multiple_of(2);
             let mut prefill = Vec::new();
