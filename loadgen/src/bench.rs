@@ -70,12 +70,15 @@ pub struct BenchArgs {
     /// (tcp) or perftest (rdma), and plan (host cost of building the RDMA work
     /// requests of the vLLM batch; needs no device and no sidecar), quic-floor
     /// (QUIC runs: the packet cipher's cost per byte and raw quinn's throughput
-    /// with kvrail's settings, what kvrail's QUIC is measured against).
+    /// with kvrail's settings, what kvrail's QUIC is measured against),
+    /// descriptors (a heterogeneous-TP hand-off of Llama-3.1-70B's KV,
+    /// prefill TP 8 -> decode TP 2 and 2 -> 8: NixlConnector-style
+    /// descriptors against kvrail's posts; no sidecar).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "iperf3,perftest,quic-floor,single,scattered,vllm,latency,plan",
-        value_parser = ["iperf3", "perftest", "quic-floor", "single", "scattered", "vllm", "latency", "plan"]
+        default_value = "iperf3,perftest,quic-floor,single,scattered,vllm,latency,plan,descriptors",
+        value_parser = ["iperf3", "perftest", "quic-floor", "single", "scattered", "vllm", "latency", "plan", "descriptors"]
     )]
     pub only: Vec<String>,
     /// Transports to measure, one after the other in this run, comma-separated.
@@ -85,6 +88,9 @@ pub struct BenchArgs {
     /// `--node-a`/`--node-b` with verbs (run it inside `shared/rdma-vm/run`).
     #[arg(long, value_delimiter = ',', default_value = "tcp,quic", value_parser = ["tcp", "quic", "rdma"])]
     pub transport: Vec<String>,
+    /// Tokens of the request the descriptors part hands off (blocks of 16).
+    #[arg(long, default_value_t = 32768)]
+    pub descriptor_tokens: u64,
     #[command(flatten)]
     pub nodes: RdmaNodes,
     /// RDMA: how many rails (the first N addresses of each node); perftest runs on
@@ -1060,9 +1066,13 @@ async fn run_at(args: BenchArgs) -> anyhow::Result<()> {
     if wants("plan") {
         let v = plan_cost(&vllm, args.slice_bytes)?;
         println!("{v}");
-        if args.only.iter().all(|o| o == "plan") {
-            return Ok(());
-        }
+    }
+    if wants("descriptors") {
+        let v = crate::descriptors::report(args.descriptor_tokens, 16, args.slice_bytes);
+        println!("{}", json!({"bench": "descriptors", "report": v}));
+    }
+    if args.only.iter().all(|o| o == "plan" || o == "descriptors") {
+        return Ok(());
     }
     let rdma = args.transport.iter().any(|t| t == "rdma");
     if rdma && args.transport.len() > 1 {

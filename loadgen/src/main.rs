@@ -4,6 +4,7 @@
 mod bench;
 mod cpu;
 mod demo;
+mod descriptors;
 mod gpu;
 mod model;
 mod perftest;
