@@ -375,3 +375,51 @@ def test_a_socket_served_by_another_user_is_refused():
         impostor.stdin.close()
         impostor.wait(timeout=10)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_head_slices_move_between_ranks_sharded_differently(pair):
+    """Prefill at TP 2 (one KV head per rank), decode at TP 1 (both heads),
+    vLLM CPU-style blocks ([heads, tokens, K and V]): the decode rank pulls
+    each head from the rank that holds it, and its blocks equal the two
+    ranks' blocks joined head by head. A mismatched dtype is refused before
+    anything moves, naming both values."""
+    tpb, head_size, kv_heads = 16, 64, 2
+
+    def geometry(tp: int, rank: int, dtype: str = "float16") -> kvrail.KvGeometry:
+        heads = kvrail.rank_heads(kv_heads, tp, rank)
+        return kvrail.KvGeometry(
+            "test/model", dtype, 2, head_size, kv_heads, heads.start, len(heads), tpb, "head_opaque"
+        )
+
+    ranks = [HostKvCache(pair.shm(f"p{r}"), 2, 8, (1, tpb, head_size), np.float16, "mla") for r in range(2)]
+    dst = HostKvCache(pair.shm("d"), 2, 8, (2, tpb, head_size), np.float16, "mla")
+    src_ids, dst_ids = [6, 1, 3], [2, 7, 0]
+    with Client(pair.prefill.socket, "p") as p, Client(pair.decode.socket, "d") as d:
+        regions = [
+            p.register_shm(kv.path, kv.layout, expose=True, geometry=geometry(2, r)) for r, kv in enumerate(ranks)
+        ]
+        rng = np.random.default_rng(10)
+        for kv in ranks:
+            for layer in kv.layers:
+                for b in src_ids:
+                    layer[b] = rng.integers(0, 1 << 16, size=layer[b].shape, dtype=np.uint16).view(np.float16)
+        did = d.register_shm(dst.path, dst.layout, geometry=geometry(1, 0))
+        sources = kvrail.head_sources(range(0, 2), [geometry(2, r).head_range for r in range(2)])
+        assert sources == [(0, range(0, 1)), (1, range(1, 2))]
+        for src, heads in sources:
+            cut = kvrail.HeadSlice(heads.start, len(heads), len(src_ids) * tpb, tpb)
+            t = d.pull(f"tp-{src}", "prefill", Blocks(regions[src], src_ids, 0, 2, slice=cut), Blocks(did, dst_ids, 0, 2))
+            assert d.wait(t, timeout=20).state == "DONE"
+        for layer in range(2):
+            for s, t_ in zip(src_ids, dst_ids):
+                joined = np.concatenate([ranks[0].layers[layer][s], ranks[1].layers[layer][s]])
+                assert np.array_equal(dst.layers[layer][t_].view(np.uint16), joined.view(np.uint16))
+        # Another dtype on the decode side: refused by the prefill's sidecar.
+        other = HostKvCache(pair.shm("o"), 2, 8, (2, tpb, head_size), np.float16, "mla")
+        oid = d.register_shm(other.path, other.layout, geometry=geometry(1, 0, dtype="bfloat16"))
+        cut = kvrail.HeadSlice(0, 1, len(src_ids) * tpb, tpb)
+        t = d.pull("tp-bad", "prefill", Blocks(regions[0], src_ids, 0, 2, slice=cut), Blocks(oid, dst_ids, 0, 2))
+        with pytest.raises(kvrail.TransferFailed) as e:
+            d.wait(t, timeout=20)
+        assert "float16 here and bfloat16 on the peer" in str(e.value), e.value
+        assert not other.memory.array.any()

@@ -79,12 +79,31 @@ def _proc_stat(pid: int) -> list[str] | None:
 class Engine:
     """One vLLM OpenAI API server with kvrail's connector."""
 
-    def __init__(self, dir: Path, model: Path, role: str, socket: Path, core: int, mode: str) -> None:
+    def __init__(
+        self,
+        dir: Path,
+        model: Path,
+        role: str,
+        socket: Path,
+        core: int,
+        mode: str,
+        tp: int = 1,
+        extra_args: tuple[str, ...] = (),
+        name: str | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = dir / f"vllm-{role}.log"
-        self.worker_id = f"vllm-{role}"
+        name = name or role
+        self.log_path = dir / f"vllm-{name}.log"
+        self.worker_id = f"vllm-{name}"
         self.region_table = dir / f"{self.worker_id}-regions.json"
+        self.tp = tp
+        #: Each rank's published table (the engine's own path at TP 1).
+        self.region_tables = (
+            [self.region_table]
+            if tp == 1
+            else [self.region_table.with_name(f"{self.region_table.stem}.tp{r}.json") for r in range(tp)]
+        )
         kv_config = {
             "kv_connector": "KvrailConnector",
             "kv_load_failure_policy": LOAD_FAILURE_POLICY[mode],
@@ -102,7 +121,8 @@ class Engine:
         env = dict(os.environ)
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=str(core % (os.cpu_count() or 1)),
+            # One core per rank (vLLM's CPU backend binds each TP rank's threads).
+            VLLM_CPU_OMP_THREADS_BIND="|".join(str((core + r) % (os.cpu_count() or 1)) for r in range(tp)),
             VLLM_ENABLE_V1_MULTIPROCESSING="1",
         )
         args = [
@@ -114,6 +134,8 @@ class Engine:
             "--max-model-len", "2048",
             "--max-num-seqs", "8",
             "--kv-transfer-config", json.dumps(kv_config),
+            "--tensor-parallel-size", str(tp),
+            *extra_args,
         ]  # fmt: skip
         if role == "prefill":
             # Long prompts are prefilled in chunks of 256 tokens, over several
@@ -238,7 +260,7 @@ def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
         def left() -> list[Path]:
             files = [f for pid in pids for f in Path("/dev/shm").glob(f"kvrail-adopted-{pid}-*")]
-            return files + [e.region_table for e in engines if e.region_table.exists()]
+            return files + [t for e in engines for t in e.region_tables if t.exists()]
 
         # A stopped engine (vLLM kills its workers with SIGKILL) leaves
         # neither its adopted KV-cache files nor its region table behind: its

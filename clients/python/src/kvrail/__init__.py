@@ -29,6 +29,7 @@ from .errors import (
     Timeout,
     TransferFailed,
 )
+from .geometry import HeadSlice, KvGeometry, chunk_tokens, head_sources, rank_heads
 from .layout import KvLayout, Layout, PagedLayout, paged_layout
 from .memory import (
     AdoptedMemory,
@@ -56,7 +57,12 @@ __all__ = [
     "CudaIpc",
     "Failure",
     "FailedPrecondition",
+    "HeadSlice",
     "HostKvCache",
+    "KvGeometry",
+    "chunk_tokens",
+    "head_sources",
+    "rank_heads",
     "InvalidArgument",
     "KvLayout",
     "KvrailError",

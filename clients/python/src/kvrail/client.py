@@ -21,6 +21,7 @@ from .errors import (
     TransferFailed,
     from_status,
 )
+from .geometry import HeadSlice, KvGeometry
 from .layout import KvLayout, Layout
 from .memory import CudaIpc, HostKvCache, describe
 from .v1 import sidecar_pb2 as pb
@@ -56,15 +57,21 @@ class Blocks:
     #: Empty, or one per block: the generation each block must still be at
     #: (from ``Client.block_generations`` on the region's side; 0 = any).
     generations: Sequence[int] = ()
+    #: Move only these heads of these tokens (both regions registered with
+    #: their :class:`KvGeometry`); None: whole blocks.
+    slice: HeadSlice | None = None
 
     def to_proto(self) -> pb.BlockRange:
-        return pb.BlockRange(
+        r = pb.BlockRange(
             region_id=self.region_id,
             layer_start=self.layer_start,
             layer_count=self.layer_count,
             block_ids=list(self.block_ids),
             generations=list(self.generations),
         )
+        if self.slice is not None:
+            r.slice.CopyFrom(self.slice.to_proto())
+        return r
 
 
 @dataclass(frozen=True)
@@ -375,45 +382,59 @@ class Client:
     # Regions -------------------------------------------------------------
 
     def register_shm(
-        self, path: str | os.PathLike[str], layout: Layout, *, expose: bool = False
+        self,
+        path: str | os.PathLike[str],
+        layout: Layout,
+        *,
+        expose: bool = False,
+        geometry: KvGeometry | None = None,
     ) -> int:
-        """Registers a shared-memory file; returns the region id."""
-        r = self._call(
-            self._stub.RegisterRegion,
-            pb.RegisterRegionRequest(
-                worker_id=self.worker_id,
-                shm_path=str(path),
-                layout=layout.to_proto(),
-                expose_to_peers=expose,
-            ),
+        """Registers a shared-memory file (with what its blocks hold, for
+        head-sliced transfers); returns the region id."""
+        req = pb.RegisterRegionRequest(
+            worker_id=self.worker_id,
+            shm_path=str(path),
+            layout=layout.to_proto(),
+            expose_to_peers=expose,
         )
+        if geometry is not None:
+            req.geometry.CopyFrom(geometry.to_proto())
+        r = self._call(self._stub.RegisterRegion, req)
         return int(r.region_id)
 
     def register_kv_cache(self, kv: HostKvCache, *, expose: bool = False) -> int:
         """Registers a :class:`HostKvCache`; returns the region id."""
         return self.register_shm(kv.path, kv.layout, expose=expose)
 
-    def register_cuda(self, ipc: CudaIpc, layout: Layout, *, expose: bool = False) -> int:
+    def register_cuda(
+        self, ipc: CudaIpc, layout: Layout, *, expose: bool = False, geometry: KvGeometry | None = None
+    ) -> int:
         """Registers GPU memory by CUDA IPC handle (``layout.base_offset`` counts
         from the allocation's start); returns the region id."""
-        r = self._call(
-            self._stub.RegisterRegion,
-            pb.RegisterRegionRequest(
-                worker_id=self.worker_id,
-                layout=layout.to_proto(),
-                expose_to_peers=expose,
-                cuda_ipc=pb.CudaIpcMemory(handle=ipc.handle, device=ipc.device),
-            ),
+        req = pb.RegisterRegionRequest(
+            worker_id=self.worker_id,
+            layout=layout.to_proto(),
+            expose_to_peers=expose,
+            cuda_ipc=pb.CudaIpcMemory(handle=ipc.handle, device=ipc.device),
         )
+        if geometry is not None:
+            req.geometry.CopyFrom(geometry.to_proto())
+        r = self._call(self._stub.RegisterRegion, req)
         return int(r.region_id)
 
     def register_layers(
-        self, layers: Sequence[Any], kv_layout: KvLayout | None = None, *, expose: bool = False
+        self,
+        layers: Sequence[Any],
+        kv_layout: KvLayout | None = None,
+        *,
+        expose: bool = False,
+        geometry: KvGeometry | None = None,
     ) -> list[tuple[int, int, int, Layout]]:
         """Registers per-layer KV tensors (host tensors in kvrail shared memory, or
         torch CUDA tensors): one region when the layers are evenly spaced in one
-        allocation, else one per layer. Returns (region id, first layer, layer
-        count, layout) per region, in layer order."""
+        allocation, else one per layer, each with ``geometry`` when given.
+        Returns (region id, first layer, layer count, layout) per region, in
+        layer order."""
         try:
             groups = [(0, len(layers), describe(layers, kv_layout))]
         except LayersNotEvenlySpaced:
@@ -421,9 +442,9 @@ class Client:
         out = []
         for start, count, (paged, memory) in groups:
             if isinstance(memory, CudaIpc):
-                rid = self.register_cuda(memory, paged.layout, expose=expose)
+                rid = self.register_cuda(memory, paged.layout, expose=expose, geometry=geometry)
             else:
-                rid = self.register_shm(memory, paged.layout, expose=expose)
+                rid = self.register_shm(memory, paged.layout, expose=expose, geometry=geometry)
             out.append((rid, start, count, paged.layout))
         return out
 
@@ -463,7 +484,9 @@ class Client:
         return self._transfer(False, request_id, peer, source, destination)
 
     def _transfer(self, push: bool, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
-        if self.submit_path == "ring":
+        # Ring slots carry whole-block selections: head slices go by gRPC.
+        sliced = source.slice is not None or destination.slice is not None
+        if self.submit_path == "ring" and not sliced:
             t = self._ring_transfer(push, request_id, peer, source, destination)
             if t is not None:
                 return t

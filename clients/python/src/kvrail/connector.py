@@ -49,7 +49,8 @@ from .client import (
     Notifications,
 )
 from .errors import KvrailError, SidecarUnavailable
-from .memory import AdoptedMemory, adopt_tensor, shm_dir, sweep_adopted_files
+from .geometry import HeadSlice, KvGeometry, chunk_tokens, head_sources, rank_heads
+from .memory import AdoptedMemory, adopt_tensor, describe, shm_dir, sweep_adopted_files
 
 log = logging.getLogger("kvrail.connector")
 T = TypeVar("T")
@@ -120,6 +121,10 @@ class RemoteBlocks:
     #: Why this load cannot happen (the scheduler could not grant the
     #: blocks): the worker fails it at once. Empty: it can.
     failure: str = ""
+    #: Every tensor-parallel rank of the remote engine: {"worker", "regions",
+    #: "geometry"} (empty from an engine that does not publish them: rank 0's
+    #: regions are ``remote_regions``).
+    remote_ranks: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_params(
@@ -134,6 +139,7 @@ class RemoteBlocks:
             [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
             params["remote_request_id"],
             dict(params.get("remote_generations") or {}),
+            remote_ranks=list(params.get("remote_ranks") or []),
         )
 
 
@@ -316,6 +322,78 @@ def _overlaps(a: RegionTable, b: RegionTable) -> list[tuple[int, int, int, int, 
             if lo < hi:
                 out.append((ra, lo - sa, rb, lo - sb, hi - lo))
     return out
+
+
+def _tensor_parallel(vllm_config: Any) -> tuple[int, int]:
+    """(this process's tensor-parallel rank, the TP size). The scheduler's
+    process has no rank (0)."""
+    size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+    if size <= 1:
+        return 0, 1
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), size
+    except Exception:  # noqa: BLE001 - not a worker process (no TP group)
+        return 0, size
+
+
+def _rank_path(path: Path, rank: int, size: int) -> Path:
+    """Rank ``rank``'s file of a per-engine path (the path itself at TP 1)."""
+    return path if size <= 1 else path.with_name(f"{path.stem}.tp{rank}{path.suffix}")
+
+
+def _kv_geometry(vllm_config: Any, tensor: Any, rank: int, size: int, model: str | None) -> KvGeometry | None:
+    """What this rank's blocks hold, from vLLM 0.32's 4-D per-layer cache
+    ``[blocks, heads, tokens, K and V]`` (in its stride order) and the model
+    config; None for caches of another shape (MLA, older vLLM)."""
+    shape = tuple(int(x) for x in getattr(tensor, "shape", ()))
+    mc = getattr(vllm_config, "model_config", None)
+    if len(shape) != 4 or mc is None:
+        return None
+    total = int(mc.get_total_num_kv_heads())
+    heads = rank_heads(total, size, rank)
+    if len(heads) != shape[1]:
+        log.warning("kvrail: %d KV heads in the cache, %d expected for rank %d of %d", shape[1], len(heads), rank, size)
+        return None
+    strides = tuple(int(x) for x in tensor.stride())
+    if tensor.device.type == "cpu":
+        # The CPU backend packs each head's K (transposed, per ISA) and V.
+        interior = "head_opaque"
+    else:
+        interior = "hnd" if strides[1] > strides[2] else "nhd"
+    return KvGeometry(
+        model=model or str(getattr(mc, "model", "")),
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        element_bytes=int(tensor.element_size()),
+        head_size=shape[3],
+        model_kv_heads=total,
+        head_start=heads.start,
+        heads=len(heads),
+        tokens_per_block=shape[2],
+        interior=interior,  # type: ignore[arg-type]
+    )
+
+
+def _geometry_mismatch(mine: KvGeometry, theirs: KvGeometry) -> str:
+    """Why this rank cannot take heads from ``theirs`` (empty: it can): the
+    sidecars refuse these too, before any byte moves; said here first with
+    the engine's words."""
+    for name in ("model", "dtype", "element_bytes", "head_size", "model_kv_heads"):
+        a, b = getattr(mine, name), getattr(theirs, name)
+        if a != b:
+            return f"{name} is {a} here and {b} on the prefill engine"
+    if "head_opaque" in (mine.interior, theirs.interior) and mine.tokens_per_block != theirs.tokens_per_block:
+        return (
+            f"tokens per block is {mine.tokens_per_block} here and {theirs.tokens_per_block} on the "
+            "prefill engine (its blocks cannot be re-cut by token)"
+        )
+    if mine.tokens_per_block != theirs.tokens_per_block:
+        return (
+            f"tokens per block is {mine.tokens_per_block} here and {theirs.tokens_per_block} on the "
+            "prefill engine (the connector pairs blocks one for one)"
+        )
+    return ""
 
 
 try:  # pragma: no cover - vLLM 0.32 and newer
@@ -519,10 +597,22 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if self.mode not in ("pull", "push"):
             raise KvrailError(f"mode must be 'pull' or 'push', not {self.mode!r}")
         engine = str(getattr(cfg, "engine_id", None) or "0")
-        self.worker_id: str = extra.get("worker_id", f"vllm-{engine}")
-        self.region_table_path = Path(
-            extra.get("region_table", shm_dir() / f"kvrail-{self.worker_id}-regions.json")
+        self.engine_worker_id: str = extra.get("worker_id", f"vllm-{engine}")
+        self.tp_rank, self.tp_size = _tensor_parallel(vllm_config)
+        self._vllm_config = vllm_config
+        #: Model identity compared with the other engine's (default: the
+        #: model as vLLM was given it).
+        self.model_id: str | None = extra.get("model_id")
+        # Each TP rank is a worker of its own; the scheduler speaks for the engine.
+        self.worker_id: str = (
+            f"{self.engine_worker_id}-tp{self.tp_rank}"
+            if role == KVConnectorRole.WORKER and self.tp_size > 1
+            else self.engine_worker_id
         )
+        self.engine_table_path = Path(
+            extra.get("region_table", shm_dir() / f"kvrail-{self.engine_worker_id}-regions.json")
+        )
+        self.region_table_path = _rank_path(self.engine_table_path, self.tp_rank, self.tp_size)
         self.timeout_s = float(extra.get("timeout_s", 120.0))
         self.kv_layout = extra.get("kv_layout")
         stats_path = extra.get("stats_path")
@@ -568,7 +658,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     # ------------------------------------------------------------------
 
     def _region_table(self) -> dict[str, Any]:
-        """What the worker published when it registered its KV caches."""
+        """What the worker (rank 0's, with tensor parallelism) published when
+        it registered its KV caches."""
         try:
             return json.loads(self.region_table_path.read_text())
         except (OSError, ValueError) as e:
@@ -579,6 +670,18 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     def _regions(self) -> RegionTable:
         """The regions the worker registered, as it published them."""
         return [tuple(r) for r in self._region_table()["regions"]]  # type: ignore[misc]
+
+    def _rank_tables(self) -> list[dict[str, Any]]:
+        """Every TP rank's published regions and geometry, rank by rank."""
+        out = []
+        for rank in range(self.tp_size):
+            path = _rank_path(self.engine_table_path, rank, self.tp_size)
+            try:
+                t = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise KvrailError(f"no region table at {path} (has rank {rank} registered its KV caches?): {e}") from None
+            out.append({"worker": t.get("worker_id"), "regions": t["regions"], "geometry": t.get("geometry")})
+        return out
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -838,6 +941,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             "do_remote_decode": False,
             "remote_node": self.node,
             "remote_regions": self._regions(),
+            "remote_ranks": self._rank_tables(),
             "remote_block_ids": list(block_ids),
             "remote_request_id": rid,
         }
@@ -859,6 +963,11 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         w.layer_names = list(kv_caches)
         w.tensors = list(kv_caches.values())
         w.kv_layout = self.kv_layout or _vllm_kv_layout(w.tensors[0])
+        w.geometry = _kv_geometry(self._vllm_config, w.tensors[0], self.tp_rank, self.tp_size, self.model_id)
+        if w.geometry is None and self.tp_size > 1:
+            raise KvrailError(
+                f"tensor parallelism needs the KV geometry, which this cache ({tuple(w.tensors[0].shape)}) does not give"
+            )
         sweep_adopted_files()
         for t in _distinct_host_storages(w.tensors):
             w.adopted.append(adopt_tensor(t))
@@ -868,13 +977,26 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         """Registers the KV caches with ``client``'s sidecar, publishes the
         region table the scheduler reads, and returns it."""
         w = self._work
-        regions = client.register_layers(w.tensors, w.kv_layout, expose=self.mode == "pull")
+        regions = client.register_layers(w.tensors, w.kv_layout, expose=self.mode == "pull", geometry=w.geometry)
         table = [(rid, start, count) for rid, start, count, _ in regions]
         layout = regions[0][3]
         w.block_bytes, w.planes = layout.block_bytes, layout.planes_per_layer
         tmp = self.region_table_path.with_suffix(".tmp")
         tmp.write_text(
-            json.dumps({"node": self.node, "worker_id": self.worker_id, "layers": w.layer_names, "regions": table})
+            json.dumps(
+                {
+                    "node": self.node,
+                    "worker_id": self.worker_id,
+                    "tp_rank": self.tp_rank,
+                    "tp_size": self.tp_size,
+                    "layers": w.layer_names,
+                    "regions": table,
+                    "geometry": w.geometry.to_json() if w.geometry is not None else None,
+                    # Where each region's bytes are (host memory), for tools
+                    # that read a rank's blocks back.
+                    "region_memory": self._region_memory(regions),
+                }
+            )
         )
         tmp.replace(self.region_table_path)  # readers never see half a file
         # vLLM kills its workers with SIGKILL at shutdown: the sidecar removes
@@ -885,6 +1007,19 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         except KvrailError as e:
             log.warning("kvrail: the sidecar will not remove %s at exit: %s", files, e)
         return table
+
+    def _region_memory(self, regions: list[tuple[int, int, int, Any]]) -> list[dict[str, Any]]:
+        """Per host region: its file and layout (empty for GPU caches)."""
+        w = self._work
+        out = []
+        for rid, start, count, layout in regions:
+            try:
+                _, memory = describe(w.tensors[start : start + count], w.kv_layout)
+            except KvrailError:
+                continue
+            if isinstance(memory, Path):
+                out.append({"region": rid, "path": str(memory), "layout": dict(layout.__dict__)})
+        return out
 
     def _reconnected(self, client: Client) -> None:
         """A new sidecar answers (the old one restarted; this runs in the
@@ -959,6 +1094,64 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             except OSError as e:
                 log.warning("kvrail: removing %s: %s", path, e)
 
+    def _plan_pulls(self, rid: str, spec: RemoteBlocks) -> list[tuple[str, Blocks, Blocks]]:
+        """The pulls that bring this rank the heads it holds of ``spec``'s
+        blocks: (name, source, destination). Each prefill rank holding some
+        of them is read once per region overlap, whole blocks when its shard
+        is this rank's, else the heads both hold (a head slice). Pulls are
+        named ``#i/n`` with ``n`` what each prefill rank serves to all decode
+        ranks together, so that it frees the blocks once all were served."""
+        w = self._work
+        ranks = spec.remote_ranks or [{"regions": spec.remote_regions, "geometry": None}]
+        geometries = [KvGeometry.from_json(r["geometry"]) if r.get("geometry") else None for r in ranks]
+        mine = w.geometry
+        overlaps = [_overlaps([tuple(x) for x in r["regions"]], w.regions) for r in ranks]
+        if mine is None or any(g is None for g in geometries):
+            if len(ranks) != 1 or self.tp_size != 1:
+                raise KvrailError(f"{rid}: tensor-parallel engines must both publish their KV geometry")
+            per_rank: list[list[tuple[int, range | None]]] = [[(0, None)]]  # whole blocks of rank 0
+        else:
+            held = [g.head_range for g in geometries]  # type: ignore[union-attr]
+            per_rank = []
+            for dr in range(self.tp_size):
+                want = rank_heads(mine.model_kv_heads, self.tp_size, dr)
+                sources = head_sources(want, held)
+                if sum(len(h) for _, h in sources) != len(want):
+                    raise KvrailError(f"{rid}: the prefill engine's ranks hold heads {held}, not all of {want}")
+                per_rank.append(sources)
+        # Index each pull among everything its prefill rank serves.
+        served = [0] * len(ranks)
+        mine_first: dict[tuple[int, int], int] = {}
+        for dr, sources in enumerate(per_rank):
+            for k, (src, _) in enumerate(sources):
+                if dr == self.tp_rank:
+                    mine_first[(src, k)] = served[src]
+                served[src] += len(overlaps[src])
+        out = []
+        tpb = mine.tokens_per_block if mine is not None else 0
+        for k, (src, heads) in enumerate(per_rank[self.tp_rank]):
+            theirs = geometries[src]
+            head_slice = None
+            if mine is not None and theirs is not None and theirs != mine:
+                why = _geometry_mismatch(mine, theirs)
+                if why:
+                    raise KvrailError(f"{rid}: cannot take the prefill engine's KV: {why}")
+                assert heads is not None
+                head_slice = HeadSlice(
+                    heads.start, len(heads), len(spec.local_block_ids) * tpb, chunk_tokens(theirs, mine)
+                )
+            for j, (src_region, src_layer, dst, dst_layer, count) in enumerate(overlaps[src]):
+                index = mine_first[(src, k)] + j
+                name = f"{spec.remote_request_id}@{rid}#{index}/{served[src]}"
+                out.append(
+                    (
+                        name,
+                        Blocks(src_region, spec.remote_block_ids, src_layer, count, slice=head_slice),
+                        Blocks(dst, spec.local_block_ids, dst_layer, count),
+                    )
+                )
+        return out
+
     @_timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         w = self._work
@@ -978,18 +1171,15 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 w.push_expected[rid] = len(w.layer_names)
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
                 continue
-            pairs = _overlaps(spec.remote_regions, w.regions)
-            for i, (src, src_layer, dst, dst_layer, count) in enumerate(pairs):
-                # "#i/n": the prefill side frees its blocks once all n pulls
-                # were served, however many blocks the local cache spared.
-                name = f"{spec.remote_request_id}@{rid}#{i}/{len(pairs)}"
+            try:
+                pulls = self._plan_pulls(rid, spec)
+            except KvrailError as e:
+                log.error("kvrail: %s", e)
+                w.fail_load(rid, str(e))
+                continue
+            for name, source, dest in pulls:
                 try:
-                    t = client.pull(
-                        name,
-                        spec.remote_node,
-                        Blocks(src, spec.remote_block_ids, src_layer, count),
-                        Blocks(dst, spec.local_block_ids, dst_layer, count),
-                    )
+                    t = client.pull(name, spec.remote_node, source, dest)
                 except KvrailError as e:
                     log.error("kvrail: pull for %s refused: %s", rid, e)
                     if _sidecar_gone(e):
@@ -1159,8 +1349,11 @@ class _Reads:
     first_seen: float = 0.0
 
     def complete(self, expected_bytes: int) -> bool:
-        all_parts = self.total_parts is not None and len(self.parts) >= self.total_parts
-        return self.bytes >= expected_bytes or all_parts
+        # Named parts decide: decode ranks reading head slices (replicated
+        # heads read by several) add up to other byte counts.
+        if self.total_parts is not None:
+            return len(self.parts) >= self.total_parts
+        return self.bytes >= expected_bytes
 
 
 class _WorkerState:
@@ -1172,6 +1365,8 @@ class _WorkerState:
         self.layer_names: list[str] = []
         self.tensors: list[Any] = []
         self.kv_layout: str | None = None
+        #: What this rank's blocks hold (None where the cache does not say).
+        self.geometry: KvGeometry | None = None
         #: Host memory moved under shared-memory files (removed at exit).
         self.adopted: list[AdoptedMemory] = []
         self.regions: RegionTable = []

@@ -6,6 +6,13 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class BlockInterior(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_INTERIOR_UNSPECIFIED: _ClassVar[BlockInterior]
+    BLOCK_INTERIOR_NHD: _ClassVar[BlockInterior]
+    BLOCK_INTERIOR_HND: _ClassVar[BlockInterior]
+    BLOCK_INTERIOR_HEAD_OPAQUE: _ClassVar[BlockInterior]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -32,6 +39,10 @@ class NotificationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOTIFICATION_KIND_PULL_SERVED: _ClassVar[NotificationKind]
     NOTIFICATION_KIND_FAILED: _ClassVar[NotificationKind]
     NOTIFICATION_KIND_MESSAGE: _ClassVar[NotificationKind]
+BLOCK_INTERIOR_UNSPECIFIED: BlockInterior
+BLOCK_INTERIOR_NHD: BlockInterior
+BLOCK_INTERIOR_HND: BlockInterior
+BLOCK_INTERIOR_HEAD_OPAQUE: BlockInterior
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_QUEUED: TransferState
 TRANSFER_STATE_IN_FLIGHT: TransferState
@@ -71,19 +82,55 @@ class RegionLayout(_message.Message):
     block_stride: int
     def __init__(self, num_layers: _Optional[int] = ..., planes_per_layer: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., base_offset: _Optional[int] = ..., layer_stride: _Optional[int] = ..., plane_stride: _Optional[int] = ..., block_stride: _Optional[int] = ...) -> None: ...
 
+class KvGeometry(_message.Message):
+    __slots__ = ("model", "dtype", "element_bytes", "head_size", "model_kv_heads", "head_start", "heads", "tokens_per_block", "interior")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    INTERIOR_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    element_bytes: int
+    head_size: int
+    model_kv_heads: int
+    head_start: int
+    heads: int
+    tokens_per_block: int
+    interior: BlockInterior
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., element_bytes: _Optional[int] = ..., head_size: _Optional[int] = ..., model_kv_heads: _Optional[int] = ..., head_start: _Optional[int] = ..., heads: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., interior: _Optional[_Union[BlockInterior, str]] = ...) -> None: ...
+
+class HeadSlice(_message.Message):
+    __slots__ = ("head_start", "head_count", "tokens", "chunk_tokens")
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    head_start: int
+    head_count: int
+    tokens: int
+    chunk_tokens: int
+    def __init__(self, head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("worker_id", "shm_path", "layout", "expose_to_peers", "cuda_ipc")
+    __slots__ = ("worker_id", "shm_path", "layout", "expose_to_peers", "cuda_ipc", "geometry")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     EXPOSE_TO_PEERS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shm_path: str
     layout: RegionLayout
     expose_to_peers: bool
     cuda_ipc: CudaIpcMemory
-    def __init__(self, worker_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., layout: _Optional[_Union[RegionLayout, _Mapping]] = ..., expose_to_peers: bool = ..., cuda_ipc: _Optional[_Union[CudaIpcMemory, _Mapping]] = ...) -> None: ...
+    geometry: KvGeometry
+    def __init__(self, worker_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., layout: _Optional[_Union[RegionLayout, _Mapping]] = ..., expose_to_peers: bool = ..., cuda_ipc: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ...) -> None: ...
 
 class CudaIpcMemory(_message.Message):
     __slots__ = ("handle", "device")
@@ -112,18 +159,20 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockRange(_message.Message):
-    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids", "generations")
+    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids", "generations", "slice")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
     region_id: int
     layer_start: int
     layer_count: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    slice: HeadSlice
+    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., slice: _Optional[_Union[HeadSlice, _Mapping]] = ...) -> None: ...
 
 class BlockGenerationsRequest(_message.Message):
     __slots__ = ("region_id", "block_ids")
