@@ -599,6 +599,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         engine = str(getattr(cfg, "engine_id", None) or "0")
         self.engine_worker_id: str = extra.get("worker_id", f"vllm-{engine}")
         self.tp_rank, self.tp_size = _tensor_parallel(vllm_config)
+        if self.mode == "push" and self.tp_size > 1:
+            # Each prefill rank would have to push the heads each decode rank
+            # holds; not built yet: refused rather than moving wrong heads.
+            raise KvrailError(
+                f"mode 'push' with tensor parallelism ({self.tp_size} ranks) is not supported yet: use mode 'pull'"
+            )
         self._vllm_config = vllm_config
         #: Model identity compared with the other engine's (default: the
         #: model as vLLM was given it).
