@@ -73,12 +73,14 @@ pub struct BenchArgs {
     /// with kvrail's settings, what kvrail's QUIC is measured against),
     /// descriptors (a heterogeneous-TP hand-off of Llama-3.1-70B's KV,
     /// prefill TP 8 -> decode TP 2 and 2 -> 8: NixlConnector-style
-    /// descriptors against kvrail's posts; no sidecar).
+    /// descriptors against kvrail's posts; no sidecar), tp (not by default:
+    /// heterogeneous pushes, TP 2 -> 1 and 1 -> 2 of emulated ranks, against
+    /// the homogeneous push of the same bytes, in alternating rounds).
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "iperf3,perftest,quic-floor,single,scattered,vllm,latency,plan,descriptors",
-        value_parser = ["iperf3", "perftest", "quic-floor", "single", "scattered", "vllm", "latency", "plan", "descriptors"]
+        value_parser = ["iperf3", "perftest", "quic-floor", "single", "scattered", "vllm", "latency", "plan", "descriptors", "tp"]
     )]
     pub only: Vec<String>,
     /// Transports to measure, one after the other in this run, comma-separated.
@@ -88,6 +90,9 @@ pub struct BenchArgs {
     /// `--node-a`/`--node-b` with verbs (run it inside `shared/rdma-vm/run`).
     #[arg(long, value_delimiter = ',', default_value = "tcp,quic", value_parser = ["tcp", "quic", "rdma"])]
     pub transport: Vec<String>,
+    /// Rounds of the tp part (each moves at least 1 GiB per pattern).
+    #[arg(long, default_value_t = 5)]
+    pub tp_rounds: usize,
     /// Tokens of the request the descriptors part hands off (blocks of 16).
     #[arg(long, default_value_t = 32768)]
     pub descriptor_tokens: u64,
@@ -1058,6 +1063,11 @@ async fn run_at(args: BenchArgs) -> anyhow::Result<()> {
     let file_bytes = max_single
         .max(layout_extent(&scattered_layout))
         .max(layout_extent(&vllm_layout))
+        .max(if wants("tp") {
+            crate::tp_bench::FILE_BYTES
+        } else {
+            0
+        })
         .max(4 << 20);
 
     if !args.rails.is_empty() {
@@ -1650,6 +1660,9 @@ async fn run_parts(
     }
     if wants("latency") {
         latency(bench, ib_write_lat).await?;
+    }
+    if wants("tp") {
+        crate::tp_bench::run(bench, args.tp_rounds).await?;
     }
     if !devices.is_empty() {
         rdma_counters(bench)?;

@@ -12,6 +12,7 @@ mod rails;
 mod replay;
 mod soak;
 mod stats;
+mod tp_bench;
 mod trace;
 mod verify;
 
