@@ -534,7 +534,8 @@ fn log_refusal(why: &str) {
 
 /// Admits handshakes (see [`HandshakeAdmission`]) and completes them
 /// concurrently, so one slow or hostile client holds up no other; hands
-/// established connections over (refusals are logged here, not queued).
+/// established connections over, and TLS refusals while the acceptor has room
+/// for them (the rest are logged here, rate-limited, never queued).
 async fn accept_incoming(
     endpoint: quinn::Endpoint,
     tx: mpsc::Sender<io::Result<(Connection, SocketAddr)>>,
@@ -566,7 +567,16 @@ async fn accept_incoming(
                 Ok(Ok(conn)) => conn,
                 Ok(Err(e)) => {
                     drop(permit);
-                    return log_refusal(&format!("from {from}: {}", describe(&e)));
+                    let refused = handshake_error(&e);
+                    if refused.kind() == io::ErrorKind::PermissionDenied {
+                        // The acceptor counts and logs TLS refusals; when its
+                        // queue is full (a flood) they are dropped, not queued
+                        // ahead of real connections.
+                        let why = format!("from {from}: {refused}");
+                        let _ = tx.try_send(Err(io::Error::new(refused.kind(), why)));
+                        return;
+                    }
+                    return log_refusal(&format!("from {from}: {refused}"));
                 }
                 Err(_) => {
                     drop(permit);

@@ -321,7 +321,9 @@ async fn accept_loop(
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
                 // A TLS handshake failed: a peer without a certificate of our CA.
                 metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "tls").increment(1);
-                warn!(transport, "refused peer handshake: {e}");
+                if let Some(suppressed) = shared.refusal_log.admit() {
+                    warn!(transport, suppressed, "refused peer handshake: {e}");
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {
                 warn!(transport, "peer connection dropped during setup: {e}");
