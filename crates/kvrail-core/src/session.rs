@@ -549,10 +549,7 @@ impl Session {
     /// (see [`SessionConfig::eager_max_bytes`]). Staged memory (GPU) is not
     /// registered with verbs: it always moves two-sided.
     fn goes_one_sided(&self, req: &LocalTransfer, bytes: u64) -> bool {
-        // A head-sliced transfer's remote plan needs the peer's geometry,
-        // which grants do not carry: it goes two-sided.
         !req.staged
-            && req.local.slice.is_none()
             && bytes > self.config.eager_max_bytes
             && self.has_one_sided()
     }
@@ -1101,10 +1098,6 @@ impl Session {
             return self.reject(conn, id, ErrorCode::Protocol, message);
         }
         let selection = selection_of(open.destination.as_ref());
-        if open.one_sided && selection.slice.is_some() {
-            let message = "a head-sliced transfer cannot go one-sided".to_string();
-            return self.reject(conn, id, ErrorCode::Protocol, message);
-        }
         match accept_plan(
             &selection,
             open.block_bytes,
@@ -1239,10 +1232,6 @@ impl Session {
             return;
         }
         let selection = selection_of(open.source.as_ref());
-        if open.one_sided && selection.slice.is_some() {
-            let message = "a head-sliced transfer cannot go one-sided".to_string();
-            return self.reject(conn, id, ErrorCode::Protocol, message);
-        }
         match accept_plan(
             &selection,
             open.block_bytes,
@@ -1298,12 +1287,34 @@ impl Session {
         let layout = g.layout.as_ref().map(layout_of).unwrap_or_default();
         // The peer's geometry, checked before any arithmetic on it (strides
         // that overflow, overlapping blocks).
+        let geometry = match g.geometry.as_ref().map(KvGeometry::from_wire).transpose() {
+            Ok(geometry) => geometry,
+            Err(e) => {
+                let message = format!("granted geometry: {e}");
+                let error = TransferError::Peer {
+                    code: ErrorCode::Protocol,
+                    message: message.clone(),
+                };
+                return self.abort(id, ErrorCode::Protocol, &message, error, now);
+            }
+        };
         let checked = layout
             .validate(u64::MAX)
             .map_err(|e| format!("granted layout: {e}"))
+            .and_then(|()| match &geometry {
+                Some(geometry) => geometry
+                    .validate(&layout)
+                    .map_err(|e| format!("granted geometry: {e}")),
+                None => Ok(()),
+            })
             .and_then(|()| {
-                Plan::build(&layout, &remote_blocks(t.open_msg.as_ref()), access)
-                    .map_err(|e| e.to_string())
+                Plan::build_for(
+                    &layout,
+                    geometry.as_ref(),
+                    &remote_blocks(t.open_msg.as_ref()),
+                    access,
+                )
+                .map_err(|e| e.to_string())
             })
             .and_then(|plan| {
                 if plan.total_bytes() != t.plan.total_bytes()
@@ -2493,6 +2504,7 @@ fn grant_message(transfer_id: u64, region: &RegionAccess, keys: Vec<pb::MemoryKe
         transfer_id,
         layout: Some(layout_message(&region.layout)),
         keys,
+        geometry: region.geometry.as_deref().map(KvGeometry::to_wire),
     }))
 }
 

@@ -1148,7 +1148,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 )
             for j, (src_region, src_layer, dst, dst_layer, count) in enumerate(overlaps[src]):
                 index = mine_first[(src, k)] + j
-                name = f"{spec.remote_request_id}@{rid}#{index}/{served[src]}"
+                name = f"{spec.remote_request_id}@{rid}:{src}#{index}/{served[src]}"
                 out.append(
                     (
                         name,

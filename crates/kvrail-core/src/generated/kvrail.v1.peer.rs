@@ -230,6 +230,10 @@ pub struct Grant {
     pub layout: ::core::option::Option<Layout>,
     #[prost(message, repeated, tag = "3")]
     pub keys: ::prost::alloc::vec::Vec<MemoryKey>,
+    /// The granted region's geometry, when it has one: a head-sliced transfer's
+    /// initiator plans the remote side from it.
+    #[prost(message, optional, tag = "4")]
+    pub geometry: ::core::option::Option<KvGeometry>,
 }
 /// One RC queue pair's address, as its owner describes it.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
