@@ -1099,3 +1099,113 @@ async fn rdma_a_write_only_key_refuses_remote_reads() {
         }
     }
 }
+
+/// Prefill at TP 2 (4 KV heads per rank, HND blocks), decode at TP 1: the
+/// decode rank pulls each prefill rank's heads as a head slice, one-sided
+/// (RDMA READ of each remote run, the local side gathered), and its blocks
+/// hold the two ranks' blocks joined head by head.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs RDMA devices: runs in the VM"]
+async fn rdma_head_slices_between_ranks_go_one_sided() {
+    use kvrail_client::proto::{BlockInterior, BlockRange, HeadSlice, KvGeometry};
+    if !in_vm("rdma_head_slices_between_ranks_go_one_sided") {
+        return;
+    }
+    let _g = SERIAL.lock().await;
+    let (a, b) = rails();
+    let certs = tempfile::tempdir().unwrap();
+    generate::cluster(certs.path(), &["prefill", "decode"], Validity::days(1)).unwrap();
+    let dir = certs.path().display().to_string();
+    let args = ["--tls-dir", &dir, "--transports", "rdma,tcp"];
+    let pair = Pair::start_on(&a[..1], &b[..1], &args);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    const TPB: u32 = 16;
+    const HEAD: u64 = 128 * 2;
+    let geometry = |start: u32, heads: u32| KvGeometry {
+        model: "test/8kv".into(),
+        dtype: "bfloat16".into(),
+        element_bytes: 2,
+        head_size: 128,
+        model_kv_heads: 8,
+        head_start: start,
+        heads,
+        tokens_per_block: TPB,
+        interior: BlockInterior::Hnd as i32,
+    };
+    let head_block = u64::from(TPB) * HEAD;
+    let ids: Vec<u32> = (0..48).map(|b| 2 * b + 1).collect();
+    let mut ranks = Vec::new();
+    for r in 0..2u32 {
+        let layout = dense_layout(4, 2, 128, 4 * head_block);
+        let kv = KvRegion::create(pair.shm_path(&format!("tp-p{r}")), layout).unwrap();
+        fill(&kv, 10 + u64::from(r), 0..4, &ids).unwrap();
+        let region = p
+            .register_with_geometry(
+                &format!("p{r}"),
+                kv.memory.path(),
+                layout,
+                Some(geometry(4 * r, 4)),
+                true,
+            )
+            .await
+            .unwrap();
+        ranks.push((kv, region));
+    }
+    let layout = dense_layout(4, 2, 128, 8 * head_block);
+    let d_kv = KvRegion::create(pair.shm_path("tp-d"), layout).unwrap();
+    let d_region = d
+        .register_with_geometry("d0", d_kv.memory.path(), layout, Some(geometry(0, 8)), true)
+        .await
+        .unwrap();
+    let dst: Vec<u32> = (0..48).rev().collect();
+    for (r, (_, region)) in ranks.iter().enumerate() {
+        let slice = HeadSlice {
+            head_start: 4 * r as u32,
+            head_count: 4,
+            tokens: 48 * u64::from(TPB),
+            chunk_tokens: TPB,
+        };
+        let t = d
+            .pull(
+                "d0",
+                &format!("tp-pull-{r}"),
+                "prefill",
+                BlockRange {
+                    slice: Some(slice),
+                    ..blocks(*region, 0..4, ids.clone())
+                },
+                blocks(d_region, 0..4, dst.clone()),
+            )
+            .await
+            .unwrap();
+        wait_done(&mut d, &pair, t.transfer_id).await;
+    }
+    for layer in 0..4 {
+        for plane in 0..2 {
+            for (&s, &t) in ids.iter().zip(&dst) {
+                let got = d_kv.read_block(layer, plane, t).unwrap();
+                let mut want = ranks[0].0.read_block(layer, plane, s).unwrap();
+                want.extend(ranks[1].0.read_block(layer, plane, s).unwrap());
+                assert!(got == want, "layer {layer} plane {plane} block {t}");
+            }
+        }
+    }
+    let text = scrape(pair.decode.metrics.unwrap());
+    let read = metric_sum(
+        &text,
+        "kvrail_bytes_received_total",
+        &["transport=\"rdma\""],
+    );
+    let total = 4 * 2 * 48 * 8 * head_block;
+    assert!(read >= total as f64, "RDMA READ bytes {read} < {total}");
+    assert_eq!(
+        metric_sum(&text, "kvrail_bytes_received_total", &["transport=\"tcp\""]),
+        0.0,
+        "payload went over TCP"
+    );
+    for (kv, _) in ranks {
+        kv.unlink();
+    }
+    d_kv.unlink();
+}

@@ -549,9 +549,7 @@ impl Session {
     /// (see [`SessionConfig::eager_max_bytes`]). Staged memory (GPU) is not
     /// registered with verbs: it always moves two-sided.
     fn goes_one_sided(&self, req: &LocalTransfer, bytes: u64) -> bool {
-        !req.staged
-            && bytes > self.config.eager_max_bytes
-            && self.has_one_sided()
+        !req.staged && bytes > self.config.eager_max_bytes && self.has_one_sided()
     }
 
     /// Whether a one-sided connection is alive on a rail that carries traffic.
