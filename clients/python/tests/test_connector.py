@@ -121,6 +121,11 @@ def test_bad_configuration_and_layouts(pair, tmp_path):
         KvrailConnector(vllm_config(str(tmp_path / "none.sock"), "pull", "e", "kv_both"), KVConnectorRole.WORKER)
     with pytest.raises(kvrail.KvrailError, match="mode"):
         KvrailConnector(vllm_config(str(pair.prefill.socket), "sideways", "e", "kv_both"), KVConnectorRole.WORKER)
+    # Push mode at TP > 1 is refused at start, not left to time out.
+    tp2 = vllm_config(str(pair.prefill.socket), "push", "e", "kv_both")
+    tp2.parallel_config = SimpleNamespace(tensor_parallel_size=2)
+    with pytest.raises(kvrail.KvrailError, match="tensor parallelism"):
+        KvrailConnector(tp2, KVConnectorRole.SCHEDULER)
     w = KvrailConnector(vllm_config(str(pair.prefill.socket), "pull", "e", "kv_both"), KVConnectorRole.WORKER)
     kv = kvrail.HostKvCache(pair.shm("bad"), 2, 8, BLOCK_SHAPE, np.uint16)
     with pytest.raises(kvrail.LayoutError):  # layers of different shapes

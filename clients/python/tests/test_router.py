@@ -93,7 +93,13 @@ def test_a_client_that_goes_away_cuts_the_engine_call(tmp_path) -> None:
         seen = b""
         while b"\r\n\r\n" not in seen:
             seen += upstream.recv(65536)
-        assert b"do_remote_decode" in seen  # the prefill's copy
+        head, _, got = seen.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
+        while len(got) < length:  # the body may follow the head in its own segment
+            got += upstream.recv(65536)
+        assert b"do_remote_decode" in got  # the prefill's copy
         client.close()  # the user gives up
         # The router closes the engine's side: recv returns EOF (or a reset).
         try:

@@ -90,6 +90,7 @@ class Engine:
         tp: int = 1,
         extra_args: tuple[str, ...] = (),
         name: str | None = None,
+        timeout_s: float = TIMEOUT_S,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -115,7 +116,7 @@ class Engine:
                 "worker_id": self.worker_id,
                 # In the test's folder: a killed engine's table stays there.
                 "region_table": str(self.region_table),
-                "timeout_s": TIMEOUT_S,
+                "timeout_s": timeout_s,
             },
         }
         env = dict(os.environ)

@@ -1,6 +1,7 @@
 """Real vLLM with tensor parallelism (the CPU build: one process and one core
 per TP rank): prefill engines at TP 1 and TP 2, decode engines at TP 1 and
-TP 2, each TP rank a kvrail worker of its own, every pair in pull mode. The
+TP 2, each TP rank a kvrail worker of its own, every pair in pull mode
+(push mode at TP > 1 is refused at start, tested below). The
 decode ranks' KV blocks after the hand-off must equal the prefill ranks'
 blocks reshaped by hand into each decode rank's heads (read back from the
 engines' shared memory), and the decode engine's output must equal its own
@@ -38,20 +39,27 @@ from test_vllm import START_TIMEOUT_S, Engine, _post, long_prompt
 from kvrail.geometry import rank_heads
 
 MAX_TOKENS = 12
+#: Four engines, six ranks on 2 cores: the decode waits this long for pushed
+#: layers.
+TIMEOUT_S = 120
 
 
 class Engines:
-    def __init__(self, pair: Pair, prefill: dict[int, Engine], decode: dict[int, Engine], model: Path) -> None:
+    def __init__(
+        self, pair: Pair, prefill: dict[int, Engine], decode: dict[int, Engine], model: Path, mode: str
+    ) -> None:
         self.pair, self.prefill, self.decode, self.model = pair, prefill, decode, str(model)
+        self.mode = mode
 
     def complete(self, base: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
         return _post(f"{base}/v1/completions", body)
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    dir = tmp_path_factory.mktemp("vllm-tp")
+@pytest.fixture(scope="module", params=["pull"])
+def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    mode = request.param
+    dir = tmp_path_factory.mktemp(f"vllm-tp-{mode}")
     model = tiny_model.build(Path(os.environ.get("KVRAIL_TINY_MODEL", dir / "model")))
     pair = Pair(dir, metrics=True)
     started: list[Engine] = []
@@ -60,12 +68,23 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         # own output (the reference) is computed in full.
         no_cache = ("--no-enable-prefix-caching",)
         prefill = {
-            tp: Engine(dir, model, "prefill", pair.prefill.socket, 0, "pull", tp=tp, name=f"prefill-tp{tp}")
+            tp: Engine(
+                dir, model, "prefill", pair.prefill.socket, 0, mode, tp=tp, name=f"prefill-tp{tp}", timeout_s=TIMEOUT_S
+            )
             for tp in (1, 2)
         }
         decode = {
             tp: Engine(
-                dir, model, "decode", pair.decode.socket, 1, "pull", tp=tp, extra_args=no_cache, name=f"decode-tp{tp}"
+                dir,
+                model,
+                "decode",
+                pair.decode.socket,
+                1,
+                mode,
+                tp=tp,
+                extra_args=no_cache,
+                name=f"decode-tp{tp}",
+                timeout_s=TIMEOUT_S,
             )
             for tp in (1, 2)
         }
@@ -73,7 +92,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in started:
             e.wait_ready(deadline)
-        yield Engines(pair, prefill, decode, model)
+        yield Engines(pair, prefill, decode, model, mode)
     finally:
         for e in started:
             e.stop()
@@ -152,15 +171,19 @@ def test_tensor_parallel_engines_hand_kv_over(engines: Engines, prefill_tp: int,
     prefill, decode = engines.prefill[prefill_tp], engines.decode[decode_tp]
     # ~420 tokens: four full blocks of 128 (TP 1 and TP 2 outputs agree on
     # the tiny model below ~700 tokens).
-    prompt = long_prompt(f"tp {prefill_tp} to {decode_tp}", 30)
+    prompt = long_prompt(f"tp {prefill_tp} to {decode_tp} {engines.mode}", 30)
+    before = engines.pair.decode.metric("kvrail_bytes_received_total")
     r = engines.complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
     params = r["kv_transfer_params"]
     assert len(params["remote_ranks"]) == prefill_tp, params
-    before = engines.pair.decode.metric("kvrail_bytes_received_total")
     text = engines.complete(decode.url, prompt, kv_transfer_params=params)["choices"][0]["text"]
+    prefill_blocks = list(params["remote_block_ids"])
     moved = engines.pair.decode.metric("kvrail_bytes_received_total") - before
-    checked = _check_kv(prefill, decode, list(params["remote_block_ids"]))
-    print(f"TP {prefill_tp} -> TP {decode_tp}: {moved:.0f} KV bytes moved, {checked} rank-blocks equal the reshaping")
+    checked = _check_kv(prefill, decode, prefill_blocks)
+    print(
+        f"{engines.mode} TP {prefill_tp} -> TP {decode_tp}: {moved:.0f} KV bytes moved, "
+        f"{checked} rank-blocks equal the reshaping"
+    )
     assert moved > 0, "no KV bytes reached the decode sidecar"
     # The decode engine's own output for the prompt (no hand-off, no cache).
     assert text == engines.complete(decode.url, prompt)["choices"][0]["text"]

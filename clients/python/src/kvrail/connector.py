@@ -267,6 +267,9 @@ def _parse_grant(payload: bytes, peer: str, num_layers: int) -> dict[str, Any] |
         if ok:
             for layer in range(num_layers):
                 _layer_region([tuple(r) for r in regions], layer)  # type: ignore[misc]
+            for table, _ in _ranks_of(g.get("remote_ranks", [])):
+                for layer in range(num_layers):
+                    _layer_region(table, layer)
     except Exception:  # noqa: BLE001 - whatever a peer sends, the engine goes on
         return None
     return g if ok else None
@@ -373,6 +376,24 @@ def _kv_geometry(vllm_config: Any, tensor: Any, rank: int, size: int, model: str
         tokens_per_block=shape[2],
         interior=interior,  # type: ignore[arg-type]
     )
+
+
+def _ranks_of(ranks: Any) -> list[tuple[RegionTable, KvGeometry | None]]:
+    """The other engine's ranks as ``kv_transfer_params`` or a grant name them
+    ({"regions", "geometry"} each), checked: another node wrote them."""
+    if not isinstance(ranks, list) or len(ranks) > 1024:
+        raise KvrailError("remote_ranks must be a list of at most 1024 ranks")
+    out = []
+    try:
+        for r in ranks:
+            regions = [tuple(int(x) for x in region) for region in r["regions"]]
+            if any(len(region) != 3 or any(x < 0 or x >= 1 << 64 for x in region) for region in regions):
+                raise ValueError("a region is not (id, first layer, layer count)")
+            g = r.get("geometry")
+            out.append((regions, KvGeometry.from_json(g) if g else None))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise KvrailError(f"malformed remote_ranks: {e!r}") from None
+    return out  # type: ignore[return-value]
 
 
 def _geometry_mismatch(mine: KvGeometry, theirs: KvGeometry) -> str:
@@ -600,8 +621,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         self.engine_worker_id: str = extra.get("worker_id", f"vllm-{engine}")
         self.tp_rank, self.tp_size = _tensor_parallel(vllm_config)
         if self.mode == "push" and self.tp_size > 1:
-            # Each prefill rank would have to push the heads each decode rank
-            # holds; not built yet: refused rather than moving wrong heads.
+            # Built (each prefill rank pushes the heads each decode rank takes
+            # from it) but not yet seen working inside vLLM: refused rather
+            # than left to fail at the decode's timeout.
             raise KvrailError(
                 f"mode 'push' with tensor parallelism ({self.tp_size} ranks) is not supported yet: use mode 'pull'"
             )
@@ -713,13 +735,16 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 failure = ""
                 try:
                     regions = self._regions()
+                    ranks = self._rank_tables()
+                    every_region = [r for t in ranks for r, _, _ in t["regions"]]
 
                     def generations(client: Client) -> dict[str, list[int]]:
-                        return {str(r): client.block_generations(r, local) for r, _, _ in regions}
+                        return {str(r): client.block_generations(r, local) for r in every_region}
 
                     target: dict[str, Any] | None = {
                         "remote_node": self.node,
                         "remote_regions": regions,
+                        "remote_ranks": ranks,
                         "remote_block_ids": local,
                         "remote_request_id": rid,
                         "skip_blocks": cached,
@@ -936,8 +961,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             s.prompt_tokens.pop(rid, None)
             if rid in s.pushed:
                 s.pushed.discard(rid)
-                # The blocks are being read by pushes: free them once those end.
-                return True, None
+                # The blocks are being read by pushes: free them once those
+                # end. The response says which blocks were pushed.
+                return True, {"pushed_block_ids": list(block_ids)}
             return False, None
         if not params.get("do_remote_decode") or aborted or not block_ids:
             return False, None
@@ -1108,10 +1134,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         named ``#i/n`` with ``n`` what each prefill rank serves to all decode
         ranks together, so that it frees the blocks once all were served."""
         w = self._work
-        ranks = spec.remote_ranks or [{"regions": spec.remote_regions, "geometry": None}]
-        geometries = [KvGeometry.from_json(r["geometry"]) if r.get("geometry") else None for r in ranks]
+        ranks = _ranks_of(spec.remote_ranks or [{"regions": spec.remote_regions, "geometry": None}])
+        geometries = [g for _, g in ranks]
         mine = w.geometry
-        overlaps = [_overlaps([tuple(x) for x in r["regions"]], w.regions) for r in ranks]
+        overlaps = [_overlaps(table, w.regions) for table, _ in ranks]
         if mine is None or any(g is None for g in geometries):
             if len(ranks) != 1 or self.tp_size != 1:
                 raise KvrailError(f"{rid}: tensor-parallel engines must both publish their KV geometry")
@@ -1174,7 +1200,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 w.fail_load(rid, "the sidecar is away")
                 continue
             if self.mode == "push":
-                w.push_expected[rid] = len(w.layer_names)
+                # Bytes, not pushes: at TP > 1 several prefill ranks push
+                # parts of each layer (each head once).
+                w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
                 continue
             try:
@@ -1228,24 +1256,71 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             pending = w.sending.setdefault(rid, set())
             if client is None:
                 continue  # no sidecar: the decode side gives up after its timeout
-            name = f"{spec.remote_request_id}/L{layer}"
             try:
-                dst_region, dst_layer = _layer_region(spec.remote_regions, layer)
-                gens = spec.remote_generations.get(str(dst_region), ())
-                t = client.push(
-                    name,
-                    spec.remote_node,
-                    Blocks(src_region, spec.local_block_ids, src_layer, 1),
-                    Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
-                )
-            except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
-                log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
-                if _sidecar_gone(e):
-                    self._lost_sidecar(e)
-                    client = None
+                targets = self._push_targets(spec)
+            except KvrailError as e:
+                log.error("kvrail: push of %s: %s", rid, e)
                 continue
-            pending.add(t.transfer_id)
-            w.transfer_owner[name] = rid
+            for suffix, table, head_slice in targets:
+                # "/L<layer>" ends what the decode side counts by; the suffix
+                # tells this worker's pushes to several decode ranks apart.
+                name = f"{spec.remote_request_id}/L{layer}{suffix}"
+                try:
+                    dst_region, dst_layer = _layer_region(table, layer)
+                    gens = spec.remote_generations.get(str(dst_region), ())
+                    t = client.push(
+                        name,
+                        spec.remote_node,
+                        Blocks(src_region, spec.local_block_ids, src_layer, 1, slice=head_slice),
+                        Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
+                    )
+                except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
+                    log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
+                    if _sidecar_gone(e):
+                        self._lost_sidecar(e)
+                        client = None
+                        break
+                    continue
+                pending.add(t.transfer_id)
+                w.transfer_owner[name] = rid
+
+    def _push_targets(self, spec: RemoteBlocks) -> list[tuple[str, RegionTable, HeadSlice | None]]:
+        """Push mode, prefill side: the decode ranks this rank sends heads to,
+        each as (name suffix, its region table, the head slice or None for
+        whole blocks). Each decode rank gets each of its heads from one
+        prefill rank (the first holding it, as a pulling decode rank would
+        choose)."""
+        w = self._work
+        mine = w.geometry
+        if not spec.remote_ranks:
+            return [("", spec.remote_regions, None)]
+        ranks = _ranks_of(spec.remote_ranks)
+        geometries = [g for _, g in ranks]
+        if mine is None or any(g is None for g in geometries):
+            if len(ranks) != 1 or self.tp_size != 1:
+                raise KvrailError("tensor-parallel engines must both publish their KV geometry")
+            return [("", ranks[0][0], None)]
+        held = [rank_heads(mine.model_kv_heads, self.tp_size, r) for r in range(self.tp_size)]
+        out: list[tuple[str, RegionTable, HeadSlice | None]] = []
+        for d, (table, theirs) in enumerate(ranks):
+            assert theirs is not None
+            for src, heads in head_sources(theirs.head_range, held):
+                if src != self.tp_rank:
+                    continue
+                if theirs == mine:
+                    out.append((f"/d{d}", table, None))  # type: ignore[arg-type]
+                    continue
+                why = _geometry_mismatch(theirs, mine)
+                if why:
+                    raise KvrailError(f"cannot push to decode rank {d}: {why.replace('prefill engine', 'decode engine')}")
+                cut = HeadSlice(
+                    heads.start,
+                    len(heads),
+                    len(spec.local_block_ids) * mine.tokens_per_block,
+                    chunk_tokens(mine, theirs),
+                )
+                out.append((f"/d{d}", table, cut))  # type: ignore[arg-type]
+        return out
 
     @_timed
     def wait_for_save(self) -> None:
@@ -1480,7 +1555,7 @@ class _WorkerState:
         if n.kind == PUSH_RECEIVED:
             rid = n.request_id.rsplit("/L", 1)[0]
             if rid in self.push_expected:
-                self.push_arrived[rid] = self.push_arrived.get(rid, 0) + 1
+                self.push_arrived[rid] = self.push_arrived.get(rid, 0) + n.bytes
             return
         if n.kind == PULL_SERVED:
             rid, _, part = n.request_id.partition("@")

@@ -66,7 +66,18 @@ class KvGeometry:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "KvGeometry":
-        return KvGeometry(**{k: d[k] for k in KvGeometry.__dataclass_fields__})
+        """From its JSON form, checked (another engine wrote it): ValueError
+        for a missing or mistyped field."""
+        values = {k: d[k] for k in KvGeometry.__dataclass_fields__}
+        for k, v in values.items():
+            if k in ("model", "dtype", "interior"):
+                if not isinstance(v, str):
+                    raise ValueError(f"geometry {k} must be text, not {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 32:
+                raise ValueError(f"geometry {k} must be a 32-bit unsigned integer, not {v!r}")
+        if values["interior"] not in _INTERIOR:
+            raise ValueError(f"geometry interior must be one of {sorted(_INTERIOR)}")
+        return KvGeometry(**values)
 
     @property
     def head_range(self) -> range:
