@@ -91,6 +91,29 @@ fn open(id: u64, region: u64, blocks: u32, generations: usize) -> Vec<u8> {
     })))
 }
 
+/// Fills worker d0's mailbox as full as it may be: 200 pushes from p0's
+/// region `pr` into d0's `dr` whose notifications name 16384 blocks each.
+async fn fill_mailbox(p: &mut kvrail_client::Client, pr: u64, dr: u64) {
+    let ids: Vec<u32> = (0..16384).collect();
+    let mut started = Vec::new();
+    for n in 0..200u32 {
+        let t = p
+            .push(
+                "p0",
+                &format!("fill-{n}"),
+                "decode",
+                blocks(pr, 0..1, ids.clone()),
+                blocks(dr, 0..1, ids.clone()),
+            )
+            .await
+            .unwrap();
+        started.push(t.transfer_id);
+    }
+    for id in started {
+        p.wait(id, Some(Duration::from_secs(30))).await.unwrap();
+    }
+}
+
 /// A peer posing as `prefill` (an `--insecure` pair) on 8 sessions sends 40
 /// opens each naming a million blocks with their generations (1.3 GB of
 /// transfer state, had it been kept): what the daemon holds stays within the
@@ -234,24 +257,7 @@ async fn re_subscribing_without_reading_holds_one_backlog() {
     let dr = d.register_region("d0", &d_kv, false).await.unwrap();
     // Fill d0's mailbox: pushes whose notifications name 16384 blocks each.
     let _first = d.subscribe("d0").await.unwrap();
-    let ids: Vec<u32> = (0..16384).collect();
-    let mut started = Vec::new();
-    for n in 0..200u32 {
-        let t = p
-            .push(
-                "p0",
-                &format!("fill-{n}"),
-                "decode",
-                blocks(pr, 0..1, ids.clone()),
-                blocks(dr, 0..1, ids.clone()),
-            )
-            .await
-            .unwrap();
-        started.push(t.transfer_id);
-    }
-    for id in started {
-        p.wait(id, Some(Duration::from_secs(30))).await.unwrap();
-    }
+    fill_mailbox(&mut p, pr, dr).await;
     let pid = pair.decode.pid();
     let metrics = pair.decode.metrics.unwrap();
     let base = rss(pid);
@@ -408,22 +414,7 @@ async fn every_attack_at_once_stays_within_the_sum_of_the_bounds() {
     // A mailbox as full as it may be: pushes whose notifications name 16384
     // blocks each.
     let _first = d.subscribe("d0").await.unwrap();
-    let ids: Vec<u32> = (0..16384).collect();
-    for n in 0..200u32 {
-        let t = p
-            .push(
-                "p0",
-                &format!("fill-{n}"),
-                "decode",
-                blocks(pr, 0..1, ids.clone()),
-                blocks(dr, 0..1, ids.clone()),
-            )
-            .await
-            .unwrap();
-        p.wait(t.transfer_id, Some(Duration::from_secs(30)))
-            .await
-            .unwrap();
-    }
+    fill_mailbox(&mut p, pr, dr).await;
     let pid = pair.decode.pid();
     let metrics = pair.decode.metrics.unwrap();
     let base = rss(pid);

@@ -145,15 +145,7 @@ impl Plan {
             let geometry = geometry.ok_or(PlanError::NoGeometry)?;
             return build_sliced(layout, geometry, selection, slice);
         }
-        let layer_end = selection
-            .layer_start
-            .checked_add(selection.layer_count)
-            .filter(|end| *end <= layout.num_layers)
-            .ok_or(PlanError::LayerOutOfRange {
-                start: selection.layer_start,
-                count: selection.layer_count,
-                num_layers: layout.num_layers,
-            })?;
+        let layer_end = layer_end_within(layout, selection)?;
         let pieces = selection.block_ids.len() as u64
             * u64::from(selection.layer_count)
             * u64::from(layout.planes_per_layer);
@@ -163,16 +155,7 @@ impl Plan {
                 max: MAX_PIECES_PER_TRANSFER,
             });
         }
-        if let Some(&bad) = selection
-            .block_ids
-            .iter()
-            .find(|b| **b >= layout.num_blocks)
-        {
-            return Err(PlanError::BlockOutOfRange {
-                block: bad,
-                num_blocks: layout.num_blocks,
-            });
-        }
+        check_blocks_within(layout, selection)?;
         let mut segments: Vec<Segment> = Vec::new();
         let mut logical = 0u64;
         for layer in selection.layer_start..layer_end {
@@ -236,6 +219,34 @@ impl Plan {
     }
 }
 
+/// One past the selection's last layer, if the region has it.
+fn layer_end_within(layout: &RegionLayout, selection: &BlockSelection) -> Result<u32, PlanError> {
+    selection
+        .layer_start
+        .checked_add(selection.layer_count)
+        .filter(|end| *end <= layout.num_layers)
+        .ok_or(PlanError::LayerOutOfRange {
+            start: selection.layer_start,
+            count: selection.layer_count,
+            num_layers: layout.num_layers,
+        })
+}
+
+/// The first listed block past the region's last one, as the error.
+fn check_blocks_within(layout: &RegionLayout, selection: &BlockSelection) -> Result<(), PlanError> {
+    match selection
+        .block_ids
+        .iter()
+        .find(|b| **b >= layout.num_blocks)
+    {
+        Some(&bad) => Err(PlanError::BlockOutOfRange {
+            block: bad,
+            num_blocks: layout.num_blocks,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Most steps building one head-sliced plan may take (each emits at most one
 /// segment): bounds the work a hostile slice can ask for (~0.1 s).
 pub const MAX_SLICE_STEPS: u64 = 1 << 26;
@@ -248,25 +259,8 @@ fn build_sliced(
     selection: &BlockSelection,
     slice: &HeadSlice,
 ) -> Result<Plan, PlanError> {
-    let layer_end = selection
-        .layer_start
-        .checked_add(selection.layer_count)
-        .filter(|end| *end <= layout.num_layers)
-        .ok_or(PlanError::LayerOutOfRange {
-            start: selection.layer_start,
-            count: selection.layer_count,
-            num_layers: layout.num_layers,
-        })?;
-    if let Some(&bad) = selection
-        .block_ids
-        .iter()
-        .find(|b| **b >= layout.num_blocks)
-    {
-        return Err(PlanError::BlockOutOfRange {
-            block: bad,
-            num_blocks: layout.num_blocks,
-        });
-    }
+    let layer_end = layer_end_within(layout, selection)?;
+    check_blocks_within(layout, selection)?;
     let held = g.head_range();
     let wanted = slice.heads();
     let wanted_end = u64::from(slice.head_start) + u64::from(slice.head_count);
