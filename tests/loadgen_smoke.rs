@@ -398,3 +398,56 @@ fn replay_projects_an_azure_trace_and_names_bad_trace_lines() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("bad.jsonl:2"), "{stderr}");
 }
+
+/// `--prefill-tp`/`--decode-tp`: every rank of both engines emulated, each
+/// decode rank's heads taken from the prefill ranks holding them and checked
+/// byte for byte (the replay fails on any wrong byte); a TP that does not
+/// shard the model's heads is refused by name.
+#[test]
+fn replay_moves_kv_between_engines_of_different_tensor_parallelism() {
+    for (prefill, decode, pushes) in [("2", "1", 2), ("1", "4", 4), ("8", "2", 8)] {
+        let out_dir = tempfile::tempdir().unwrap();
+        let out = replay(&[
+            "--requests",
+            "3",
+            "--time-scale",
+            "0.05",
+            "--kv-scale",
+            "1/16",
+            "--transport",
+            "tcp",
+            "--overlap",
+            "layer",
+            "--prefill-tp",
+            prefill,
+            "--decode-tp",
+            decode,
+            "--pool-bytes",
+            "32M",
+            "--max-prompt-tokens",
+            "2048",
+            "--quiet",
+            "--out",
+            out_dir.path().to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "TP {prefill} -> {decode}: {stderr}");
+        let lines = json_lines(&out.stdout);
+        assert_eq!(lines[0]["prefill_tp"], prefill.parse::<u32>().unwrap());
+        assert_eq!(lines[0]["decode_tp"], decode.parse::<u32>().unwrap());
+        // Llama-3.1-8B's 8 KV heads: one push per (decode rank, source rank).
+        assert_eq!(lines[0]["live_pushes_per_piece"], pushes, "{}", lines[0]);
+        assert_eq!(series(&lines, "live", "tcp", "layer")["requests"], 3);
+        assert!(
+            stderr.contains("moved and verified byte for byte"),
+            "{stderr}"
+        );
+    }
+    let out = replay(&["--prefill-tp", "3", "--transport", "none", "--quiet"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--prefill-tp 3 does not divide"),
+        "{stderr}"
+    );
+}

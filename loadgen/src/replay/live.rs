@@ -6,16 +6,29 @@
 //! layer); the decode side waits for every piece, verifies every byte against
 //! the prefill side's blocks and the request's stamps, and records the first
 //! token. Blocks come from free lists, lowest ids first, as in a fresh vLLM pool.
+//!
+//! With `--prefill-tp`/`--decode-tp` every tensor-parallel rank of both
+//! engines is a worker of its own with its own region (the ranks of one side
+//! share block ids, as vLLM's ranks do) registered with its KV geometry
+//! (HND blocks, the model's heads split as vLLM shards them). Each decode
+//! rank takes each of its heads from the first prefill rank holding it:
+//! whole blocks where both ranks hold the same heads, head slices
+//! otherwise. Every head of every block is checked against the prefill
+//! rank it came from and the request's stamps (the reference reshaping).
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use dashmap::DashMap;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvrail_client::proto::{Notification, NotificationKind, RegionLayout};
+use kvrail_client::proto::{
+    BlockInterior, BlockRange, HeadSlice, KvGeometry, Notification, NotificationKind, RegionLayout,
+};
 use kvrail_client::{block_offset, blocks, Client, KvRegion, SubmitPath};
+use kvrail_core::geometry::{head_sources, rank_heads};
 use tokio::sync::{oneshot, Notify};
 use tokio_stream::StreamExt;
 
@@ -27,14 +40,116 @@ use loadgen::cluster::LocalCluster;
 pub struct Geometry {
     pub layers: u32,
     pub planes: u32,
-    /// One block of one layer and plane, as moved here (scaled).
-    pub chunk_bytes: u64,
+    /// One KV head's share of one block of one layer and plane, as moved
+    /// here (scaled); without `tp`, the whole block (one emulated worker a
+    /// side, plain byte layouts).
+    pub head_bytes: u64,
     pub pool_blocks: u32,
+    pub tp: Option<TpShape>,
+}
+
+/// Emulated tensor-parallel ranks on both sides.
+#[derive(Debug, Clone, Copy)]
+pub struct TpShape {
+    pub prefill: u32,
+    pub decode: u32,
+    pub model: &'static str,
+    /// The model's KV heads (1 for an MLA latent, replicated on every rank).
+    pub model_kv_heads: u32,
+    /// Elements of one head of one token (scaled).
+    pub head_size: u32,
+    pub element_bytes: u32,
+    pub tokens_per_block: u32,
 }
 
 impl Geometry {
-    pub fn layout(&self) -> RegionLayout {
-        kvrail_client::dense_layout(self.layers, self.planes, self.pool_blocks, self.chunk_bytes)
+    /// Ranks on one side (1 without `tp`).
+    pub fn ranks(&self, prefill: bool) -> u32 {
+        match self.tp {
+            None => 1,
+            Some(t) if prefill => t.prefill,
+            Some(t) => t.decode,
+        }
+    }
+
+    /// The model heads `rank` holds (one pseudo-head without `tp`).
+    pub fn heads(&self, prefill: bool, rank: u32) -> Range<u32> {
+        match self.tp {
+            None => 0..1,
+            Some(t) => rank_heads(t.model_kv_heads, self.ranks(prefill), rank),
+        }
+    }
+
+    /// One block of one layer and plane on a rank holding `heads` heads.
+    pub fn chunk_bytes(&self, heads: u32) -> u64 {
+        self.head_bytes * u64::from(heads)
+    }
+
+    pub fn layout(&self, heads: u32) -> RegionLayout {
+        kvrail_client::dense_layout(
+            self.layers,
+            self.planes,
+            self.pool_blocks,
+            self.chunk_bytes(heads),
+        )
+    }
+
+    fn kv_geometry(&self, heads: &Range<u32>) -> Option<KvGeometry> {
+        self.tp.map(|t| KvGeometry {
+            model: format!("loadgen/{}", t.model),
+            dtype: format!("{}-byte", t.element_bytes),
+            element_bytes: t.element_bytes,
+            head_size: t.head_size,
+            model_kv_heads: t.model_kv_heads,
+            head_start: heads.start,
+            heads: heads.end - heads.start,
+            tokens_per_block: t.tokens_per_block,
+            interior: BlockInterior::Hnd as i32,
+        })
+    }
+
+    /// Who sends what to whom: for each decode rank, each prefill rank it
+    /// takes heads from, those heads, and whether they are a slice of the
+    /// prefill rank's blocks (false: both hold the same heads, whole blocks
+    /// move).
+    pub fn routes(&self) -> Vec<Route> {
+        let prefill: Vec<Range<u32>> = (0..self.ranks(true)).map(|r| self.heads(true, r)).collect();
+        let mut out = Vec::new();
+        for d in 0..self.ranks(false) {
+            let mine = self.heads(false, d);
+            for (src, heads) in head_sources(mine.clone(), &prefill) {
+                out.push(Route {
+                    src,
+                    dst: d as usize,
+                    sliced: prefill[src] != mine,
+                    heads,
+                });
+            }
+        }
+        out
+    }
+}
+
+/// One prefill rank's heads into one decode rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    pub src: usize,
+    pub dst: usize,
+    pub heads: Range<u32>,
+    pub sliced: bool,
+}
+
+/// One emulated worker (a TP rank) and its region.
+struct Rank {
+    worker: String,
+    kv: Arc<KvRegion>,
+    region: u64,
+    heads: Range<u32>,
+}
+
+impl Rank {
+    fn chunk(&self, g: &Geometry) -> usize {
+        g.chunk_bytes(self.heads.end - self.heads.start) as usize
     }
 }
 
@@ -99,13 +214,12 @@ struct Shared {
     schedule: Vec<(f64, f64)>,
     overlap: Overlap,
     geometry: Geometry,
-    src: Arc<KvRegion>,
-    dst: Arc<KvRegion>,
+    routes: Vec<Route>,
+    prefill_ranks: Vec<Rank>,
+    decode_ranks: Vec<Rank>,
     src_pool: Pool,
     dst_pool: Pool,
     prefill: Client,
-    src_region: u64,
-    dst_region: u64,
     /// Request id of each outstanding push -> who waits for its notification.
     waiters: DashMap<String, oneshot::Sender<(Notification, f64)>>,
     t0: Instant,
@@ -126,11 +240,13 @@ impl Shared {
     }
 }
 
-/// The word stamped at both ends of a request's block chunk, so a chunk left
-/// over from another request cannot pass verification.
-fn stamp(run: u64, job: usize, layer: u32, plane: u32, k: usize) -> u64 {
+/// The word stamped at both ends of each head of a request's block chunk,
+/// so a chunk left over from another request (or another head) cannot pass
+/// verification.
+fn stamp(run: u64, job: usize, layer: u32, plane: u32, k: usize, head: u32) -> u64 {
     let mut z = run
         ^ (job as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ u64::from(head).wrapping_mul(0xD6E8_FEB8_6659_FD93)
         ^ (u64::from(layer) << 40)
         ^ (u64::from(plane) << 56)
         ^ k as u64;
@@ -151,22 +267,37 @@ pub async fn replay(
     label: &str,
     quiet: bool,
 ) -> anyhow::Result<LiveRun> {
-    let layout = geometry.layout();
     let tag = format!("{}-{}", std::process::id(), label.replace(' ', "-"));
-    let src = Arc::new(KvRegion::create(
-        cluster.shm_path(&format!("replay-p-{tag}")),
-        layout,
-    )?);
-    let dst = Arc::new(KvRegion::create(
-        cluster.shm_path(&format!("replay-d-{tag}")),
-        layout,
-    )?);
-    let result = replay_on(
-        cluster, jobs, schedule, overlap, geometry, submit, &src, &dst, label, quiet,
-    )
-    .await;
-    src.unlink();
-    dst.unlink();
+    let mut files: Vec<Arc<KvRegion>> = Vec::new();
+    let mut outcome = Ok(());
+    for prefill in [true, false] {
+        for r in 0..geometry.ranks(prefill) {
+            let heads = geometry.heads(prefill, r);
+            let side = if prefill { "p" } else { "d" };
+            match KvRegion::create(
+                cluster.shm_path(&format!("replay-{side}{r}-{tag}")),
+                geometry.layout(heads.end - heads.start),
+            ) {
+                Ok(kv) => files.push(Arc::new(kv)),
+                Err(e) => {
+                    outcome = Err(anyhow::Error::from(e));
+                    break;
+                }
+            }
+        }
+    }
+    let result = match outcome {
+        Ok(()) => {
+            replay_on(
+                cluster, jobs, schedule, overlap, geometry, submit, &files, label, quiet,
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    for f in &files {
+        f.unlink();
+    }
     result
 }
 
@@ -178,36 +309,69 @@ async fn replay_on(
     overlap: Overlap,
     geometry: Geometry,
     submit: SubmitPath,
-    src: &Arc<KvRegion>,
-    dst: &Arc<KvRegion>,
+    files: &[Arc<KvRegion>],
     label: &str,
     quiet: bool,
 ) -> anyhow::Result<LiveRun> {
-    // Random source bytes (stamps go on top), and every destination page
-    // touched now so that page allocation is not timed as transfer.
-    crate::demo::fill_random(&src.memory)?;
-    dst.memory.fill(0, dst.memory.len(), 0)?;
     let mut p = cluster
         .client(&cluster.prefill)
         .await?
         .with_submit_path(submit);
     let mut d = cluster.client(&cluster.decode).await?;
-    let src_region = p.register_region("prefill-0", src, false).await?;
-    let dst_region = d.register_region("decode-0", dst, false).await?;
-    let mut notes = d.subscribe("decode-0").await?;
+    let mut files = files.iter();
+    let mut prefill_ranks = Vec::new();
+    let mut decode_ranks = Vec::new();
+    let mut notes = Vec::new();
+    for prefill in [true, false] {
+        for r in 0..geometry.ranks(prefill) {
+            let kv = files.next().context("a rank without its file")?.clone();
+            // Random source bytes (stamps go on top), and every destination
+            // page touched now so that page allocation is not timed as
+            // transfer.
+            if prefill {
+                crate::demo::fill_random(&kv.memory)?;
+            } else {
+                kv.memory.fill(0, kv.memory.len(), 0)?;
+            }
+            let heads = geometry.heads(prefill, r);
+            let side = if prefill { "prefill" } else { "decode" };
+            let worker = format!("{side}-{r}");
+            let client = if prefill { &mut p } else { &mut d };
+            let region = client
+                .register_with_geometry(
+                    &worker,
+                    kv.memory.path(),
+                    kv.layout,
+                    geometry.kv_geometry(&heads),
+                    false,
+                )
+                .await?;
+            let rank = Rank {
+                worker,
+                kv,
+                region,
+                heads,
+            };
+            if prefill {
+                prefill_ranks.push(rank);
+            } else {
+                notes.push(d.subscribe(&rank.worker).await?);
+                decode_ranks.push(rank);
+            }
+        }
+    }
 
     let shared = Arc::new(Shared {
         jobs: jobs.to_vec(),
         schedule: schedule.to_vec(),
         overlap,
         geometry,
-        src: src.clone(),
-        dst: dst.clone(),
+        routes: geometry.routes(),
+        prefill_ranks,
+        decode_ranks,
         src_pool: Pool::new(geometry.pool_blocks),
         dst_pool: Pool::new(geometry.pool_blocks),
         prefill: p,
-        src_region,
-        dst_region,
         waiters: DashMap::new(),
         t0: Instant::now(),
         run: label.to_string(),
@@ -216,17 +380,21 @@ async fn replay_on(
         }),
         timeout: Duration::from_secs(300),
     });
-    let dispatcher = {
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            while let Some(n) = notes.next().await {
-                let Ok(n) = n else { break };
-                if let Some((_, tx)) = shared.waiters.remove(&n.request_id) {
-                    let _ = tx.send((n, shared.now_ms()));
+    // One dispatcher per decode rank's notification stream.
+    let dispatchers: Vec<_> = notes
+        .into_iter()
+        .map(|mut notes| {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                while let Some(n) = notes.next().await {
+                    let Ok(n) = n else { break };
+                    if let Some((_, tx)) = shared.waiters.remove(&n.request_id) {
+                        let _ = tx.send((n, shared.now_ms()));
+                    }
                 }
-            }
+            })
         })
-    };
+        .collect();
     let bar = if quiet {
         ProgressBar::hidden()
     } else {
@@ -262,7 +430,9 @@ async fn replay_on(
     }
     bar.finish_and_clear();
     let wall = shared.t0.elapsed();
-    dispatcher.abort();
+    for d in dispatchers {
+        d.abort();
+    }
     if !failures.is_empty() {
         let n = failures.len();
         failures.truncate(5);
@@ -321,26 +491,49 @@ async fn transfer(
         s.sleep_until_ms(start + at).await;
         let layers = layer..layer + count;
         layer += count;
-        stamp_layers(s, job.index, layers.clone(), src_ids)?;
-        let id = format!("{}-{}-{k}", s.run, job.index);
-        let (tx, rx) = oneshot::channel();
-        s.waiters.insert(id.clone(), tx);
-        let offered = s.now_ms();
-        let bytes = u64::from(count) * u64::from(g.planes) * g.chunk_bytes * src_ids.len() as u64;
-        if let Err(e) = prefill
-            .push(
-                "prefill-0",
-                &id,
-                "decode",
-                blocks(s.src_region, layers.clone(), src_ids.to_vec()),
-                blocks(s.dst_region, layers, dst_ids.to_vec()),
-            )
-            .await
-        {
-            s.waiters.remove(&id);
-            bail!("push {id}: {e}");
+        for rank in &s.prefill_ranks {
+            stamp_layers(s, rank, job.index, layers.clone(), src_ids)?;
         }
-        waits.push((id, rx, offered, bytes));
+        let offered = s.now_ms();
+        for (r, route) in s.routes.iter().enumerate() {
+            let (src, dst) = (&s.prefill_ranks[route.src], &s.decode_ranks[route.dst]);
+            let id = format!("{}-{}-{k}-{r}", s.run, job.index);
+            let (tx, rx) = oneshot::channel();
+            s.waiters.insert(id.clone(), tx);
+            let heads = u64::from(route.heads.end - route.heads.start);
+            let bytes = u64::from(count)
+                * u64::from(g.planes)
+                * g.head_bytes
+                * heads
+                * src_ids.len() as u64;
+            let slice = match (route.sliced, g.tp) {
+                (true, Some(t)) => Some(HeadSlice {
+                    head_start: route.heads.start,
+                    head_count: route.heads.end - route.heads.start,
+                    tokens: src_ids.len() as u64 * u64::from(t.tokens_per_block),
+                    chunk_tokens: t.tokens_per_block,
+                }),
+                _ => None,
+            };
+            let from = BlockRange {
+                slice,
+                ..blocks(src.region, layers.clone(), src_ids.to_vec())
+            };
+            if let Err(e) = prefill
+                .push(
+                    &src.worker,
+                    &id,
+                    "decode",
+                    from,
+                    blocks(dst.region, layers.clone(), dst_ids.to_vec()),
+                )
+                .await
+            {
+                s.waiters.remove(&id);
+                bail!("push {id}: {e}");
+            }
+            waits.push((id, rx, offered, bytes));
+        }
     }
     // Prefill ends when the last layer's blocks are written: the modelled time
     // plus what this emulator took to wake and write them.
@@ -386,21 +579,26 @@ fn runs(src: &[u32], dst: &[u32]) -> Vec<(usize, u32, u32, usize)> {
 
 fn stamp_layers(
     s: &Shared,
+    rank: &Rank,
     job: usize,
     layers: std::ops::Range<u32>,
     ids: &[u32],
 ) -> anyhow::Result<()> {
-    let layout = &s.src.layout;
-    let chunk = s.geometry.chunk_bytes as usize;
+    let g = &s.geometry;
+    let layout = &rank.kv.layout;
+    let chunk = rank.chunk(g);
+    let hb = g.head_bytes as usize;
     for layer in layers {
-        for plane in 0..s.geometry.planes {
+        for plane in 0..g.planes {
             for (k0, a, _, n) in runs(ids, ids) {
                 let off = block_offset(layout, layer, plane, a);
-                let mut run = s.src.memory.io_slices_mut(&[(off, (n * chunk) as u64)])?;
-                for (i, piece) in run[0].chunks_exact_mut(chunk).enumerate() {
-                    let word = stamp(s.seed, job, layer, plane, k0 + i).to_le_bytes();
-                    piece[..8].copy_from_slice(&word);
-                    piece[chunk - 8..].copy_from_slice(&word);
+                let mut run = rank.kv.memory.io_slices_mut(&[(off, (n * chunk) as u64)])?;
+                for (i, block) in run[0].chunks_exact_mut(chunk).enumerate() {
+                    for (head, piece) in rank.heads.clone().zip(block.chunks_exact_mut(hb)) {
+                        let word = stamp(s.seed, job, layer, plane, k0 + i, head).to_le_bytes();
+                        piece[..8].copy_from_slice(&word);
+                        piece[hb - 8..].copy_from_slice(&word);
+                    }
                 }
             }
         }
@@ -408,43 +606,48 @@ fn stamp_layers(
     Ok(())
 }
 
-/// Compares every chunk of the request with its source, and its stamps.
+/// Compares every head of every chunk each decode rank received with the
+/// prefill rank it came from, and its stamps: the reference reshaping.
 fn verify(s: &Shared, job: usize, src_ids: &[u32], dst_ids: &[u32]) -> anyhow::Result<u64> {
-    let layout = &s.src.layout;
-    let chunk = s.geometry.chunk_bytes as usize;
+    let g = &s.geometry;
+    let hb = g.head_bytes as usize;
     let mut bytes = 0u64;
     let runs = runs(src_ids, dst_ids);
-    for layer in 0..s.geometry.layers {
-        for plane in 0..s.geometry.planes {
-            for &(k0, a, b, n) in &runs {
-                let len = (n * chunk) as u64;
-                let x = s
-                    .src
-                    .memory
-                    .io_slices(&[(block_offset(layout, layer, plane, a), len)])?;
-                let y = s
-                    .dst
-                    .memory
-                    .io_slices(&[(block_offset(layout, layer, plane, b), len)])?;
-                let bad = if *x[0] != *y[0] {
-                    x[0].chunks_exact(chunk)
-                        .zip(y[0].chunks_exact(chunk))
-                        .position(|(p, q)| p != q)
-                } else {
-                    y[0].chunks_exact(chunk).enumerate().position(|(i, q)| {
-                        let want = stamp(s.seed, job, layer, plane, k0 + i).to_le_bytes();
-                        q[..8] != want || q[chunk - 8..] != want
-                    })
-                };
-                if let Some(i) = bad {
-                    bail!(
-                        "layer {layer} plane {plane}: block {} -> {} (#{}) differs from what this request sent",
-                        a + i as u32,
-                        b + i as u32,
-                        k0 + i
-                    );
+    for route in &s.routes {
+        let (src, dst) = (&s.prefill_ranks[route.src], &s.decode_ranks[route.dst]);
+        let (src_chunk, dst_chunk) = (src.chunk(g), dst.chunk(g));
+        for layer in 0..g.layers {
+            for plane in 0..g.planes {
+                for &(k0, a, b, n) in &runs {
+                    let x = src.kv.memory.io_slices(&[(
+                        block_offset(&src.kv.layout, layer, plane, a),
+                        (n * src_chunk) as u64,
+                    )])?;
+                    let y = dst.kv.memory.io_slices(&[(
+                        block_offset(&dst.kv.layout, layer, plane, b),
+                        (n * dst_chunk) as u64,
+                    )])?;
+                    for i in 0..n {
+                        for head in route.heads.clone() {
+                            let at =
+                                |chunk: usize, first: u32| i * chunk + (head - first) as usize * hb;
+                            let p = &x[0][at(src_chunk, src.heads.start)..][..hb];
+                            let q = &y[0][at(dst_chunk, dst.heads.start)..][..hb];
+                            let want = stamp(s.seed, job, layer, plane, k0 + i, head).to_le_bytes();
+                            if p != q || q[..8] != want || q[hb - 8..] != want {
+                                bail!(
+                                    "layer {layer} plane {plane} head {head}: block {} of {} -> {} of {} (#{}) differs from what this request sent",
+                                    a + i as u32,
+                                    src.worker,
+                                    b + i as u32,
+                                    dst.worker,
+                                    k0 + i
+                                );
+                            }
+                        }
+                    }
+                    bytes += (n * hb) as u64 * u64::from(route.heads.end - route.heads.start);
                 }
-                bytes += len;
             }
         }
     }

@@ -13,10 +13,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use serde_json::json;
 
-use crate::model::Model;
+use crate::model::{self, Model};
 use crate::stats::{human_bytes, parse_size};
 use crate::trace::{self, TraceFormat};
-use live::Geometry;
+use kvrail_core::geometry::rank_heads;
+use live::{Geometry, TpShape};
 use loadgen::cluster::{ClusterOptions, LocalCluster};
 use sim::{Job, LinkProfile, Overlap, Record, Summary};
 
@@ -47,6 +48,18 @@ pub struct ReplayArgs {
     /// (KV heads split; MLA replicated), prefill runs up to TP times faster.
     #[arg(long, default_value_t = 1)]
     pub tp: u32,
+    /// Live runs emulate every tensor-parallel rank of the prefill engine
+    /// (each its own worker and region, registered with its KV geometry);
+    /// with `--decode-tp` different, each decode rank takes its heads from
+    /// the prefill ranks holding them (head slices), every byte checked
+    /// against the reference reshaping. Prefill time and projections use
+    /// this TP. Default: `--tp`.
+    #[arg(long)]
+    pub prefill_tp: Option<u32>,
+    /// Tensor-parallel ranks of the decode engine (see `--prefill-tp`).
+    /// Default: `--tp`.
+    #[arg(long)]
+    pub decode_tp: Option<u32>,
     /// Clip prompts to this many tokens (default: the model's context).
     #[arg(long)]
     pub max_prompt_tokens: Option<u64>,
@@ -175,6 +188,8 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
     if args.tp == 0 {
         bail!("--tp must be at least 1");
     }
+    let ranks = tp_shape(&args, &model)?;
+    let tp = ranks.map_or(args.tp, |(p, _)| p);
     let live_transports: Vec<String> = args
         .transport
         .iter()
@@ -195,21 +210,20 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
         max_prompt_tokens: args.max_prompt_tokens.unwrap_or(model.context_tokens),
     };
     let arrivals = trace::shape(&requests, shaping)?;
-    let jobs = make_jobs(&args, &model, &arrivals);
+    let jobs = make_jobs(
+        &args,
+        &model,
+        tp,
+        per_block_bytes(&model, tp, ranks),
+        &arrivals,
+    );
     let instances = args
         .prefill_instances
         .unwrap_or_else(|| sim::instances_for(&jobs, 0.7));
     let schedule = sim::prefill_schedule(&jobs, instances);
-    let chunk_bytes = ((model.block_bytes(args.tp) as f64 * args.kv_scale) as u64 / 8 * 8).max(16);
-    let block_set = u64::from(model.num_layers) * u64::from(model.planes()) * chunk_bytes;
-    let pool_blocks = u32::try_from(args.pool_bytes / block_set).unwrap_or(u32::MAX);
-    let geometry = Geometry {
-        layers: model.num_layers,
-        planes: model.planes(),
-        chunk_bytes,
-        pool_blocks,
-    };
-    let bytes_scale = chunk_bytes as f64 / model.block_bytes(args.tp) as f64;
+    let (geometry, bytes_scale) = live_geometry(&args, &model, ranks)?;
+    let chunk_bytes = geometry.chunk_bytes(geometry.heads(true, 0).len() as u32);
+    let pool_blocks = geometry.pool_blocks;
     let total_kv: u64 = jobs.iter().map(|j| j.kv_bytes).sum();
     let trace_name = args
         .trace
@@ -225,8 +239,11 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
         "time_scale": args.time_scale,
         "spread_ms": shaping.spread_bucket_ms,
         "model": model.name,
-        "tp": args.tp,
-        "kv_bytes_per_token_per_rank": model.kv_bytes_per_token(args.tp),
+        "tp": tp,
+        "prefill_tp": ranks.map(|(p, _)| p),
+        "decode_tp": ranks.map(|(_, d)| d),
+        "live_pushes_per_piece": geometry.routes().len(),
+        "kv_bytes_per_token_per_rank": model.kv_bytes_per_token(tp),
         "block_tokens": model.block_tokens,
         "max_prompt_tokens": shaping.max_prompt_tokens,
         "prefix_reuse": args.prefix_reuse,
@@ -248,8 +265,8 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
         jobs.last().map_or(0.0, |j| j.arrival_ms / 1000.0),
         args.time_scale,
         model.name,
-        args.tp,
-        model.kv_bytes_per_token(args.tp) / 1024,
+        tp,
+        model.kv_bytes_per_token(tp) / 1024,
         human_bytes(total_kv),
         if args.prefix_reuse { " after prefix reuse" } else { "" },
     );
@@ -258,7 +275,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
             "live runs move {:.4} of each block ({} instead of {} per block, layer and plane): {} in all",
             bytes_scale,
             human_bytes(chunk_bytes),
-            human_bytes(model.block_bytes(args.tp)),
+            human_bytes(model.block_bytes(tp)),
             human_bytes((total_kv as f64 * bytes_scale) as u64),
         );
     }
@@ -333,7 +350,13 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
             ..shaping
         },
     )?;
-    let real_jobs = make_jobs(&args, &model, &real_arrivals);
+    let real_jobs = make_jobs(
+        &args,
+        &model,
+        tp,
+        per_block_bytes(&model, tp, ranks),
+        &real_arrivals,
+    );
     let real_schedule = sim::prefill_schedule(&real_jobs, sim::instances_for(&real_jobs, 0.7));
     let mut profiles: Vec<(Option<LinkProfile>, f64)> = vec![(None, args.time_scale)];
     let mut seen = std::collections::HashSet::new();
@@ -378,10 +401,122 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--prefill-tp`/`--decode-tp` as (prefill, decode), checked against the
+/// model's KV heads as vLLM shards them; None when neither is given.
+fn tp_shape(args: &ReplayArgs, model: &Model) -> anyhow::Result<Option<(u32, u32)>> {
+    if args.prefill_tp.is_none() && args.decode_tp.is_none() {
+        return Ok(None);
+    }
+    if args.tp != 1 {
+        bail!("give either --tp or --prefill-tp/--decode-tp");
+    }
+    let (p, d) = (args.prefill_tp.unwrap_or(1), args.decode_tp.unwrap_or(1));
+    for (name, tp) in [("--prefill-tp", p), ("--decode-tp", d)] {
+        if tp == 0 || tp > 64 {
+            bail!("{name} must be 1 to 64, not {tp}");
+        }
+        if let model::Attention::Gqa { kv_heads, .. } = model.attention {
+            if kv_heads % tp != 0 && tp % kv_heads != 0 {
+                bail!(
+                    "{name} {tp} does not divide {}'s {kv_heads} KV heads (nor do they divide it)",
+                    model.name
+                );
+            }
+        }
+    }
+    Ok(Some((p, d)))
+}
+
+/// KV bytes one block of a request puts on the link between the two nodes
+/// (all layers and planes): one rank's share at `--tp`; with emulated ranks,
+/// what all decode ranks receive (each its heads).
+fn per_block_bytes(model: &Model, tp: u32, ranks: Option<(u32, u32)>) -> u64 {
+    let layers_planes = u64::from(model.num_layers) * u64::from(model.planes());
+    match (ranks, model.attention) {
+        (None, _) => layers_planes * model.block_bytes(tp),
+        (Some((_, decode)), model::Attention::Gqa { kv_heads, .. }) => {
+            let heads: u64 = (0..decode)
+                .map(|d| rank_heads(kv_heads, decode, d).len() as u64)
+                .sum();
+            layers_planes * model.block_bytes(kv_heads) * heads
+        }
+        (Some((_, decode)), model::Attention::Mla { .. }) => {
+            layers_planes * model.block_bytes(1) * u64::from(decode)
+        }
+    }
+}
+
+/// The live runs' geometry (at `--kv-scale`) and the fraction of the real
+/// bytes they move.
+fn live_geometry(
+    args: &ReplayArgs,
+    model: &Model,
+    ranks: Option<(u32, u32)>,
+) -> anyhow::Result<(Geometry, f64)> {
+    let mut geometry = Geometry {
+        layers: model.num_layers,
+        planes: model.planes(),
+        head_bytes: 0,
+        pool_blocks: 0,
+        tp: None,
+    };
+    let (widest, scale) = match ranks {
+        None => {
+            geometry.head_bytes =
+                ((model.block_bytes(args.tp) as f64 * args.kv_scale) as u64 / 8 * 8).max(16);
+            (
+                1,
+                geometry.head_bytes as f64 / model.block_bytes(args.tp) as f64,
+            )
+        }
+        Some((prefill, decode)) => {
+            let (kv_heads, head_dim) = match model.attention {
+                model::Attention::Gqa { kv_heads, head_dim } => (kv_heads, head_dim),
+                model::Attention::Mla { latent } => (1, latent),
+            };
+            // Heads keep their count; each shrinks to the scaled size.
+            let head_size = ((f64::from(head_dim) * args.kv_scale) as u32).max(1);
+            let tokens_per_block = u32::try_from(model.block_tokens)?;
+            geometry.tp = Some(TpShape {
+                prefill,
+                decode,
+                model: model.name,
+                model_kv_heads: kv_heads,
+                head_size,
+                element_bytes: model.dtype_bytes,
+                tokens_per_block,
+            });
+            geometry.head_bytes =
+                u64::from(tokens_per_block) * u64::from(head_size) * u64::from(model.dtype_bytes);
+            if geometry.head_bytes < 16 {
+                bail!("a head's share of a block is {} bytes at this --kv-scale; each needs 16 for its stamps", geometry.head_bytes);
+            }
+            let most = |tp: u32| {
+                (0..tp)
+                    .map(|r| rank_heads(kv_heads, tp, r).len() as u32)
+                    .max()
+                    .unwrap_or(1)
+            };
+            (
+                most(prefill).max(most(decode)),
+                f64::from(head_size) / f64::from(head_dim),
+            )
+        }
+    };
+    let block_set =
+        u64::from(geometry.layers) * u64::from(geometry.planes) * geometry.chunk_bytes(widest);
+    geometry.pool_blocks = u32::try_from(args.pool_bytes / block_set).unwrap_or(u32::MAX);
+    Ok((geometry, scale))
+}
+
 /// The requests as the emulators see them.
-fn make_jobs(args: &ReplayArgs, model: &Model, arrivals: &[trace::Arrival]) -> Vec<Job> {
-    let per_block =
-        u64::from(model.num_layers) * u64::from(model.planes()) * model.block_bytes(args.tp);
+fn make_jobs(
+    args: &ReplayArgs,
+    model: &Model,
+    tp: u32,
+    per_block: u64,
+    arrivals: &[trace::Arrival],
+) -> Vec<Job> {
     arrivals
         .iter()
         .map(|a| {
@@ -393,7 +528,7 @@ fn make_jobs(args: &ReplayArgs, model: &Model, arrivals: &[trace::Arrival]) -> V
             let blocks = model.blocks_for(a.prompt_tokens).saturating_sub(reused);
             let prefill_ms = match args.prefill_tokens_per_s {
                 Some(rate) => a.prompt_tokens as f64 / rate * 1000.0,
-                None => model.prefill_ms(a.prompt_tokens) / f64::from(args.tp),
+                None => model.prefill_ms(a.prompt_tokens) / f64::from(tp),
             };
             Job {
                 index: a.index,
