@@ -368,3 +368,149 @@ async fn mismatched_geometries_are_refused_naming_both_sides() {
         r.kv.unlink();
     }
 }
+
+/// Reads notifications of `stream` until one for `request_id`; returns all
+/// read, that one last.
+async fn notes_until(
+    stream: &mut tonic::Streaming<kvrail_client::proto::Notification>,
+    request_id: &str,
+) -> Vec<kvrail_client::proto::Notification> {
+    use tokio_stream::StreamExt;
+    let mut out = Vec::new();
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .expect("a notification within 30 s")
+            .expect("the stream is open")
+            .unwrap();
+        let last = n.request_id == request_id;
+        out.push(n);
+        if last {
+            return out;
+        }
+    }
+}
+
+/// A decode rank reading its heads from four prefill ranks is one logical
+/// transfer: its worker gets one PULL_DONE for the group (bytes summed), no
+/// notification per member; a group whose member fails gets one FAILED,
+/// and nothing more of it; a member that disagrees on the group is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_rank_reading_several_prefill_ranks_completes_once() {
+    use kvrail_client::proto::{NotificationKind, TransferGroup};
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let mut prefill = Vec::new();
+    for r in 0..4 {
+        prefill.push(rank(&mut p, &pair, &format!("gp-{r}"), 4, r, 16, true, true).await);
+    }
+    let dest = rank(&mut d, &pair, "gd", 1, 0, 16, true, false).await;
+    let mut notes = d.subscribe(&dest.worker).await.unwrap();
+    let group = |id: &str, members| TransferGroup {
+        id: id.into(),
+        members,
+    };
+    let mut total = 0;
+    for (i, source) in prefill.iter().enumerate() {
+        let slice = HeadSlice {
+            head_start: source.geometry.head_start,
+            head_count: source.geometry.heads,
+            tokens: TOKENS,
+            chunk_tokens: 16,
+        };
+        let a = d
+            .start_in_group(
+                false,
+                &dest.worker,
+                &format!("g-{i}"),
+                "prefill",
+                source.range(Some(slice)),
+                dest.range(None),
+                group("req-g", 4),
+            )
+            .await
+            .unwrap();
+        total += a.total_bytes;
+    }
+    let got = notes_until(&mut notes, "req-g").await;
+    assert_eq!(got.len(), 1, "one notification for the group: {got:?}");
+    assert_eq!(got[0].kind, NotificationKind::PullDone as i32, "{got:?}");
+    assert_eq!(got[0].bytes, total);
+    check(&dest, "TP 4 -> TP 1 as one group");
+
+    // A member that disagrees on the group's size is refused by name.
+    let source = &prefill[0];
+    let slice = HeadSlice {
+        head_start: 0,
+        head_count: 2,
+        tokens: TOKENS,
+        chunk_tokens: 16,
+    };
+    d.start_in_group(
+        false,
+        &dest.worker,
+        "f-0",
+        "prefill",
+        source.range(Some(slice)),
+        dest.range(None),
+        group("req-f", 2),
+    )
+    .await
+    .unwrap();
+    let e = d
+        .start_in_group(
+            false,
+            &dest.worker,
+            "f-x",
+            "prefill",
+            source.range(Some(slice)),
+            dest.range(None),
+            group("req-f", 3),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("req-f")
+            && e.to_string()
+                .contains("has 2 members; this transfer says 3"),
+        "{e}"
+    );
+    // Its second member reads a region the prefill does not have: the peer
+    // fails it, and the group fails once.
+    let bad = BlockRange {
+        region_id: source.region + 1000,
+        ..source.range(Some(slice))
+    };
+    d.start_in_group(
+        false,
+        &dest.worker,
+        "f-1",
+        "prefill",
+        bad,
+        dest.range(None),
+        group("req-f", 2),
+    )
+    .await
+    .unwrap();
+    let got = notes_until(&mut notes, "req-f").await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].kind, NotificationKind::Failed as i32, "{got:?}");
+    // Nothing more of the failed group: the next notification is a marker's.
+    let marker = d
+        .pull(
+            &dest.worker,
+            "marker",
+            "prefill",
+            source.range(Some(slice)),
+            dest.range(None),
+        )
+        .await
+        .unwrap();
+    let got = notes_until(&mut notes, "marker").await;
+    assert_eq!(got.len(), 1, "only the marker's: {got:?}");
+    assert_eq!(got[0].transfer_id, marker.transfer_id);
+    for r in prefill.into_iter().chain([dest]) {
+        r.kv.unlink();
+    }
+}

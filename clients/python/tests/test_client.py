@@ -406,10 +406,21 @@ def test_head_slices_move_between_ranks_sharded_differently(pair):
         did = d.register_shm(dst.path, dst.layout, geometry=geometry(1, 0))
         sources = kvrail.head_sources(range(0, 2), [geometry(2, r).head_range for r in range(2)])
         assert sources == [(0, range(0, 1)), (1, range(1, 2))]
-        for src, heads in sources:
-            cut = kvrail.HeadSlice(heads.start, len(heads), len(src_ids) * tpb, tpb)
-            t = d.pull(f"tp-{src}", "prefill", Blocks(regions[src], src_ids, 0, 2, slice=cut), Blocks(did, dst_ids, 0, 2))
-            assert d.wait(t, timeout=20).state == "DONE"
+        # One logical transfer: the two pulls as a group, one notification.
+        with d.notifications() as notes:
+            total = 0
+            for src, heads in sources:
+                cut = kvrail.HeadSlice(heads.start, len(heads), len(src_ids) * tpb, tpb)
+                t = d.pull(
+                    f"tp-{src}",
+                    "prefill",
+                    Blocks(regions[src], src_ids, 0, 2, slice=cut),
+                    Blocks(did, dst_ids, 0, 2),
+                    group=("tp-req", len(sources)),
+                )
+                total += t.total_bytes
+            n = notes.get(timeout=20)
+            assert (n.kind, n.request_id, n.bytes) == ("PULL_DONE", "tp-req", total), n
         for layer in range(2):
             for s, t_ in zip(src_ids, dst_ids):
                 joined = np.concatenate([ranks[0].layers[layer][s], ranks[1].layers[layer][s]])

@@ -91,6 +91,7 @@ class Engine:
         extra_args: tuple[str, ...] = (),
         name: str | None = None,
         timeout_s: float = TIMEOUT_S,
+        extra_config: dict[str, Any] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -117,6 +118,7 @@ class Engine:
                 # In the test's folder: a killed engine's table stays there.
                 "region_table": str(self.region_table),
                 "timeout_s": timeout_s,
+                **(extra_config or {}),
             },
         }
         env = dict(os.environ)

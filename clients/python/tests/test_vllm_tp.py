@@ -1,11 +1,18 @@
 """Real vLLM with tensor parallelism (the CPU build: one process and one core
 per TP rank): prefill engines at TP 1 and TP 2, decode engines at TP 1 and
-TP 2, each TP rank a kvrail worker of its own, every pair in pull mode
-(push mode at TP > 1 is refused at start, tested below). The
-decode ranks' KV blocks after the hand-off must equal the prefill ranks'
+TP 2, each TP rank a kvrail worker of its own, pairs in pull mode (and in
+push mode, experimental at TP > 1, with ``KVRAIL_VLLM_TP_MODES=pull,push``).
+The decode ranks' KV blocks after the hand-off must equal the prefill ranks'
 blocks reshaped by hand into each decode rank's heads (read back from the
 engines' shared memory), and the decode engine's output must equal its own
 output computed without a hand-off (its own TP).
+
+Every engine serves one plain request before the tests: at TP > 1 vLLM's
+vocabulary-parallel embedding masks its input through a ``torch.compile``d
+helper (``get_masked_input_and_mask``), which each rank compiles at its
+first forward pass; on this machine's two busy cores that took longer than
+the hand-off timeouts (seen with py-spy: the prefill's rank 1 in dynamo and
+sympy while rank 0 waited in all-reduce).
 
 vLLM's CPU backend keeps each head's K (packed per ISA) and V contiguous in a
 block ("head-opaque" blocks): heads move between ranks, tokens are not re-cut,
@@ -21,6 +28,7 @@ import json
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -55,8 +63,31 @@ class Engines:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
         return _post(f"{base}/v1/completions", body)
 
+    def hand_off(self, prefill: Engine, decode: Engine, prompt: str) -> tuple[str, list[int]]:
+        """The decode engine's output for ``prompt`` with its KV from the
+        prefill engine, and the prefill's blocks of the request."""
+        if self.mode == "pull":
+            r = self.complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+            params = r["kv_transfer_params"]
+            assert len(params["remote_ranks"]) == prefill.tp, params
+            text = self.complete(decode.url, prompt, kv_transfer_params=params)["choices"][0]["text"]
+            return text, list(params["remote_block_ids"])
+        from kvrail.vllm_router import push_requests
 
-@pytest.fixture(scope="module", params=["pull"])
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        pre, dec = push_requests(body, self.pair.prefill.node, prefill.worker_id)
+        with ThreadPoolExecutor(1) as pool:
+            prefilled = pool.submit(_post, f"{prefill.url}/v1/completions", pre)
+            text = _post(f"{decode.url}/v1/completions", dec)["choices"][0]["text"]
+            params = prefilled.result()["kv_transfer_params"]
+        return text, list(params["pushed_block_ids"])
+
+
+#: Push mode at TP > 1 is experimental (docs/tensor-parallel.md): run by hand.
+MODES = os.environ.get("KVRAIL_VLLM_TP_MODES", "pull").split(",")
+
+
+@pytest.fixture(scope="module", params=MODES)
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     mode = request.param
     dir = tmp_path_factory.mktemp(f"vllm-tp-{mode}")
@@ -69,7 +100,16 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         no_cache = ("--no-enable-prefix-caching",)
         prefill = {
             tp: Engine(
-                dir, model, "prefill", pair.prefill.socket, 0, mode, tp=tp, name=f"prefill-tp{tp}", timeout_s=TIMEOUT_S
+                dir,
+                model,
+                "prefill",
+                pair.prefill.socket,
+                0,
+                mode,
+                tp=tp,
+                name=f"prefill-tp{tp}",
+                timeout_s=TIMEOUT_S,
+                extra_config={"tp_push": True},
             )
             for tp in (1, 2)
         }
@@ -85,6 +125,7 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
                 extra_args=no_cache,
                 name=f"decode-tp{tp}",
                 timeout_s=TIMEOUT_S,
+                extra_config={"tp_push": True},
             )
             for tp in (1, 2)
         }
@@ -92,6 +133,11 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in started:
             e.wait_ready(deadline)
+        # Each rank's first forward pass compiles (see the module's doc).
+        with ThreadPoolExecutor(len(started)) as pool:
+            warm = {"model": str(model), "prompt": "warm up", "max_tokens": 2, "temperature": 0}
+            for f in [pool.submit(_post, f"{e.url}/v1/completions", warm) for e in started]:
+                f.result()
         yield Engines(pair, prefill, decode, model, mode)
     finally:
         for e in started:
@@ -173,11 +219,7 @@ def test_tensor_parallel_engines_hand_kv_over(engines: Engines, prefill_tp: int,
     # the tiny model below ~700 tokens).
     prompt = long_prompt(f"tp {prefill_tp} to {decode_tp} {engines.mode}", 30)
     before = engines.pair.decode.metric("kvrail_bytes_received_total")
-    r = engines.complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
-    params = r["kv_transfer_params"]
-    assert len(params["remote_ranks"]) == prefill_tp, params
-    text = engines.complete(decode.url, prompt, kv_transfer_params=params)["choices"][0]["text"]
-    prefill_blocks = list(params["remote_block_ids"])
+    text, prefill_blocks = engines.hand_off(prefill, decode, prompt)
     moved = engines.pair.decode.metric("kvrail_bytes_received_total") - before
     checked = _check_kv(prefill, decode, prefill_blocks)
     print(
@@ -193,7 +235,11 @@ def test_a_prefill_with_other_heads_is_refused_with_both_values(engines: Engines
     """A decode engine handed a prefill's blocks whose geometry differs
     (here: another model name in the published geometry, as a misconfigured
     deployment would give) fails the load, naming both values; vLLM
-    recomputes it (policy "recompute"), so the output is still right."""
+    recomputes it (policy "recompute"), so the output is still right.
+    (Pull mode: the prefill's published geometry is what is tampered with;
+    a push's refusal is tested between sidecars in tests/tensor_parallel.rs.)"""
+    if engines.mode != "pull":
+        pytest.skip("tampers with pull-mode kv_transfer_params")
     prefill, decode = engines.prefill[1], engines.decode[1]
     prompt = long_prompt("mismatch", 20)
     r = engines.complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})

@@ -215,6 +215,7 @@ impl Client {
 
     /// Starts a transfer through the ring when that is the path and it can
     /// take it, else through gRPC.
+    #[allow(clippy::too_many_arguments)]
     async fn start(
         &mut self,
         op: ring_submit::Op,
@@ -223,10 +224,12 @@ impl Client {
         peer: &str,
         source: BlockRange,
         destination: BlockRange,
+        group: Option<TransferGroup>,
     ) -> Result<TransferAccepted, ClientError> {
-        // Ring slots carry whole-block selections; head slices go by gRPC.
+        // Ring slots carry whole-block selections and no group; head slices
+        // and grouped transfers go by gRPC.
         let sliced = source.slice.is_some() || destination.slice.is_some();
-        if self.submit_path == SubmitPath::Ring && !sliced {
+        if self.submit_path == SubmitPath::Ring && !sliced && group.is_none() {
             let rings = self.rings.clone();
             let call = ring_submit::TransferCall {
                 op,
@@ -249,6 +252,7 @@ impl Client {
                         peer: peer.into(),
                         source: Some(source),
                         destination: Some(destination),
+                        group,
                     })
                     .await?
             }
@@ -260,6 +264,7 @@ impl Client {
                         peer: peer.into(),
                         source: Some(source),
                         destination: Some(destination),
+                        group,
                     })
                     .await?
             }
@@ -404,6 +409,7 @@ impl Client {
             peer,
             source,
             destination,
+            None,
         )
         .await
     }
@@ -425,6 +431,39 @@ impl Client {
             peer,
             source,
             destination,
+            None,
+        )
+        .await
+    }
+
+    /// Starts a push or pull (`push`) that completes as one with the other
+    /// members of `group`: the worker is notified once for the group
+    /// (`request_id` = the group id), when all are done or at the first
+    /// failure (see `TransferGroup` in sidecar.proto). By gRPC.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start_in_group(
+        &mut self,
+        push: bool,
+        worker_id: &str,
+        request_id: &str,
+        peer: &str,
+        source: BlockRange,
+        destination: BlockRange,
+        group: TransferGroup,
+    ) -> Result<TransferAccepted, ClientError> {
+        let op = if push {
+            ring_submit::Op::Push
+        } else {
+            ring_submit::Op::Pull
+        };
+        self.start(
+            op,
+            worker_id,
+            request_id,
+            peer,
+            source,
+            destination,
+            Some(group),
         )
         .await
     }

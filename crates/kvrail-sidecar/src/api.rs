@@ -226,6 +226,7 @@ fn gpu_status(e: &kvrail_cuda::CudaError) -> Status {
 
 impl Api {
     /// Common path of Push and Pull.
+    #[allow(clippy::too_many_arguments)]
     async fn start(
         &self,
         push: bool,
@@ -234,6 +235,7 @@ impl Api {
         peer: &str,
         source: &BlockRange,
         destination: &BlockRange,
+        group: Option<&kvrail_proto::TransferGroup>,
     ) -> Result<TransferAccepted, Status> {
         let (local, remote) = if push {
             (source, destination)
@@ -249,6 +251,7 @@ impl Api {
                 peer,
                 local: selection_of(local),
                 remote: selection_of(remote),
+                group,
             },
         )
         .await
@@ -451,18 +454,34 @@ impl Sidecar for Api {
         let r = req.into_inner();
         let src = require(&r.source, "source")?;
         let dst = require(&r.destination, "destination")?;
-        self.start(true, &r.request_id, &r.worker_id, &r.peer, src, dst)
-            .await
-            .map(Response::new)
+        self.start(
+            true,
+            &r.request_id,
+            &r.worker_id,
+            &r.peer,
+            src,
+            dst,
+            r.group.as_ref(),
+        )
+        .await
+        .map(Response::new)
     }
 
     async fn pull(&self, req: Request<PullRequest>) -> Result<Response<TransferAccepted>, Status> {
         let r = req.into_inner();
         let src = require(&r.source, "source")?;
         let dst = require(&r.destination, "destination")?;
-        self.start(false, &r.request_id, &r.worker_id, &r.peer, src, dst)
-            .await
-            .map(Response::new)
+        self.start(
+            false,
+            &r.request_id,
+            &r.worker_id,
+            &r.peer,
+            src,
+            dst,
+            r.group.as_ref(),
+        )
+        .await
+        .map(Response::new)
     }
 
     async fn wait(&self, req: Request<WaitRequest>) -> Result<Response<TransferStatus>, Status> {

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::dial::{random_nonce, IdentityCredentials};
 use dashmap::DashMap;
@@ -58,6 +58,8 @@ pub struct Shared {
     pub registry: Registry,
     pub hub: NotificationHub,
     pub transfers: TransferTable,
+    /// Transfers that complete as one (`TransferGroup`).
+    pub groups: crate::groups::Groups,
     pub peers: HashMap<String, PeerSlot>,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
     /// Per peer node, incarnations of its processes that newer ones replaced
@@ -863,6 +865,32 @@ impl Shared {
                         let elapsed = rec.started.elapsed();
                         metrics::histogram!(m::TRANSFER_SECONDS, "kind" => m::kind_label(kind))
                             .record(elapsed.as_secs_f64());
+                        if let Some(group) = &rec.group {
+                            // The worker hears of the group, once.
+                            let done =
+                                self.groups
+                                    .member_done(&rec.worker_id, group, transfer_id, bytes);
+                            if let crate::groups::Outcome::Done { bytes } = done {
+                                let nkind = if kind == TransferKind::Push {
+                                    NotificationKind::PushDone
+                                } else {
+                                    NotificationKind::PullDone
+                                };
+                                self.hub.send(
+                                    &rec.worker_id,
+                                    Notification {
+                                        kind: nkind as i32,
+                                        request_id: group.clone(),
+                                        peer: peer.to_string(),
+                                        region_id,
+                                        bytes,
+                                        elapsed_us: elapsed.as_micros() as u64,
+                                        ..Default::default()
+                                    },
+                                );
+                            }
+                            return;
+                        }
                         (rec.worker_id.clone(), elapsed.as_micros() as u64)
                     }
                     TransferKind::PushReceive | TransferKind::PullServe => {
@@ -921,7 +949,19 @@ impl Shared {
                             s.state = TransferState::Failed as i32;
                             s.failure = Some(f);
                         }) {
-                            Some(rec) => rec.worker_id.clone(),
+                            Some(rec) => match &rec.group {
+                                Some(group) => {
+                                    self.group_member_failed(
+                                        &rec.worker_id,
+                                        group,
+                                        transfer_id,
+                                        peer,
+                                        failure,
+                                    );
+                                    return;
+                                }
+                                None => rec.worker_id.clone(),
+                            },
                             None => return,
                         }
                     }
@@ -951,6 +991,88 @@ impl Shared {
                         from_worker: String::new(),
                     },
                 );
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// A member of `group` failed: at its group's first failure the worker
+    /// gets one FAILED notification for the group and the other members
+    /// still running are cancelled.
+    pub fn group_member_failed(
+        &self,
+        worker: &str,
+        group: &str,
+        transfer_id: u64,
+        peer: &str,
+        failure: Failure,
+    ) {
+        if let crate::groups::Outcome::Failed { cancel } =
+            self.groups.member_failed(worker, group, transfer_id)
+        {
+            self.send_group_failed(worker, group, peer, failure);
+            self.cancel_transfers(cancel);
+        }
+    }
+
+    fn send_group_failed(&self, worker: &str, group: &str, peer: &str, failure: Failure) {
+        self.hub.send(
+            worker,
+            Notification {
+                kind: NotificationKind::Failed as i32,
+                request_id: group.to_string(),
+                peer: peer.to_string(),
+                failure: Some(failure),
+                ..Default::default()
+            },
+        );
+    }
+
+    /// Fails the groups whose worker did not start all their members in time.
+    pub fn expire_groups(&self, now: Instant) {
+        for e in self.groups.expire(now) {
+            let failure = Failure {
+                side: FailureSide::Local as i32,
+                code: "group_incomplete".into(),
+                message: format!(
+                    "transfer group {:?}: {} of its {} members were started within {:?}",
+                    e.group,
+                    e.joined,
+                    e.members,
+                    crate::groups::JOIN_DEADLINE
+                ),
+            };
+            self.send_group_failed(&e.worker, &e.group, "", failure);
+            self.cancel_transfers(e.cancel);
+        }
+    }
+
+    /// Cancels transfers off the caller's stack: the caller may hold one of
+    /// their links' locks (events are delivered under it).
+    fn cancel_transfers(&self, ids: Vec<u64>) {
+        let links: Vec<(u64, Arc<PeerLink>)> = ids
+            .into_iter()
+            .filter_map(|id| {
+                let link = self.transfers.get(id)?.link.upgrade()?;
+                Some((id, link))
+            })
+            .collect();
+        if links.is_empty() {
+            return;
+        }
+        let cancel = move || {
+            for (id, link) in links {
+                link.with_session(|s, now| s.cancel(id, now));
+                link.rearm_timer();
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move { cancel() });
+            }
+            Err(_) => {
+                std::thread::spawn(cancel);
             }
         }
     }

@@ -12,6 +12,7 @@ pub mod dial;
 pub mod doctor;
 pub mod exit_files;
 pub mod gpu;
+pub mod groups;
 pub mod held;
 pub mod link;
 pub mod metrics;

@@ -92,6 +92,7 @@ impl Daemon {
             incarnation,
             hub: NotificationHub::new(incarnation),
             transfers: TransferTable::default(),
+            groups: crate::groups::Groups::default(),
             peers,
             inbound: DashMap::new(),
             transports: transports.clone(),

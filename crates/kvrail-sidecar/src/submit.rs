@@ -23,6 +23,8 @@ pub struct Start<'a> {
     pub local: BlockSelection,
     /// The blocks on the peer.
     pub remote: BlockSelection,
+    /// Completes as one with the other transfers of this group.
+    pub group: Option<&'a kvrail_proto::TransferGroup>,
 }
 
 /// Text fields of the API: 1 to 256 bytes.
@@ -122,7 +124,11 @@ pub async fn start_transfer(
         peer,
         local: local_sel,
         remote: remote_sel,
+        group,
     } = start;
+    if let Some(g) = group {
+        require_text(&g.id, "group.id")?;
+    }
     let region = shared.registry.get(local_sel.region_id).ok_or_else(|| {
         Status::not_found(format!("unknown local region {}", local_sel.region_id))
     })?;
@@ -176,6 +182,18 @@ pub async fn start_transfer(
             return Err(Status::unavailable(e.to_string()).into());
         }
     };
+    if let Some(g) = group {
+        // Joined before the transfer can end, so that its end finds the group.
+        let now = Instant::now();
+        shared.expire_groups(now);
+        if let Err(e) = shared
+            .groups
+            .join(worker_id, &g.id, g.members, push, id, now)
+        {
+            shared.transfers.release(worker_id, request_id);
+            return Err(Status::failed_precondition(e.to_string()).into());
+        }
+    }
     crate::trace_points::mark(crate::trace_points::START_LINK_FOUND);
     let total = plan.total_bytes();
     let status = TransferStatus {
@@ -189,6 +207,7 @@ pub async fn start_transfer(
         id,
         request_id: request_id.to_string(),
         worker_id: worker_id.to_string(),
+        group: group.map(|g| g.id.clone()),
         started: Instant::now(),
         status: tokio::sync::watch::channel(status).0,
         link: Arc::downgrade(&link),
@@ -235,14 +254,21 @@ pub async fn start_transfer(
     });
     link.rearm_timer();
     if let Err((code, status)) = started {
+        let failure = Failure {
+            side: FailureSide::Local as i32,
+            code: code.into(),
+            message: status.message().to_string(),
+        };
+        let f = failure.clone();
         shared.transfers.finish(id, |s| {
             s.state = TransferState::Failed as i32;
-            s.failure = Some(Failure {
-                side: FailureSide::Local as i32,
-                code: code.into(),
-                message: status.message().to_string(),
-            });
+            s.failure = Some(f);
         });
+        if let Some(g) = group {
+            // The caller hears of this member; the group's other members
+            // are told as one.
+            shared.group_member_failed(worker_id, &g.id, id, peer, failure);
+        }
         return Err(Refusal { code, status });
     }
     Ok(TransferAccepted {

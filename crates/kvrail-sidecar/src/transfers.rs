@@ -18,6 +18,8 @@ pub struct TransferRecord {
     pub id: u64,
     pub request_id: String,
     pub worker_id: String,
+    /// The group it completes with (`TransferGroup.id`), if any.
+    pub group: Option<String>,
     pub started: Instant,
     pub status: watch::Sender<TransferStatus>,
     pub link: Weak<PeerLink>,

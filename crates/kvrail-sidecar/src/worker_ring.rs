@@ -331,6 +331,8 @@ impl RingService {
                 peer: &s.peer,
                 local: selection(local),
                 remote: selection(remote),
+                // Ring slots carry no group: grouped transfers go by gRPC.
+                group: None,
             },
         ));
         match started {

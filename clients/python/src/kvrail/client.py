@@ -475,18 +475,37 @@ class Client:
 
     # Transfers -----------------------------------------------------------
 
-    def push(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
-        """Writes local blocks into blocks of a region on ``peer``."""
-        return self._transfer(True, request_id, peer, source, destination)
+    def push(
+        self, request_id: str, peer: str, source: Blocks, destination: Blocks, group: tuple[str, int] | None = None
+    ) -> Transfer:
+        """Writes local blocks into blocks of a region on ``peer``.
 
-    def pull(self, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
-        """Reads blocks of an exposed region on ``peer`` into local blocks."""
-        return self._transfer(False, request_id, peer, source, destination)
+        ``group`` = (group id, members): the transfer completes as one with
+        the group's other members; this worker is notified once for the group
+        (``request_id`` = the group id), when all are done or at the first
+        failure."""
+        return self._transfer(True, request_id, peer, source, destination, group)
 
-    def _transfer(self, push: bool, request_id: str, peer: str, source: Blocks, destination: Blocks) -> Transfer:
-        # Ring slots carry whole-block selections: head slices go by gRPC.
+    def pull(
+        self, request_id: str, peer: str, source: Blocks, destination: Blocks, group: tuple[str, int] | None = None
+    ) -> Transfer:
+        """Reads blocks of an exposed region on ``peer`` into local blocks
+        (``group`` as for :meth:`push`)."""
+        return self._transfer(False, request_id, peer, source, destination, group)
+
+    def _transfer(
+        self,
+        push: bool,
+        request_id: str,
+        peer: str,
+        source: Blocks,
+        destination: Blocks,
+        group: tuple[str, int] | None = None,
+    ) -> Transfer:
+        # Ring slots carry whole-block selections and no group: head slices
+        # and grouped transfers go by gRPC.
         sliced = source.slice is not None or destination.slice is not None
-        if self.submit_path == "ring" and not sliced:
+        if self.submit_path == "ring" and not sliced and group is None:
             t = self._ring_transfer(push, request_id, peer, source, destination)
             if t is not None:
                 return t
@@ -500,6 +519,7 @@ class Client:
                 peer=peer,
                 source=source.to_proto(),
                 destination=destination.to_proto(),
+                group=None if group is None else pb.TransferGroup(id=group[0], members=group[1]),
             ),
         )
         return Transfer(r.transfer_id, request_id, r.total_bytes, r.segments)

@@ -179,6 +179,9 @@ pub struct PushRequest {
     /// region registered on the peer's sidecar
     #[prost(message, optional, tag = "5")]
     pub destination: ::core::option::Option<BlockRange>,
+    /// optional: complete as one with other transfers
+    #[prost(message, optional, tag = "6")]
+    pub group: ::core::option::Option<TransferGroup>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PullRequest {
@@ -194,6 +197,25 @@ pub struct PullRequest {
     /// local region
     #[prost(message, optional, tag = "5")]
     pub destination: ::core::option::Option<BlockRange>,
+    /// optional: complete as one with other transfers
+    #[prost(message, optional, tag = "6")]
+    pub group: ::core::option::Option<TransferGroup>,
+}
+/// Transfers a worker starts with the same group id complete as one logical
+/// transfer (e.g. a decode rank reading its heads from several prefill
+/// ranks): instead of one notification per member the worker gets one, with
+/// `request_id` = the group id and `transfer_id` 0: PUSH_DONE or PULL_DONE
+/// once all `members` are done (`bytes` summed, `block_ids` empty), or FAILED
+/// at the first member that fails (the others are cancelled). Members are all
+/// pushes or all pulls. A group whose members were not all started within 10
+/// minutes fails. Wait, GetTransfer and Cancel still work per member.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct TransferGroup {
+    #[prost(string, tag = "1")]
+    pub id: ::prost::alloc::string::String,
+    /// 1 to 1024, the same for every member
+    #[prost(uint32, tag = "2")]
+    pub members: u32,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct TransferAccepted {
