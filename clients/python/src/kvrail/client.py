@@ -227,17 +227,12 @@ class Notifications:
         assert isinstance(item, KvrailError)
         raise item
 
-    def poll(self, wait: float = 0.0) -> list[Notification]:
-        """Every notification already received; with ``wait`` (seconds), first
-        waits that long at most for one to arrive."""
+    def poll(self) -> list[Notification]:
+        """Every notification already received, without waiting."""
         out: list[Notification] = []
         while True:
             try:
-                if wait > 0 and not out:
-                    item = self._queue.get(timeout=wait)
-                    wait = 0.0
-                else:
-                    item = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return out
             if isinstance(item, Notification):

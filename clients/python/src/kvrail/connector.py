@@ -233,8 +233,6 @@ def _timed(fn: Any) -> Any:
 GRANT_TOPIC = "kvrail-grant/"
 #: Grants kept for requests that have not arrived yet (oldest dropped first).
 MAX_PENDING_GRANTS = 4096
-#: An idle engine waiting for grants waits this long per step for one.
-GRANT_IDLE_WAIT_S = 0.01
 
 
 def scheduler_id(worker_id: str) -> str:
@@ -844,7 +842,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     def _scheduler_reconnected(self, client: Client) -> None:
         self._sched.pending_messages = self._grant_stream(client)
 
-    def _collect_grants(self, now: float, wait: float = 0.0) -> None:
+    def _collect_grants(self, now: float) -> None:
         """Prefill side: takes the grants that arrived (every step, so that
         messages never pile up unread) and forgets unclaimed old ones. A
         sidecar that went away is reached again and subscribed to anew (grants
@@ -865,7 +863,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             if s.messages is None and client is not None:
                 s.messages = self._grant_stream(client)
             if s.messages is not None:
-                arrived = s.messages.poll(wait)
+                arrived = s.messages.poll()
         except KvrailError as e:
             log.warning("kvrail: reading grants: %s", e)
             self._check_lost(e)
@@ -903,12 +901,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrailConnectorMetadata:
         s = self._sched
-        # A step with nothing scheduled while requests wait for their grants:
-        # vLLM steps again at once, so the engine (its scheduler and every
-        # TP rank) would spin until the grant comes. Wait for it here a
-        # little instead (woken as it arrives).
-        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-        self._collect_grants(time.monotonic(), GRANT_IDLE_WAIT_S if idle and s.waiting_since else 0.0)
+        self._collect_grants(time.monotonic())
         meta = KvrailConnectorMetadata(load=s.new_loads, send=s.new_sends, cancel=s.new_cancels)
         s.new_loads, s.new_sends, s.new_cancels = {}, {}, set()
         if self.mode == "push":
