@@ -854,6 +854,12 @@ impl Shared {
                 bytes,
             } => {
                 metrics::counter!(m::TRANSFERS_DONE, "kind" => m::kind_label(kind)).increment(1);
+                let nkind = match kind {
+                    TransferKind::Push => NotificationKind::PushDone,
+                    TransferKind::PushReceive => NotificationKind::PushReceived,
+                    TransferKind::Pull => NotificationKind::PullDone,
+                    TransferKind::PullServe => NotificationKind::PullServed,
+                };
                 let (worker, elapsed_us) = match kind {
                     TransferKind::Push | TransferKind::Pull => {
                         let Some(rec) = self.transfers.finish(transfer_id, |s| {
@@ -871,11 +877,6 @@ impl Shared {
                                 self.groups
                                     .member_done(&rec.worker_id, group, transfer_id, bytes);
                             if let crate::groups::Outcome::Done { bytes } = done {
-                                let nkind = if kind == TransferKind::Push {
-                                    NotificationKind::PushDone
-                                } else {
-                                    NotificationKind::PullDone
-                                };
                                 self.hub.send(
                                     &rec.worker_id,
                                     Notification {
@@ -899,12 +900,6 @@ impl Shared {
                             None => return,
                         }
                     }
-                };
-                let nkind = match kind {
-                    TransferKind::Push => NotificationKind::PushDone,
-                    TransferKind::PushReceive => NotificationKind::PushReceived,
-                    TransferKind::Pull => NotificationKind::PullDone,
-                    TransferKind::PullServe => NotificationKind::PullServed,
                 };
                 self.hub.send(
                     &worker,

@@ -210,13 +210,8 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
         max_prompt_tokens: args.max_prompt_tokens.unwrap_or(model.context_tokens),
     };
     let arrivals = trace::shape(&requests, shaping)?;
-    let jobs = make_jobs(
-        &args,
-        &model,
-        tp,
-        per_block_bytes(&model, tp, ranks),
-        &arrivals,
-    );
+    let per_block = per_block_bytes(&model, tp, ranks);
+    let jobs = make_jobs(&args, &model, tp, per_block, &arrivals);
     let instances = args
         .prefill_instances
         .unwrap_or_else(|| sim::instances_for(&jobs, 0.7));
@@ -350,13 +345,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
             ..shaping
         },
     )?;
-    let real_jobs = make_jobs(
-        &args,
-        &model,
-        tp,
-        per_block_bytes(&model, tp, ranks),
-        &real_arrivals,
-    );
+    let real_jobs = make_jobs(&args, &model, tp, per_block, &real_arrivals);
     let real_schedule = sim::prefill_schedule(&real_jobs, sim::instances_for(&real_jobs, 0.7));
     let mut profiles: Vec<(Option<LinkProfile>, f64)> = vec![(None, args.time_scale)];
     let mut seen = std::collections::HashSet::new();
