@@ -496,6 +496,57 @@ async fn a_decode_rank_reading_several_prefill_ranks_completes_once() {
     let got = notes_until(&mut notes, "req-f").await;
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0].kind, NotificationKind::Failed as i32, "{got:?}");
+
+    // A member refused at its start while another still runs (its peer is
+    // stopped): the running one is cancelled, and the group reports only once
+    // it ended, so that the worker never frees blocks a member may still write.
+    pair.prefill.signal("STOP");
+    let running = d
+        .start_in_group(
+            false,
+            &dest.worker,
+            "c-0",
+            "prefill",
+            source.range(Some(slice)),
+            dest.range(None),
+            group("req-c", 2),
+        )
+        .await
+        .unwrap();
+    let stale = BlockRange {
+        generations: vec![999; dest.ids.len()],
+        ..dest.range(None)
+    };
+    let e = d
+        .start_in_group(
+            false,
+            &dest.worker,
+            "c-1",
+            "prefill",
+            source.range(Some(slice)),
+            stale,
+            group("req-c", 2),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("blocks_released"), "{e}");
+    let got = notes_until(&mut notes, "req-c").await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].kind, NotificationKind::Failed as i32, "{got:?}");
+    assert!(
+        got[0]
+            .failure
+            .as_ref()
+            .is_some_and(|f| f.code == "blocks_released"),
+        "the first failure is reported: {got:?}"
+    );
+    let s = d.get_transfer(running.transfer_id).await.unwrap();
+    assert_eq!(
+        s.state,
+        TransferState::Failed as i32,
+        "the running member ended before the group reported: {s:?}"
+    );
+    pair.prefill.signal("CONT");
     // Nothing more of the failed group: the next notification is a marker's.
     let marker = d
         .pull(

@@ -59,7 +59,7 @@ pub struct Shared {
     pub hub: NotificationHub,
     pub transfers: TransferTable,
     /// Transfers that complete as one (`TransferGroup`).
-    pub groups: crate::groups::Groups,
+    pub groups: crate::groups::Groups<(String, Failure)>,
     pub peers: HashMap<String, PeerSlot>,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
     /// Per peer node, incarnations of its processes that newer ones replaced
@@ -873,11 +873,11 @@ impl Shared {
                             .record(elapsed.as_secs_f64());
                         if let Some(group) = &rec.group {
                             // The worker hears of the group, once.
-                            let done =
-                                self.groups
-                                    .member_done(&rec.worker_id, group, transfer_id, bytes);
-                            if let crate::groups::Outcome::Done { bytes } = done {
-                                self.hub.send(
+                            match self
+                                .groups
+                                .member_done(&rec.worker_id, group, transfer_id, bytes)
+                            {
+                                crate::groups::Outcome::Done { bytes } => self.hub.send(
                                     &rec.worker_id,
                                     Notification {
                                         kind: nkind as i32,
@@ -888,7 +888,10 @@ impl Shared {
                                         elapsed_us: elapsed.as_micros() as u64,
                                         ..Default::default()
                                     },
-                                );
+                                ),
+                                // A member that ended after a failure may
+                                // complete the failed group's report.
+                                other => self.act_on_group(&rec.worker_id, group, other),
                             }
                             return;
                         }
@@ -992,9 +995,10 @@ impl Shared {
 }
 
 impl Shared {
-    /// A member of `group` failed: at its group's first failure the worker
-    /// gets one FAILED notification for the group and the other members
-    /// still running are cancelled.
+    /// A member of `group` failed: at its group's first failure the other
+    /// members still running are cancelled, and the worker gets one FAILED
+    /// notification for the group once none of them runs (it may free the
+    /// blocks then).
     pub fn group_member_failed(
         &self,
         worker: &str,
@@ -1003,11 +1007,24 @@ impl Shared {
         peer: &str,
         failure: Failure,
     ) {
-        if let crate::groups::Outcome::Failed { cancel } =
-            self.groups.member_failed(worker, group, transfer_id)
-        {
-            self.send_group_failed(worker, group, peer, failure);
-            self.cancel_transfers(cancel);
+        let outcome =
+            self.groups
+                .member_failed(worker, group, transfer_id, (peer.to_string(), failure));
+        self.act_on_group(worker, group, outcome);
+    }
+
+    fn act_on_group(
+        &self,
+        worker: &str,
+        group: &str,
+        outcome: crate::groups::Outcome<(String, Failure)>,
+    ) {
+        match outcome {
+            crate::groups::Outcome::Cancel { cancel } => self.cancel_transfers(cancel),
+            crate::groups::Outcome::Failed((peer, failure)) => {
+                self.send_group_failed(worker, group, &peer, failure)
+            }
+            crate::groups::Outcome::Pending | crate::groups::Outcome::Done { .. } => {}
         }
     }
 
@@ -1026,20 +1043,19 @@ impl Shared {
 
     /// Fails the groups whose worker did not start all their members in time.
     pub fn expire_groups(&self, now: Instant) {
-        for e in self.groups.expire(now) {
+        let incomplete = |group: &str, joined: u32, members: u32| {
             let failure = Failure {
                 side: FailureSide::Local as i32,
                 code: "group_incomplete".into(),
                 message: format!(
-                    "transfer group {:?}: {} of its {} members were started within {:?}",
-                    e.group,
-                    e.joined,
-                    e.members,
+                    "transfer group {group:?}: {joined} of its {members} members were started within {:?}",
                     crate::groups::JOIN_DEADLINE
                 ),
             };
-            self.send_group_failed(&e.worker, &e.group, "", failure);
-            self.cancel_transfers(e.cancel);
+            (String::new(), failure)
+        };
+        for s in self.groups.expire(now, incomplete) {
+            self.act_on_group(&s.worker, &s.group, s.outcome);
         }
     }
 
