@@ -55,6 +55,26 @@ from .memory import AdoptedMemory, adopt_tensor, describe, shm_dir, sweep_adopte
 log = logging.getLogger("kvrail.connector")
 T = TypeVar("T")
 
+
+def _configure_log() -> None:
+    """``KVRAIL_CONNECTOR_LOG=debug`` (or info, warning) prints the connector's
+    own steps (grants, pushes, loads) to stderr, which vLLM's logging
+    configuration leaves alone."""
+    level = os.environ.get("KVRAIL_CONNECTOR_LOG", "").strip().upper()
+    if not level or log.handlers:
+        return
+    if not isinstance(logging.getLevelName(level), int):
+        log.warning("kvrail: KVRAIL_CONNECTOR_LOG=%r is not a log level (debug, info, warning, error)", level.lower())
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s kvrail[%(process)d] %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+
+_configure_log()
+
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1 as _ConnectorBase,
@@ -793,6 +813,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         except KvrailError as e:
             log.error("kvrail: grant of %s to %s/%s failed: %s", rid, node, worker, e)
             return f"the grant to {node}/{worker} failed: {e}"
+        log.debug("grant of %s (ticket %s, %d bytes) sent to %s/%s", rid, ticket, len(payload), node, worker)
         return ""
 
     def _scheduler_call(self, fn: Callable[[Client], T]) -> T:
@@ -818,9 +839,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         self._collect_grants(now)
         got = s.grants.pop(ticket, None)
         if got is not None:
+            log.debug("grant for %s (ticket %s) claimed after %.3f s", rid, ticket, now - s.waiting_since.get(rid, now))
             params["push_to"] = got[1]
             s.waiting_since.pop(rid, None)
             return True
+        if rid not in s.waiting_since:
+            log.debug("%s waits for the grant of ticket %s", rid, ticket)
         since = s.waiting_since.setdefault(rid, now)
         if now - since > self.timeout_s:
             log.error("kvrail: no grant for %s (ticket %s) within %.0f s: prefilling without a push", rid, ticket, self.timeout_s)
@@ -877,6 +901,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             if grant is None:
                 log.warning("kvrail: malformed grant from %s/%s dropped", n.peer, n.from_worker)
                 continue
+            log.debug("grant %s arrived from %s/%s", n.request_id[len(GRANT_TOPIC) :], n.peer, n.from_worker)
             if len(s.grants) >= MAX_PENDING_GRANTS:
                 s.grants.pop(next(iter(s.grants)))  # the oldest
             s.grants[n.request_id[len(GRANT_TOPIC) :]] = (now, grant)
@@ -931,6 +956,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     remote = list(target["remote_block_ids"])
                     n = min(len(local), len(remote))
                     meta.save[rid] = RemoteBlocks.from_params(local[:n], remote[:n], target)
+                    log.debug("%s: pushing %d blocks in this step", rid, n)
                     del s.pushing[rid]
                     s.prompt_tokens.pop(rid, None)
                     s.pushed.add(rid)
@@ -1206,6 +1232,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 # parts of each layer (each head once).
                 w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
+                log.debug("%s: rank %d waits for %d pushed bytes", rid, self.tp_rank, w.push_expected[rid])
                 continue
             try:
                 pulls = self._plan_pulls(rid, spec)
@@ -1213,9 +1240,16 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 log.error("kvrail: %s", e)
                 w.fail_load(rid, str(e))
                 continue
+            # Several pulls (heads from several prefill ranks, or several
+            # regions) complete as one group: one notification for the load,
+            # sent once none of them can still write into its blocks.
+            group = (f"{spec.remote_request_id}@{rid}:load", len(pulls)) if len(pulls) > 1 else None
+            if group is not None:
+                w.transfer_owner[group[0]] = rid
+                w.load_groups.add(group[0])
             for name, source, dest in pulls:
                 try:
-                    t = client.pull(name, spec.remote_node, source, dest)
+                    t = client.pull(name, spec.remote_node, source, dest, group=group)
                 except KvrailError as e:
                     log.error("kvrail: pull for %s refused: %s", rid, e)
                     if _sidecar_gone(e):
@@ -1225,9 +1259,14 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                         # Failed; it ends once the pulls already started have.
                         w.failed_loads[rid] = list(spec.local_block_ids)
                         w.cancel(client, rid)
+                    if group is not None and not w.receiving.get(rid):
+                        # No member joined: no notification will come.
+                        w.transfer_owner.pop(group[0], None)
+                        w.load_groups.discard(group[0])
                     break
                 w.receiving[rid].add(t.transfer_id)
-                w.transfer_owner[name] = rid
+                if group is None:
+                    w.transfer_owner[name] = rid
         # After the loads: a request aborted in the step its load was planned
         # cancels what just started.
         for rid in meta.cancel:
@@ -1263,6 +1302,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             except KvrailError as e:
                 log.error("kvrail: push of %s: %s", rid, e)
                 continue
+            if layer == 0:
+                log.debug("%s: rank %d pushes to %d decode ranks", rid, self.tp_rank, len(targets))
             for suffix, table, head_slice in targets:
                 # "/L<layer>" ends what the decode side counts by; the suffix
                 # tells this worker's pushes to several decode ranks apart.
@@ -1458,7 +1499,9 @@ class _WorkerState:
         # request -> transfer ids still running (decode: pulls; prefill: pushes)
         self.receiving: dict[str, set[int]] = {}
         self.sending: dict[str, set[int]] = {}
-        self.transfer_owner: dict[str, str] = {}  # transfer request name -> request
+        self.transfer_owner: dict[str, str] = {}  # transfer request name (or group id) -> request
+        # Group ids of loads pulled as one group (their notification ends them).
+        self.load_groups: set[str] = set()
         self.local_blocks: dict[str, list[int]] = {}
         # push mode, decode side: layers expected and arrived per request, and
         # when to give up
@@ -1511,6 +1554,7 @@ class _WorkerState:
         for rid in list(self.receiving):
             self.fail_load(rid, "the sidecar went away")
         self.transfer_owner.clear()
+        self.load_groups.clear()
         self.done_sending.update(self.sending)
         self.sending.clear()
         self.done_sending.update(self.serve_expected)
@@ -1558,6 +1602,7 @@ class _WorkerState:
             rid = n.request_id.rsplit("/L", 1)[0]
             if rid in self.push_expected:
                 self.push_arrived[rid] = self.push_arrived.get(rid, 0) + n.bytes
+                log.debug("%s: %d of %d pushed bytes arrived", rid, self.push_arrived[rid], self.push_expected[rid])
             return
         if n.kind == PULL_SERVED:
             rid, _, part = n.request_id.partition("@")
@@ -1581,8 +1626,13 @@ class _WorkerState:
             return
         if n.kind == FAILED:
             log.error("kvrail: transfer %s of %s failed: %s", n.request_id, owner, n.failure)
+        grouped = n.request_id in self.load_groups
+        self.load_groups.discard(n.request_id)
         if n.kind in (PULL_DONE, FAILED) and owner in self.receiving:
-            self.receiving[owner].discard(n.transfer_id)
+            if grouped:
+                self.receiving[owner].clear()  # every member has ended
+            else:
+                self.receiving[owner].discard(n.transfer_id)
             if n.kind == FAILED and self.local_blocks.get(owner):
                 self.failed_loads[owner] = list(self.local_blocks[owner])
         if n.kind in (PUSH_DONE, FAILED) and owner in self.sending:
