@@ -92,6 +92,7 @@ class Engine:
         name: str | None = None,
         timeout_s: float = TIMEOUT_S,
         extra_config: dict[str, Any] | None = None,
+        nice: int = 0,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -129,6 +130,7 @@ class Engine:
             VLLM_ENABLE_V1_MULTIPROCESSING="1",
         )
         args = [
+            *(("nice", "-n", str(nice)) if nice else ()),
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model),
             "--host", "127.0.0.1",

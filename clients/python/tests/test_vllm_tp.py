@@ -76,12 +76,29 @@ class Engines:
 
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         pre, dec = push_requests(body, self.pair.prefill.node, prefill.worker_id)
+        # The router sends both at once (test_vllm.py's push test does, at
+        # TP 1). Here the prefill's request follows the decode's grant: an
+        # engine waiting for a grant steps without pause (vLLM's busy loop),
+        # and on two cores three such processes starved the decode engine of
+        # the time to send it (grants 15-42 s late, seen in the connector's
+        # debug log), so the decode gave up on its pushes.
+        granted = self.pair.prefill.metric("kvrail_messages_received_total")
         with ThreadPoolExecutor(1) as pool:
-            prefilled = pool.submit(_post, f"{prefill.url}/v1/completions", pre)
-            text = _post(f"{decode.url}/v1/completions", dec)["choices"][0]["text"]
-            params = prefilled.result()["kv_transfer_params"]
+            decoded = pool.submit(_post, f"{decode.url}/v1/completions", dec)
+            deadline = time.monotonic() + TIMEOUT_S
+            while self.pair.prefill.metric("kvrail_messages_received_total") == granted:
+                assert not decoded.done(), f"the decode answered before granting: {decoded.result()}"
+                assert time.monotonic() < deadline, "the decode engine sent no grant"
+                time.sleep(0.05)
+            params = _post(f"{prefill.url}/v1/completions", pre)["kv_transfer_params"]
+            text = decoded.result()["choices"][0]["text"]
         return text, list(params["pushed_block_ids"])
 
+
+#: Engines waiting on a transfer step without pause (vLLM's busy loop): below
+#: the sidecars, which must still answer within their acknowledgement
+#: timeout (a push failed "no acknowledgement for 6979 ms" with both at 0).
+ENGINE_NICE = 10
 
 #: Push mode at TP > 1 is experimental (docs/tensor-parallel.md): run by hand.
 MODES = os.environ.get("KVRAIL_VLLM_TP_MODES", "pull").split(",")
@@ -110,6 +127,7 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
                 name=f"prefill-tp{tp}",
                 timeout_s=TIMEOUT_S,
                 extra_config={"tp_push": True},
+                nice=ENGINE_NICE,
             )
             for tp in (1, 2)
         }
@@ -126,6 +144,7 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
                 name=f"decode-tp{tp}",
                 timeout_s=TIMEOUT_S,
                 extra_config={"tp_push": True},
+                nice=ENGINE_NICE,
             )
             for tp in (1, 2)
         }
@@ -133,11 +152,15 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in started:
             e.wait_ready(deadline)
-        # Each rank's first forward pass compiles (see the module's doc): one
-        # engine at a time (all four at once outlasted 120 s in a CI run).
-        warm = {"model": str(model), "prompt": "warm up", "max_tokens": 2, "temperature": 0}
+        # Each rank's first forward passes compile (see the module's doc): one
+        # engine at a time (all four at once outlasted 120 s in a CI run),
+        # with a short prompt and one as long as the tests' (a second shape
+        # recompiles the helper for dynamic shapes: an engine's first long
+        # request stalled for minutes otherwise).
         for e in started:
-            _post(f"{e.url}/v1/completions", warm, timeout=START_TIMEOUT_S)
+            for prompt in ("warm up", long_prompt("warm up", 30)):
+                warm = {"model": str(model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
+                _post(f"{e.url}/v1/completions", warm, timeout=START_TIMEOUT_S)
         yield Engines(pair, prefill, decode, model, mode)
     finally:
         for e in started:
