@@ -36,17 +36,45 @@ def kvrail_bin() -> Path:
     pytest.fail("no kvrail binary: build it (cargo build -p kvrail-sidecar) or set KVRAIL_BIN")
 
 
+_next_port = 0
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            t.bind(("127.0.0.1", port))
+            u.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
 def free_port() -> int:
-    """A port free for TCP and UDP (the sidecar's QUIC shares the rail's port)."""
+    """A port free for TCP and UDP right now (the sidecar's QUIC shares the
+    rail's port), distinct per call within this process, and below the
+    kernel's ephemeral range (as tests/support/mod.rs does): a port closed a
+    moment ago can be handed out again, or taken as some connection's local
+    port, before its taker binds it (two vLLM engines got one port once, and
+    the test's requests for one went to the other)."""
+    global _next_port
+    try:
+        low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low_ephemeral = 32768
+    if low_ephemeral >= 4096:
+        low = max(low_ephemeral - 12_000, 2048)
+        span = low_ephemeral - low
+        start = (os.getpid() * 7919 + 4999) % span  # not the Rust tests' offsets
+        for _ in range(span):
+            port = low + (start + _next_port) % span
+            _next_port += 1
+            if _bindable(port):
+                return port
     for _ in range(100):
         with socket.socket() as t:
             t.bind(("127.0.0.1", 0))
             port = t.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                try:
-                    u.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
+        if _bindable(port):
             return port
     raise RuntimeError("no free port")
 
