@@ -3,8 +3,8 @@
 //! `KVRAIL_TRACE=PATH`, each process records `(point, wall-clock ns)`
 //! and writes `PATH.PID.trace` (one `point ns` per line) at shutdown.
 //! Without the feature every mark compiles to nothing.
-//! `docs/ring-runs/trace_stages.py` turns a run's files into per-stage
-//! medians (docs/ring-format.md).
+//! `tools/bench/trace_stages.py` turns a run's files into per-stage
+//! medians (docs/benchmarks.md).
 
 // The points, numbered as they appear in the trace files.
 /// A ring's thread took a submission off the ring.

@@ -6,8 +6,8 @@
 // socket buffer, then out of it). Threads split the work in 1 MiB slices,
 // as the sidecar's connections do.
 //
-//   gcc -O2 -static -pthread -o memlayout memlayout.c
-//   ./memlayout THREADS [RUNS]
+//   ./memlayout THREADS [RUNS]       (two regions of 640 MiB, populated)
+// Built and run by tools/bench/floors.sh (`floors.sh memlayout ...`).
 //
 // Prints one JSON line per pattern: best and median GB/s over RUNS.
 #define _GNU_SOURCE

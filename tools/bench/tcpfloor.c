@@ -5,8 +5,8 @@
 // all of its share. Buffers stay the same across rounds (cache-hot), as in
 // `loadgen bench --only latency`.
 //
-//   gcc -O2 -static -pthread -o tcpfloor tcpfloor.c
 //   ./tcpfloor SIZE K ROUNDS      e.g. ./tcpfloor 1048576 4 2000
+// Built and run by tools/bench/floors.sh (`floors.sh tcpfloor ...`).
 //
 // Prints one JSON line: p50, p99 and mean microseconds.
 #define _GNU_SOURCE

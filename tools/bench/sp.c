@@ -3,7 +3,11 @@
 // its share of another SIZE region; sender by write() (MODE=copy) or by
 // vmsplice+splice through a pipe (MODE=splice: the socket references the
 // region's pages, no copy on the sending side). ROUNDS passes over the region.
-//   gcc -O2 -pthread -o sp sp.c && ./sp copy 8 268435456 8
+// HOT ("hot"): every thread resends one 1 MiB buffer into one buffer, as
+// iperf3 does, instead of walking the cold regions.
+//   ./sp copy|splice K SIZE ROUNDS [hot]       e.g. ./sp copy 8 268435456 8
+// Built and run by tools/bench/floors.sh (`floors.sh sp ...`).
+// Prints one JSON line: mode, connections, GB/s.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -50,8 +54,12 @@ static void *receiver(void *a){
     return NULL;
 }
 int main(int c,char**v){
+    if(c<5||(strcmp(v[1],"copy")&&strcmp(v[1],"splice"))){fprintf(stderr,"usage: sp copy|splice K SIZE ROUNDS [hot]\n");return 2;}
     splice_mode=!strcmp(v[1],"splice"); hot=c>5&&!strcmp(v[5],"hot");
-    k=atoi(v[2]); total=strtoull(v[3],0,0); rounds=atoi(v[4]); share=total/k;
+    k=atoi(v[2]); total=strtoull(v[3],0,0); rounds=atoi(v[4]);
+    // Each connection moves whole 1 MiB pieces of its share.
+    if(k<1||k>64||rounds<1||total==0||total%((size_t)k<<20)){fprintf(stderr,"sp: K must be 1..64 and SIZE a multiple of K MiB\n");return 2;}
+    share=total/k;
     src=mmap(0,total,PROT_READ|PROT_WRITE,MAP_SHARED|MAP_ANONYMOUS,-1,0);
     dst=mmap(0,total,PROT_READ|PROT_WRITE,MAP_SHARED|MAP_ANONYMOUS,-1,0);
     memset(src,7,total); memset(dst,1,total);

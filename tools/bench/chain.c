@@ -3,9 +3,11 @@
 // doorbell) -> loopback TCP -> sidecar C (blocking read) -> copies payload into
 // shared memory, rings D's futex, answers a 16-byte Complete to B, which B reads
 // on a second thread and posts to A's completion word (no wake if not waited).
-// Device and 2-core results: docs/ring-format.md (2026-11-27, eighth session).
+// Results: docs/benchmarks.md ("Floors without kvrail").
+//   ./chain [SIZE [ROUNDS [SPIN_US]]]          e.g. ./chain 4096 3000 0
 // SPIN_US: bounded spin before each futex wait (0 = sleep at once).
-//   gcc -O2 -pthread -o chain chain.c && ./chain 4096 3000 0
+// Built and run by tools/bench/floors.sh (`floors.sh chain ...`).
+// Prints each process's CPU time on stderr and one JSON line: p50, p99 us.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <linux/futex.h>
@@ -79,7 +81,6 @@ static void readn(int fd, void *b, size_t n) {
         got += r;
     }
 }
-static int sv[2];
 static int b_sock;
 static void *b_completions(void *arg) {
     (void)arg;
@@ -105,6 +106,10 @@ int main(int argc, char **argv) {
     size = argc > 1 ? strtoul(argv[1], 0, 0) : 4096;
     rounds = argc > 2 ? atoi(argv[2]) : 3000;
     spin_ns = (argc > 3 ? atol(argv[3]) : 0) * 1000;
+    if (size < 1 || size > sizeof S->payload || rounds < 1 || spin_ns < 0) {
+        fprintf(stderr, "usage: chain [SIZE(1..1048576) [ROUNDS [SPIN_US]]]\n");
+        return 2;
+    }
     S = mmap(NULL, sizeof *S, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     int l = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};

@@ -3,7 +3,7 @@
 
     KVRAIL_TRACE=/tmp/t/t loadgen bench --only latency --latency-paths ring \\
         --latency-sizes 4K --latency-layers 0 ...   (a `--features kvrail-sidecar/profile` build)
-    python3 trace_stages.py /tmp/t/*.trace [--timeline]
+    python3 tools/bench/trace_stages.py /tmp/t/*.trace [--timeline]
 
 Three files: the bench's (points 20/21), the sending sidecar's (it has point 1)
 and the receiving sidecar's. Points: crates/kvrail-sidecar/src/trace_points.rs.
