@@ -1,4 +1,4 @@
-// Floor of kvrail's 4 KiB push path without kvrail, on this machine:
+// Floor of kvrail's 4 KiB push path without kvrail, on the machine it runs on:
 // bench process (worker A submits, worker D is notified) -> sidecar B (futex
 // doorbell) -> loopback TCP -> sidecar C (blocking read) -> copies payload into
 // shared memory, rings D's futex, answers a 16-byte Complete to B, which B reads
