@@ -1302,12 +1302,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 try:
                     dst_region, dst_layer = _layer_region(table, layer)
                     gens = spec.remote_generations.get(str(dst_region), ())
-                    t = client.push(
-                        name,
+                    args = (
                         spec.remote_node,
                         Blocks(src_region, spec.local_block_ids, src_layer, 1, slice=head_slice),
                         Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
                     )
+                    t = client.push(name, *args)
                 except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
                     log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
                     if _sidecar_gone(e):
@@ -1317,6 +1317,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     continue
                 pending.add(t.transfer_id)
                 w.transfer_owner[name] = rid
+                w.push_retry[name] = args
 
     def _push_targets(self, spec: RemoteBlocks) -> list[tuple[str, RegionTable, HeadSlice | None]]:
         """Push mode, prefill side: the decode ranks this rank sends heads to,
@@ -1493,6 +1494,9 @@ class _WorkerState:
         self.transfer_owner: dict[str, str] = {}  # transfer request name (or group id) -> request
         # Group ids of loads pulled as one group (their notification ends them).
         self.load_groups: set[str] = set()
+        # Push name -> (peer, source, destination), to push once more if the
+        # peer's sidecar restarted before it went out.
+        self.push_retry: dict[str, tuple[str, Blocks, Blocks]] = {}
         self.local_blocks: dict[str, list[int]] = {}
         # push mode, decode side: layers expected and arrived per request, and
         # when to give up
@@ -1546,6 +1550,7 @@ class _WorkerState:
             self.fail_load(rid, "the sidecar went away")
         self.transfer_owner.clear()
         self.load_groups.clear()
+        self.push_retry.clear()
         self.done_sending.update(self.sending)
         self.sending.clear()
         self.done_sending.update(self.serve_expected)
@@ -1615,6 +1620,23 @@ class _WorkerState:
                     self.release_pushed(client, rid)
                     self.fail_load(rid, f"a pushed layer failed: {n.failure}")
             return
+        retry = self.push_retry.pop(n.request_id, None)
+        if n.kind == FAILED and retry is not None and client is not None and owner in self.sending:
+            if n.failure is not None and n.failure.code == "peer_restarted":
+                # Queued while the peer's sidecar restarted, and failed with
+                # the old session: once more, on the new one (a push granted
+                # by the old process names its regions, which the new one
+                # refuses).
+                try:
+                    t = client.push(n.request_id, *retry)
+                except KvrailError as e:
+                    log.error("kvrail: push %s again after the peer restarted: %s", n.request_id, e)
+                else:
+                    log.warning("kvrail: %s: the peer restarted; pushed again", n.request_id)
+                    self.sending[owner].discard(n.transfer_id)
+                    self.sending[owner].add(t.transfer_id)
+                    self.transfer_owner[n.request_id] = owner
+                    return
         if n.kind == FAILED:
             log.error("kvrail: transfer %s of %s failed: %s", n.request_id, owner, n.failure)
         grouped = n.request_id in self.load_groups
