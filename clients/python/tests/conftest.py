@@ -215,3 +215,34 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         p.stop()
         for f in kvrail.shm_dir().glob(f"kvrail-pytest-{os.getpid()}-{tmp_path.name}-*"):
             f.unlink()
+
+
+def evidence(logs: list[Path], lines: int = 12) -> str:
+    """What kvrail said in ``logs`` (sidecars' warnings and errors, the
+    connector's lines in engine logs), the last ``lines`` of each: the
+    evidence a failed vLLM test carries into CI's output."""
+    out = []
+    for path in logs:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        said = [
+            line[:400]
+            for line in text.splitlines()
+            if (" WARN " in line or " ERROR " in line or "kvrail:" in line or "kvrail[" in line)
+            and "non-default args" not in line
+        ]
+        out.append(f"--- {path.name}: {len(said)} lines, the last {min(lines, len(said))}")
+        out.extend(said[-lines:])
+    return "\n".join(out)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test whose fixtures name logs (``log_paths()``) reports what
+    kvrail said in them."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            log_paths = getattr(value, "log_paths", None)
+            if callable(log_paths):
+                report.sections.append(("kvrail evidence", evidence(log_paths())))

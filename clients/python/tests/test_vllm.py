@@ -198,6 +198,15 @@ class Engine:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def warm_up(self, model: Path) -> None:
+        """Pays an engine's first-request costs before a test times
+        anything: a short prompt and one as long as the tests' (a second
+        shape recompiles vLLM's helper for dynamic shapes; in the TP tests a
+        first long request stalled for minutes)."""
+        for prompt in ("warm up", long_prompt("warm up", 30)):
+            body = {"model": str(model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            _post(f"{self.url}/v1/completions", body, timeout=START_TIMEOUT_S)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -247,6 +256,9 @@ class Disaggregated:
     def decode_received_bytes(self) -> float:
         return self.pair.decode.metric("kvrail_bytes_received_total")
 
+    def log_paths(self) -> list[Path]:
+        return [self.pair.prefill.log_path, self.pair.decode.log_path, self.prefill.log_path, self.decode.log_path]
+
 
 @pytest.fixture(scope="module", params=["pull", "push"])
 def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
@@ -263,6 +275,8 @@ def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in engines:
             e.wait_ready(deadline)
+        for e in engines:
+            e.warm_up(model)
         yield Disaggregated(pair, engines[0], engines[1], model, mode)
     finally:
         pids = [pid for e in engines for pid in e.pids()]

@@ -61,6 +61,10 @@ class Engines:
         self.pair, self.prefill, self.decode, self.model = pair, prefill, decode, str(model)
         self.mode = mode
 
+    def log_paths(self) -> list[Path]:
+        engines = [*self.prefill.values(), *self.decode.values()]
+        return [self.pair.prefill.log_path, self.pair.decode.log_path, *(e.log_path for e in engines)]
+
     def complete(self, base: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
         return _post(f"{base}/v1/completions", body)
@@ -151,14 +155,9 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         for e in started:
             e.wait_ready(deadline)
         # Each rank's first forward passes compile (see the module's doc): one
-        # engine at a time (all four at once outlasted 120 s in a CI run),
-        # with a short prompt and one as long as the tests' (a second shape
-        # recompiles the helper for dynamic shapes: an engine's first long
-        # request stalled for minutes otherwise).
+        # engine at a time (all four at once outlasted 120 s in a CI run).
         for e in started:
-            for prompt in ("warm up", long_prompt("warm up", 30)):
-                warm = {"model": str(model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
-                _post(f"{e.url}/v1/completions", warm, timeout=START_TIMEOUT_S)
+            e.warm_up(model)
         yield Engines(pair, prefill, decode, model, mode)
     finally:
         for e in started:
