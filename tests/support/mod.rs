@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvrail_client::Client;
 
+pub mod etcd;
+
 /// Says that a test (or a part of one) was skipped, and why, where whoever runs
 /// the tests sees it: the harness hides a passing test's `println!`, and a
 /// skipped test passes.
@@ -229,6 +231,17 @@ impl Sidecar {
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stops the process as an operator would (SIGTERM) and waits for it.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
             let _ = c.wait();
         }
     }

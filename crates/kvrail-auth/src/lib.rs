@@ -50,6 +50,16 @@ pub fn check_node_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// SHA-256 of a certificate (DER), lower-case hex: what a membership record
+/// or a pinned peer names (`sha256sum` of the DER file gives the same).
+pub fn certificate_sha256(der: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, der)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// ALPN protocol of kvrail's QUIC connections.
 pub const ALPN: &[u8] = b"kvrail/1";
 

@@ -69,6 +69,10 @@ pub enum HandshakeError {
         "{node}'s process {incarnation:#x} was replaced by a newer one: its sessions are refused"
     )]
     Superseded { node: String, incarnation: u64 },
+    /// Membership (or a pinned certificate) names another process or
+    /// certificate for this node (decided before anything is answered).
+    #[error("{node}: {why}")]
+    NotRegistered { node: String, why: String },
 }
 
 impl HandshakeError {
@@ -93,6 +97,7 @@ impl HandshakeError {
             HandshakeError::CannotSign(_) => "internal",
             HandshakeError::TooManySessions { .. } => "too_many_sessions",
             HandshakeError::Superseded { .. } => "superseded",
+            HandshakeError::NotRegistered { .. } => "not_registered",
         }
     }
 

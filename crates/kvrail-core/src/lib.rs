@@ -11,6 +11,7 @@ pub mod error;
 pub mod geometry;
 pub mod handshake;
 pub mod layout;
+pub mod membership;
 pub mod message;
 pub mod placement;
 pub mod plan;

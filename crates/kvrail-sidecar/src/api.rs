@@ -648,17 +648,14 @@ impl Sidecar for Api {
         _req: Request<ListPeersRequest>,
     ) -> Result<Response<ListPeersResponse>, Status> {
         let mut peers = Vec::new();
-        for (name, slot) in &self.shared.peers {
-            let outbound = match slot.link.try_lock() {
-                Ok(g) => g.as_ref().filter(|l| l.is_alive()).cloned(),
-                Err(_) => None,
-            };
+        for (name, slot) in self.shared.peers.entries() {
+            let outbound = slot.link_now().link().filter(|l| l.is_alive());
             let mut links: Vec<_> = outbound.into_iter().collect();
             links.extend(
                 self.shared
                     .inbound
                     .iter()
-                    .filter(|e| e.key().0 == *name && e.value().is_alive())
+                    .filter(|e| e.key().0 == name && e.value().is_alive())
                     .map(|e| e.value().clone()),
             );
             let rail_status: Vec<RailStatus> = links

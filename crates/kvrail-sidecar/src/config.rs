@@ -13,6 +13,15 @@ pub struct PeerConfig {
     pub name: String,
     #[serde(deserialize_with = "rail_addrs")]
     pub rails: Vec<SocketAddr>,
+    /// SHA-256 (hex) its certificate must have: pinned in the configuration,
+    /// or named by its membership record. Unset: any certificate of the
+    /// cluster's CA that names it.
+    #[serde(default)]
+    pub cert_sha256: Option<String>,
+    /// The process its membership record names (never set by configuration):
+    /// another process answering or calling under its name is refused.
+    #[serde(skip)]
+    pub incarnation: Option<u64>,
 }
 
 /// Everything the daemon needs.
@@ -27,6 +36,18 @@ pub struct Config {
     #[serde(deserialize_with = "rail_addrs")]
     pub listen: Vec<SocketAddr>,
     pub peers: Vec<PeerConfig>,
+    /// Where peers reach this node's rails, one per rail, when that is not
+    /// `listen` (a wildcard or NAT'd listen address); published in etcd.
+    #[serde(deserialize_with = "rail_addrs")]
+    pub advertise: Vec<SocketAddr>,
+    /// etcd endpoints (`http://HOST:PORT`) of the cluster's membership: this
+    /// node registers there and learns its peers there. Empty: static peers only.
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix of this cluster in etcd (records live under PREFIX/nodes/).
+    pub etcd_prefix: String,
+    /// Lease of this node's record: it disappears this long after the
+    /// sidecar stops renewing it (killed, or cut off from etcd).
+    pub etcd_lease_ttl_s: u64,
     /// TCP connections opened per rail to each peer.
     pub connections_per_rail: usize,
     pub slice_bytes: u64,
@@ -150,6 +171,10 @@ impl Default for Config {
             socket: PathBuf::from("/tmp/kvrail.sock"),
             listen: vec![],
             peers: vec![],
+            advertise: vec![],
+            etcd_endpoints: vec![],
+            etcd_prefix: "/kvrail/default".into(),
+            etcd_lease_ttl_s: 10,
             connections_per_rail: 4,
             slice_bytes: 1 << 20,
             window_bytes: 8 << 20,
@@ -308,6 +333,8 @@ impl Config {
         Ok(PeerConfig {
             name: name.into(),
             rails,
+            cert_sha256: None,
+            incarnation: None,
         })
     }
 
@@ -436,6 +463,45 @@ impl Config {
         if self.window_bytes < self.slice_bytes {
             return bad("window_bytes must be at least slice_bytes");
         }
+        if !self.advertise.is_empty() && self.advertise.len() != self.listen.len() {
+            return bad("advertise needs one address per rail (as many as listen)");
+        }
+        if let Some(a) = self
+            .advertise
+            .iter()
+            .find(|a| a.ip().is_unspecified() || a.port() == 0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "advertise address {a} is not where a peer can reach this node"
+            )));
+        }
+        if !self.etcd_endpoints.is_empty() {
+            for e in &self.etcd_endpoints {
+                if !(e.starts_with("http://") || e.starts_with("https://")) || e.len() > 512 {
+                    return Err(ConfigError::Invalid(format!(
+                        "etcd endpoint {e:?}: expected http://HOST:PORT"
+                    )));
+                }
+            }
+            if !self.etcd_prefix.starts_with('/')
+                || self.etcd_prefix.len() > 256
+                || self.etcd_prefix.contains("//")
+            {
+                return bad(
+                    "etcd_prefix must start with '/' (e.g. /kvrail/prod), at most 256 bytes",
+                );
+            }
+            if !(2..=3600).contains(&self.etcd_lease_ttl_s) {
+                return bad("etcd_lease_ttl_s must be 2 to 3600");
+            }
+            if self.advertise.is_empty() {
+                if let Some(a) = self.listen.iter().find(|a| a.ip().is_unspecified()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "listen address {a} is a wildcard: with etcd_endpoints, set advertise to the addresses peers reach this node at"
+                    )));
+                }
+            }
+        }
         for (i, p) in self.peers.iter().enumerate() {
             if let Err(why) = kvrail_auth::check_node_name(&p.name) {
                 return Err(ConfigError::Invalid(format!("peer: {why}")));
@@ -448,6 +514,14 @@ impl Config {
                     "peer {:?} is given twice",
                     p.name
                 )));
+            }
+            if let Some(fp) = &p.cert_sha256 {
+                if fp.len() != 64 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "peer {:?}: cert_sha256 must be 64 hex digits (sha256sum of the certificate's DER)",
+                        p.name
+                    )));
+                }
             }
             if p.rails.is_empty() || p.rails.len() * self.connections_per_rail > 64 {
                 return bad("each peer needs 1 or more rails, at most 64 connections in all");
@@ -484,6 +558,15 @@ impl Config {
         ips.sort_unstable();
         ips.dedup();
         ips
+    }
+
+    /// Where peers reach this node's rails: `advertise`, else `listen`.
+    pub fn advertised_rails(&self) -> &[SocketAddr] {
+        if self.advertise.is_empty() {
+            &self.listen
+        } else {
+            &self.advertise
+        }
     }
 
     /// Transports in order of preference: as configured, or by default rdma,
@@ -744,6 +827,8 @@ mod tests {
         let peer = |name: &str| PeerConfig {
             name: name.into(),
             rails: vec!["127.0.0.1:1".parse().unwrap()],
+            cert_sha256: None,
+            incarnation: None,
         };
         for (bad, field) in [
             (

@@ -1,6 +1,5 @@
 //! Wires the parts together: regions, peers, transports, the API and metrics.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -10,15 +9,14 @@ use crate::dial::{random_nonce, IdentityCredentials};
 use dashmap::DashMap;
 use kvrail_auth::Identity;
 use kvrail_core::handshake::{
-    admit_session, Acceptor, AcceptorConfig, AcceptorStep, Credentials, HeldSession,
-    SessionAdmission,
+    admit_session, Acceptor, AcceptorConfig, AcceptorStep, Credentials, HandshakeError,
+    HeldSession, SessionAdmission,
 };
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
 use kvrail_transport::ratelog::RateLimitedLog;
 use kvrail_transport::{read_handshake_frame, Connection, Frame, Transport};
-use tokio::sync::Mutex as AsyncMutex;
 use tracing::{debug, info, warn};
 
 use crate::busy_poll::BusyPoll;
@@ -46,11 +44,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub use crate::dial::DialError;
 
-/// An outbound peer: its configuration and the link we dialed, if any.
-pub struct PeerSlot {
-    pub config: PeerConfig,
-    pub link: AsyncMutex<Option<Arc<PeerLink>>>,
-}
+pub use crate::peer_table::{LinkNow, PeerSlot, PeerSource, PeerTable};
 
 /// State every task shares.
 pub struct Shared {
@@ -60,7 +54,8 @@ pub struct Shared {
     pub transfers: TransferTable,
     /// Transfers that complete as one (`TransferGroup`).
     pub groups: crate::groups::Groups<(String, Failure)>,
-    pub peers: HashMap<String, PeerSlot>,
+    /// Static peers and those membership found (`peer_table`).
+    pub peers: PeerTable,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
     /// Per peer node, incarnations of its processes that newer ones replaced
     /// (the last few): their new sessions are refused.
@@ -88,6 +83,8 @@ pub struct Shared {
     pub incarnation: u64,
     /// Keeps a runtime worker polling while traffic is recent.
     pub busy_poll: Arc<BusyPoll>,
+    /// etcd membership, when `etcd_endpoints` are configured.
+    pub membership: std::sync::OnceLock<Arc<crate::membership::Membership>>,
 }
 
 /// Why blocks cannot be released.
@@ -249,9 +246,7 @@ impl Shared {
         for slot in self.peers.values() {
             // A slot being dialed holds no transfer yet: those start after the
             // dial, under the session lock, and check generations there.
-            if let Ok(Some(link)) = slot.link.try_lock().map(|g| g.clone()) {
-                links.push(link);
-            }
+            links.extend(slot.link_now().link());
         }
         let mut failed = 0;
         let mut unsettled = 0;
@@ -277,14 +272,28 @@ impl Shared {
             .inbound
             .iter()
             .any(|l| l.inspect(|s| s.uses_region(region_id)));
-        let outbound = self.peers.values().any(|p| match p.link.try_lock() {
-            Ok(guard) => guard
-                .as_ref()
-                .is_some_and(|l| l.inspect(|s| s.uses_region(region_id))),
+        let outbound = self.peers.values().iter().any(|p| match p.link_now() {
+            LinkNow::Up(l) => l.inspect(|s| s.uses_region(region_id)),
+            LinkNow::None => false,
             // Being dialed right now: be conservative.
-            Err(_) => true,
+            LinkNow::Dialing => true,
         });
         inbound || outbound
+    }
+
+    /// Whether `peer` is known, asking etcd now if membership runs (a name
+    /// its watch has not brought yet).
+    pub async fn resolve_peer(self: &Arc<Self>, peer: &str) -> bool {
+        if self.peers.contains_key(peer) {
+            return true;
+        }
+        match self.membership.get() {
+            Some(m) => {
+                m.lookup(peer).await;
+                self.peers.contains_key(peer)
+            }
+            None => false,
+        }
     }
 
     /// The live outbound link to `peer`, dialing it if needed.
@@ -461,7 +470,23 @@ impl Shared {
                 incarnation: self.incarnation,
                 ..Default::default()
             };
-            match self.dial_one(&transport, local, addr, hello, timeout).await {
+            let expected_cert = peer.cert_sha256.as_deref();
+            match self
+                .dial_one(&transport, local, addr, hello, timeout, expected_cert)
+                .await
+            {
+                Ok((conn, ack)) if peer.incarnation.is_some_and(|i| i != ack.incarnation) => {
+                    drop(conn);
+                    return Err(DialError::Refused {
+                        peer: peer.name.clone(),
+                        reason: format!(
+                            "the process answering at {addr} ({:#x}) is not the one registered for {} ({:#x})",
+                            ack.incarnation,
+                            peer.name,
+                            peer.incarnation.unwrap_or_default()
+                        ),
+                    });
+                }
                 Ok((conn, ack)) if !link.same_peer_incarnation(ack.incarnation) => {
                     drop(conn);
                     return Err(DialError::Refused {
@@ -552,9 +577,19 @@ impl Shared {
         addr: SocketAddr,
         hello: pb::Hello,
         connect_timeout: Duration,
+        expected_cert: Option<&str>,
     ) -> Result<(Connection, pb::HelloAck), DialError> {
         let identity = self.tcp_identity(transport.name());
-        crate::dial::handshake(transport, identity, local, addr, hello, connect_timeout).await
+        crate::dial::handshake(
+            transport,
+            identity,
+            local,
+            addr,
+            hello,
+            connect_timeout,
+            expected_cert,
+        )
+        .await
     }
 
     /// Handshakes one accepted connection and attaches it to its session.
@@ -582,9 +617,12 @@ impl Shared {
         let identity = self.tcp_identity(transport).map(IdentityCredentials);
         // The session cap, before anything is answered: a refused dialer
         // hears why instead of an ack and a close.
-        let admit = |hello: &pb::Hello| match self.admission(hello) {
-            SessionAdmission::Refuse(e) => Err(e),
-            _ => Ok(()),
+        let admit = |hello: &pb::Hello| {
+            self.check_registered(hello, tls_certificate.as_deref())?;
+            match self.admission(hello) {
+                SessionAdmission::Refuse(e) => Err(e),
+                _ => Ok(()),
+            }
         };
         let mut acceptor = Acceptor::new(
             AcceptorConfig {
@@ -611,6 +649,11 @@ impl Shared {
             if matches!(message, Ok(Ok(_))) {
                 // No longer evictable (see `startup::accept_loop`).
                 spoke.store(true, std::sync::atomic::Ordering::Release);
+            }
+            if let Ok(Ok(Frame::Control(Body::Hello(hello)))) = &message {
+                // A node that registered a moment ago: etcd knows it before
+                // our watch says so.
+                self.resolve_peer(&hello.node_name).await;
             }
             let step = match message {
                 Err(_) => acceptor.on_timeout(),
@@ -707,6 +750,37 @@ impl Shared {
         self.inbound.retain(|_, l| !l.is_dead());
     }
 
+    /// That the dialer is the process membership registered under its name,
+    /// with the certificate its record (or the configuration) names: another
+    /// process, or another certificate of the CA for the name, is refused.
+    fn check_registered(
+        &self,
+        hello: &pb::Hello,
+        tls_certificate: Option<&[u8]>,
+    ) -> Result<(), HandshakeError> {
+        let Some(slot) = self.peers.get(&hello.node_name) else {
+            return Ok(());
+        };
+        let refuse = |why: String| HandshakeError::NotRegistered {
+            node: hello.node_name.clone(),
+            why,
+        };
+        if let Some(expected) = slot.config.incarnation {
+            if hello.incarnation != expected {
+                return Err(refuse(format!(
+                    "registered as process {expected:#x}, this connection comes from process {:#x} (an old process of the node, or one not registered yet)",
+                    hello.incarnation
+                )));
+            }
+        }
+        if let Some(expected) = &slot.config.cert_sha256 {
+            let presented = tls_certificate
+                .or((!hello.certificate.is_empty()).then_some(hello.certificate.as_slice()));
+            crate::dial::check_fingerprint(presented, expected).map_err(refuse)?;
+        }
+        Ok(())
+    }
+
     /// The inbound session cap for this hello ([`admit_session`]): the node's
     /// sessions here, what they carry, and its retired incarnations.
     fn admission(&self, hello: &pb::Hello) -> SessionAdmission {
@@ -738,7 +812,7 @@ impl Shared {
     }
 
     /// Remembers that `incarnation` of `node` was replaced (the last few).
-    fn retire_incarnation(&self, node: &str, incarnation: u64) {
+    pub(crate) fn retire_incarnation(&self, node: &str, incarnation: u64) {
         const KEPT: usize = 16;
         let mut retired = self
             .retired_incarnations

@@ -58,7 +58,9 @@ impl Credentials for IdentityCredentials<'_> {
 /// Connects to `addr` (from `local` when given) and runs the core's dialer
 /// handshake over the connection: our hello, the acceptor's answer, and (with
 /// `identity`, authenticated TCP) our proof. The connection and the
-/// acceptor's ack.
+/// acceptor's ack. With `expected_cert` (a SHA-256, hex) the acceptor's
+/// certificate must be that one: membership says which certificate a node
+/// presents, the certificate says who it is.
 pub async fn handshake(
     transport: &Arc<dyn Transport>,
     identity: Option<&Identity>,
@@ -66,6 +68,7 @@ pub async fn handshake(
     addr: SocketAddr,
     mut hello: pb::Hello,
     connect_timeout: Duration,
+    expected_cert: Option<&str>,
 ) -> Result<(Connection, pb::HelloAck), DialError> {
     let peer = hello.expected_peer.clone();
     let unreachable = |reason: String| DialError::Unreachable {
@@ -144,6 +147,20 @@ pub async fn handshake(
         peer: peer.clone(),
         reason: e.to_string(),
     })?;
+    if let Some(expected) = expected_cert {
+        // Checked only after the dialer verified the certificate is the
+        // cluster CA's and names the peer (TLS, or the ack's signature).
+        let presented = conn
+            .peer_certificate
+            .as_deref()
+            .or((!ack.certificate.is_empty()).then_some(ack.certificate.as_slice()));
+        if let Err(reason) = check_fingerprint(presented, expected) {
+            return Err(DialError::Refused {
+                peer: peer.clone(),
+                reason,
+            });
+        }
+    }
     if let Some(proof) = proof {
         let frame = wire::encode_control(&wire::message(Body::HelloProof(proof)));
         conn.writer
@@ -152,4 +169,28 @@ pub async fn handshake(
             .map_err(|e| unreachable(e.to_string()))?;
     }
     Ok((conn, ack))
+}
+
+/// That `presented` (a certificate, DER) has the SHA-256 `expected` (hex).
+pub fn check_fingerprint(presented: Option<&[u8]>, expected: &str) -> Result<(), String> {
+    let Some(cert) = presented else {
+        return Err(format!(
+            "it presented no certificate, but its record names one (sha256 {})",
+            short(expected)
+        ));
+    };
+    let got = kvrail_auth::certificate_sha256(cert);
+    if got.eq_ignore_ascii_case(expected) {
+        Ok(())
+    } else {
+        Err(format!(
+            "its certificate (sha256 {}) is not the one its record names (sha256 {})",
+            short(&got),
+            short(expected)
+        ))
+    }
+}
+
+fn short(fingerprint: &str) -> &str {
+    fingerprint.get(..16).unwrap_or(fingerprint)
 }

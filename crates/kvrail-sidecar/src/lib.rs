@@ -15,10 +15,13 @@ pub mod gpu;
 pub mod groups;
 pub mod held;
 pub mod link;
+pub mod membership;
 pub mod metrics;
 pub mod metrics_http;
 pub mod netinfo;
 pub mod notify;
+pub mod peer_changes;
+pub mod peer_table;
 #[cfg(feature = "profile")]
 pub mod profile;
 pub mod rdma;
@@ -53,6 +56,19 @@ pub struct ServeArgs {
     /// A peer: NAME=IP:PORT[,IP:PORT...] (one address per rail); repeatable.
     #[arg(long = "peer")]
     pub peers: Vec<String>,
+    /// Where peers reach a rail, IP:PORT, when not the listen address; repeat once per rail.
+    #[arg(long, value_parser = config::parse_rail_addr)]
+    pub advertise: Vec<SocketAddr>,
+    /// etcd endpoint of the cluster's membership (http://HOST:PORT); repeatable.
+    /// This node registers there and learns its peers there.
+    #[arg(long = "etcd")]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix of this cluster in etcd (default /kvrail/default).
+    #[arg(long)]
+    pub etcd_prefix: Option<String>,
+    /// Seconds this node's etcd record outlives its last renewal (default 10).
+    #[arg(long)]
+    pub etcd_lease_ttl_s: Option<u64>,
     /// TCP connections per rail to each peer (default 4; with RDMA's queue pairs at most 64 over all rails).
     #[arg(long)]
     pub connections_per_rail: Option<usize>,
@@ -175,6 +191,18 @@ impl ServeArgs {
         }
         if !self.listen.is_empty() {
             c.listen = self.listen.clone();
+        }
+        if !self.advertise.is_empty() {
+            c.advertise = self.advertise.clone();
+        }
+        if !self.etcd_endpoints.is_empty() {
+            c.etcd_endpoints = self.etcd_endpoints.clone();
+        }
+        if let Some(v) = &self.etcd_prefix {
+            c.etcd_prefix = v.clone();
+        }
+        if let Some(v) = self.etcd_lease_ttl_s {
+            c.etcd_lease_ttl_s = v;
         }
         let mut named = std::collections::HashSet::new();
         for p in &self.peers {
@@ -311,6 +339,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         p.write();
     }
     trace_points::write();
+    daemon.leave().await;
     daemon.shutdown();
     Ok(())
 }

@@ -37,6 +37,9 @@ pub const RAIL_SLICES_RETRANSMITTED: &str = "kvrail_rail_slices_retransmitted_to
 pub const RAIL_THROUGHPUT: &str = "kvrail_rail_throughput_bytes_per_second";
 pub const RAIL_PROBES_FAILED: &str = "kvrail_rail_probes_failed_total";
 pub const PEER_TRANSPORT: &str = "kvrail_peer_transport";
+pub const MEMBERSHIP_CONNECTED: &str = "kvrail_membership_connected";
+pub const MEMBERSHIP_PEERS: &str = "kvrail_membership_peers";
+pub const MEMBERSHIP_EVENTS: &str = "kvrail_membership_events_total";
 pub const RDMA_BUILD_NANOS: &str = "kvrail_rdma_build_nanoseconds_total";
 pub const RDMA_POST_NANOS: &str = "kvrail_rdma_post_nanoseconds_total";
 pub const RDMA_WORK_REQUESTS: &str = "kvrail_rdma_work_requests_total";
@@ -142,6 +145,15 @@ fn describe() {
         "Peer frames refused as malformed, by reason"
     );
     describe_counter!(HANDSHAKES_REFUSED, "Peer handshakes refused, by reason");
+    describe_gauge!(
+        MEMBERSHIP_CONNECTED,
+        "1 while this node is registered in etcd and watching the cluster"
+    );
+    describe_gauge!(MEMBERSHIP_PEERS, "Peers the etcd membership knows");
+    describe_counter!(
+        MEMBERSHIP_EVENTS,
+        "Membership changes, by kind (joined, updated, restarted, left, refused, name_clash)"
+    );
     describe_gauge!(REGIONS_REGISTERED, "Regions currently registered");
     describe_gauge!(
         RAIL_STATE,

@@ -13,19 +13,20 @@ use kvrail_auth::{Identity, IdentityFiles};
 use kvrail_quic::QuicTransport;
 use kvrail_transport::tcp::TcpTransport;
 use kvrail_transport::{Listener, Transport};
-use tokio::sync::Mutex as AsyncMutex;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::busy_poll::BusyPoll;
 use crate::config::Config;
-use crate::daemon::{PeerSlot, Shared, MAX_CONCURRENT_HANDSHAKES};
+use crate::daemon::{Shared, MAX_CONCURRENT_HANDSHAKES};
 use crate::gpu::GpuDevices;
+use crate::membership::{Membership, MembershipConfig, OnChange};
 use crate::metrics as m;
 use crate::notify::NotificationHub;
 use crate::rdma::RdmaRails;
 use crate::regions::Registry;
 use crate::transfers::TransferTable;
+use kvrail_core::membership::{MemberRecord, RECORD_FORMAT};
 use kvrail_transport::ratelog::RateLimitedLog;
 
 /// A running daemon.
@@ -73,19 +74,7 @@ impl Daemon {
                 _ => {}
             }
         }
-        let peers = config
-            .peers
-            .iter()
-            .map(|p| {
-                (
-                    p.name.clone(),
-                    PeerSlot {
-                        config: p.clone(),
-                        link: AsyncMutex::new(None),
-                    },
-                )
-            })
-            .collect();
+        let peers = crate::daemon::PeerTable::from_config(&config.peers);
         let shared = Arc::new(Shared {
             config: config.clone(),
             registry: Registry::for_incarnation(incarnation),
@@ -115,6 +104,7 @@ impl Daemon {
             // no transfer of this incarnation (until 2^32 transfers later).
             next_transfer: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
             busy_poll: BusyPoll::new(config.runtime_busy_poll(), config.reader_spin()),
+            membership: std::sync::OnceLock::new(),
         });
         if let Some(addr) = config.metrics_addr {
             m::install(addr).await?;
@@ -158,6 +148,26 @@ impl Daemon {
         if shared.busy_poll.runtime_spin() {
             tasks.push(tokio::spawn(shared.busy_poll.clone().run()));
         }
+        if !config.etcd_endpoints.is_empty() {
+            // Registered once the listeners are up: a peer that reads the
+            // record can connect.
+            let weak = Arc::downgrade(&shared);
+            let on_change: OnChange = Arc::new(move |change| {
+                if let Some(shared) = weak.upgrade() {
+                    crate::peer_changes::apply(&shared, change);
+                }
+            });
+            let membership = Membership::start(
+                MembershipConfig {
+                    endpoints: config.etcd_endpoints.clone(),
+                    prefix: config.etcd_prefix.clone(),
+                    lease_ttl_s: config.etcd_lease_ttl_s,
+                    record: member_record(&shared),
+                },
+                on_change,
+            );
+            let _ = shared.membership.set(Arc::new(membership));
+        }
         info!(node = %config.node, socket = %config.socket.display(), ?listen, transports = ?shared.offered_transports(), "kvrail sidecar ready");
         Ok(Daemon {
             shared,
@@ -166,6 +176,14 @@ impl Daemon {
             tasks,
             bound_socket,
         })
+    }
+
+    /// Leaves the etcd membership (deletes this node's record), if any:
+    /// peers learn of it at once instead of at the lease's expiry.
+    pub async fn leave(&self) {
+        if let Some(m) = self.shared.membership.get() {
+            m.leave().await;
+        }
     }
 
     /// Stops serving and closes every peer connection.
@@ -177,15 +195,40 @@ impl Daemon {
             l.close("daemon shutting down");
         }
         for slot in self.shared.peers.values() {
-            if let Ok(guard) = slot.link.try_lock() {
-                if let Some(l) = guard.as_ref() {
-                    l.close("daemon shutting down");
-                }
+            if let Some(l) = slot.link_now().link() {
+                l.close("daemon shutting down");
             }
         }
         if let Some(bound) = self.bound_socket {
             bound.remove_if_ours(&self.socket);
         }
+    }
+}
+
+/// This node's membership record as peers read it.
+fn member_record(shared: &Shared) -> MemberRecord {
+    let config = &shared.config;
+    let mut capabilities = Vec::new();
+    if shared.rdma.any() {
+        capabilities.push("rdma".to_string());
+    }
+    capabilities.push("rings".to_string());
+    MemberRecord {
+        format: RECORD_FORMAT,
+        node: config.node.clone(),
+        rails: config
+            .advertised_rails()
+            .iter()
+            .map(|a| a.to_string())
+            .collect(),
+        transports: shared.offered_transports(),
+        capabilities,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        cert_sha256: shared
+            .identity
+            .as_ref()
+            .map(|id| kvrail_auth::certificate_sha256(id.certificate())),
+        incarnation: shared.incarnation,
     }
 }
 

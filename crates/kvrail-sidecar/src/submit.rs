@@ -114,8 +114,13 @@ pub async fn start_transfer(
 ) -> Result<TransferAccepted, Refusal> {
     require_text(start.request_id, "request_id")?;
     require_text(start.worker_id, "worker_id")?;
-    if !shared.peers.contains_key(start.peer) {
-        return Err(Status::not_found(format!("unknown peer {:?}", start.peer)).into());
+    if !shared.peers.contains_key(start.peer) && !shared.resolve_peer(start.peer).await {
+        let known = if shared.membership.get().is_some() {
+            "not configured and not registered in etcd"
+        } else {
+            "not configured (and no etcd membership)"
+        };
+        return Err(Status::not_found(format!("unknown peer {:?}: {known}", start.peer)).into());
     }
     let Start {
         push,

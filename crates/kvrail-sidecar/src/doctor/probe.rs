@@ -123,7 +123,7 @@ async fn probe_one(
     let tname = transport.name();
     let result = tokio::time::timeout(
         timeout,
-        crate::dial::handshake(transport, identity, local, addr, hello, timeout),
+        crate::dial::handshake(transport, identity, local, addr, hello, timeout, None),
     )
     .await;
     let finding = |status, detail: String, fix: Option<String>| Finding {

@@ -1,0 +1,145 @@
+//! What the daemon does when membership (etcd) says a peer joined, moved,
+//! restarted or left: the peer table's slots, retired incarnations and the
+//! links that must close.
+
+use std::sync::Arc;
+
+use kvrail_core::membership::{Change, Member};
+use tracing::{info, warn};
+
+use crate::config::PeerConfig;
+use crate::daemon::{PeerSlot, PeerSource, Shared};
+
+fn slot_for(member: &Member) -> Arc<PeerSlot> {
+    PeerSlot::new(
+        PeerConfig {
+            name: member.node().to_string(),
+            rails: member.rails.clone(),
+            cert_sha256: member.record.cert_sha256.clone(),
+            incarnation: Some(member.incarnation()),
+        },
+        PeerSource::Member {
+            incarnation: member.incarnation(),
+        },
+    )
+}
+
+/// Closes what we hold with `node`: the outbound link of `slot` and every
+/// inbound session of `incarnation` (all of the node's when None).
+fn close_links(
+    shared: &Shared,
+    node: &str,
+    slot: Option<&PeerSlot>,
+    incarnation: Option<u64>,
+    why: &str,
+) {
+    if let Some(link) = slot.and_then(|s| s.link_now().link()) {
+        link.close(why);
+    }
+    for entry in shared.inbound.iter() {
+        let theirs = entry
+            .value()
+            .dialer_incarnation
+            .load(std::sync::atomic::Ordering::Acquire);
+        if entry.key().0 == node && incarnation.is_none_or(|i| i == theirs) {
+            entry.value().close(why);
+        }
+    }
+}
+
+/// Makes `member`'s record the peer's slot: the same process at the same
+/// place keeps its slot (and link), anything else gets a new slot and the
+/// old one's links (those of `incarnation`, or all) close with `why`.
+fn upsert(shared: &Shared, member: &Member, incarnation: Option<u64>, why: &str) {
+    let fresh = slot_for(member);
+    if let Some(current) = shared.peers.get_any(member.node()) {
+        if current.config == fresh.config {
+            current.set_departed(false);
+            return;
+        }
+    }
+    let replaced = shared.peers.insert(fresh);
+    close_links(shared, member.node(), replaced.as_deref(), incarnation, why);
+}
+
+/// Applies one membership change to the peer table.
+pub fn apply(shared: &Shared, change: Change) {
+    let is_static = |node: &str| {
+        shared
+            .peers
+            .get(node)
+            .is_some_and(|s| s.source == PeerSource::Static)
+    };
+    match change {
+        Change::Joined(member) => {
+            if is_static(member.node()) {
+                info!(
+                    peer = member.node(),
+                    "membership: a configured peer registered; its configured rails are kept"
+                );
+                return;
+            }
+            info!(peer = member.node(), rails = ?member.rails, incarnation = format_args!("{:#x}", member.incarnation()), "membership: peer joined");
+            let why = format!(
+                "peer {} registered again with another record",
+                member.node()
+            );
+            upsert(shared, &member, None, &why);
+        }
+        Change::Updated { new, .. } => {
+            if is_static(new.node()) {
+                return;
+            }
+            info!(peer = new.node(), rails = ?new.rails, "membership: peer moved; new connections go to its new record");
+            let why = format!(
+                "peer {} changed its membership record (rails or certificate)",
+                new.node()
+            );
+            upsert(shared, &new, Some(new.incarnation()), &why);
+        }
+        Change::Restarted { old, new } => {
+            info!(
+                peer = new.node(),
+                old_incarnation = format_args!("{:#x}", old.incarnation()),
+                new_incarnation = format_args!("{:#x}", new.incarnation()),
+                "membership: peer restarted; its old process's sessions are refused"
+            );
+            shared.retire_incarnation(new.node(), old.incarnation());
+            let why = format!(
+                "peer {} restarted (incarnation {:#x} -> {:#x}, from its membership record)",
+                new.node(),
+                old.incarnation(),
+                new.incarnation()
+            );
+            if is_static(new.node()) {
+                close_links(shared, new.node(), None, Some(old.incarnation()), &why);
+                return;
+            }
+            upsert(shared, &new, Some(old.incarnation()), &why);
+        }
+        Change::Left { old } => {
+            if is_static(old.node()) {
+                info!(
+                    peer = old.node(),
+                    "membership: a configured peer's record is gone; it stays configured"
+                );
+                return;
+            }
+            info!(peer = old.node(), "membership: peer left (its record was deleted or its lease expired); sessions still up finish what they carry");
+            if let Some(slot) = shared.peers.get_any(old.node()) {
+                slot.set_departed(true);
+            }
+        }
+        Change::Refused(e) => {
+            if let Some(suppressed) = shared.refusal_log.admit() {
+                warn!(suppressed, "membership: {e}");
+            }
+        }
+        Change::NameClash { incarnation } => {
+            warn!(
+                other_incarnation = format_args!("{incarnation:#x}"),
+                "membership: another process registered under this node's name (an old process whose lease has not expired yet, or a second sidecar configured with the same name)"
+            );
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! A real etcd server on loopback for the membership tests (Debian's
+//! `etcd-server`; `./quickstart deps test` installs it), with a temporary
+//! data directory, and `etcdctl` to read and write its keys.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{free_port, skip_or_fail};
+
+/// One `etcd` process; killed when dropped.
+pub struct Etcd {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    pub client_port: u16,
+    peer_port: u16,
+}
+
+/// The etcd binary, if installed (`$KVRAIL_ETCD`, else `etcd` on PATH).
+pub fn etcd_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KVRAIL_ETCD") {
+        return Some(PathBuf::from(p));
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("etcd"))
+            .find(|p| p.is_file())
+    })
+}
+
+impl Etcd {
+    /// Starts etcd and waits until it answers; None (after saying why, or
+    /// failing under CI) when it is not installed.
+    pub fn start(test: &str) -> Option<Etcd> {
+        let Some(_) = etcd_binary() else {
+            skip_or_fail(
+                test,
+                "no etcd binary (apt-get install etcd-server, or ./quickstart deps test)",
+            );
+            return None;
+        };
+        let mut etcd = Etcd {
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        etcd.spawn();
+        Some(etcd)
+    }
+
+    /// The client URL sidecars are given.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    fn spawn(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::File::create(self.dir.path().join("etcd.log")).expect("etcd log");
+        let child = Command::new(etcd_binary().expect("etcd binary"))
+            .args(["--name", "kvrail-test"])
+            .arg("--data-dir")
+            .arg(self.dir.path().join("data"))
+            .args(["--listen-client-urls", &self.url()])
+            .args(["--advertise-client-urls", &self.url()])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("kvrail-test={peer}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start etcd");
+        self.child = Some(child);
+        self.wait_healthy();
+    }
+
+    /// Polls etcd's `/health` until it says true (20 s at most).
+    fn wait_healthy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.healthy() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become healthy; its log:\n{}",
+                std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .is_err()
+        {
+            return false;
+        }
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        body.contains("\"health\":\"true\"")
+    }
+
+    /// Kills etcd (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts etcd again on the same ports and data (after [`Etcd::kill`]).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart a killed etcd only");
+        self.spawn();
+    }
+
+    fn etcdctl(&self) -> Command {
+        let mut c = Command::new("etcdctl");
+        c.env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.url()])
+            .args(["--command-timeout", "5s"]);
+        c
+    }
+
+    /// Keys under `prefix`.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        let out = self
+            .etcdctl()
+            .args(["get", "--prefix", "--keys-only", prefix])
+            .output()
+            .expect("run etcdctl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The value of `key`, if any.
+    pub fn get(&self, key: &str) -> Option<String> {
+        let out = self
+            .etcdctl()
+            .args(["get", "--print-value-only", key])
+            .output()
+            .expect("run etcdctl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
+        (!v.is_empty()).then_some(v)
+    }
+
+    /// Writes `value` under `key` (no lease: it stays).
+    pub fn put(&self, key: &str, value: &str) {
+        let out = self
+            .etcdctl()
+            .args(["put", key, value])
+            .output()
+            .expect("run etcdctl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
