@@ -106,6 +106,21 @@ impl Etcd {
         body.contains("\"health\":\"true\"")
     }
 
+    /// A counter or gauge from etcd's Prometheus `/metrics` (0 if absent).
+    pub fn metric(&self, name: &str) -> f64 {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) else {
+            return 0.0;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        body.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// Kills etcd (SIGKILL), as a crash would.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
