@@ -929,4 +929,15 @@ mod tests {
         let e = bad.validate().unwrap_err().to_string();
         assert!(e.contains("gpu_slice_bytes"), "{e}");
     }
+
+    /// The example in deploy/ (what the systemd unit and the DaemonSet
+    /// read) is a configuration that runs.
+    #[test]
+    fn the_deployment_example_is_valid() {
+        let c: Config = toml::from_str(include_str!("../../../deploy/kvrail.toml"))
+            .expect("deploy/kvrail.toml parses");
+        c.validate().expect("deploy/kvrail.toml is valid");
+        assert_eq!(c.etcd_endpoints.len(), 3);
+        assert_eq!(c.listen.len(), 2);
+    }
 }
