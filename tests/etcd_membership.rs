@@ -24,17 +24,13 @@ fn loopback(port: u16) -> SocketAddr {
 
 /// A sidecar registered in `etcd` under `prefix`, no static peers.
 fn member(dir: &Path, etcd_url: &str, prefix: &str, node: &str, extra: &[&str]) -> Sidecar {
-    let mut args: Vec<String> = [
-        "--etcd",
-        etcd_url,
-        "--etcd-prefix",
-        prefix,
-        "--etcd-lease-ttl-s",
-        &TTL_S.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args: Vec<String> = ["--etcd", etcd_url, "--etcd-prefix", prefix]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    if !extra.contains(&"--etcd-lease-ttl-s") {
+        args.extend(["--etcd-lease-ttl-s".to_string(), TTL_S.to_string()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     if !extra.contains(&"--tls-dir") {
         args.push("--insecure".into());
@@ -436,6 +432,42 @@ async fn a_node_restarted_under_its_name_is_a_new_process_and_the_old_one_is_ref
     );
     wait_until_logged(&old_b, "holds this node's name").await;
     assert_ne!(etcd.get(&key).unwrap(), old_record);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sidecar_restarted_on_its_rails_takes_its_record_over_at_once() {
+    let Some(etcd) = Etcd::start("a_sidecar_restarted_on_its_rails") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = prefix("same-rails");
+    // A long lease: the old record would stay 60 s; the restart must not wait for it.
+    let long = ["--etcd-lease-ttl-s", "60"];
+    let a = member(dir.path(), &etcd.url(), &prefix, "a", &long);
+    let mut b = member(dir.path(), &etcd.url(), &prefix, "b", &long);
+    wait_peers(&a, &["b"], Duration::from_secs(5)).await;
+    assert_eq!(push_verified(&a, &b, "first", 1).await, Ok(1 << 20));
+    let key = format!("{prefix}/nodes/b");
+    let old_record = etcd.get(&key).unwrap();
+    b.kill();
+    let restarted = Instant::now();
+    b.restart();
+    while etcd.get(&key).is_none_or(|r| r == old_record) {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(10),
+            "the restarted b did not replace its record:\n{}",
+            b.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "the restarted b replaced its record {:?} after starting",
+        restarted.elapsed()
+    );
+    wait_until_logged(&a, "peer restarted").await;
+    wait_until_logged(&b, "replacing the record of this node's previous process").await;
+    assert_eq!(push_verified(&a, &b, "second", 2).await, Ok(1 << 20));
+    assert_eq!(push_verified(&b, &a, "back", 3).await, Ok(1 << 20));
 }
 
 async fn wait_until_logged(s: &Sidecar, text: &str) {

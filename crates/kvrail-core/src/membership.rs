@@ -22,6 +22,11 @@ pub const RECORD_FORMAT: u32 = 1;
 /// Largest record a reader accepts: real ones are a few hundred bytes.
 pub const MAX_RECORD_BYTES: usize = 16 * 1024;
 
+/// Members a view holds at most: whoever can write under the prefix cannot
+/// grow a sidecar's memory without bound (at most this many records of
+/// [`MAX_RECORD_BYTES`]).
+pub const MAX_MEMBERS: usize = 10_000;
+
 /// Departed nodes a view remembers (to tell a restart from a join).
 pub const MAX_DEPARTED: usize = 4096;
 
@@ -112,6 +117,8 @@ pub enum RecordError {
     NoIncarnation { key: String },
     #[error("record {key:?}: certificate fingerprint {value:?} is not 64 hex digits")]
     BadFingerprint { key: String, value: String },
+    #[error("record {key:?} not taken: this node already knows {MAX_MEMBERS} members")]
+    TooManyMembers { key: String },
 }
 
 /// Parses and checks the record stored at `key` under `prefix`.
@@ -285,6 +292,7 @@ pub struct MemberView {
     departed: BTreeMap<String, Member>,
     /// Highest revision applied: older events are stale replays.
     revision: i64,
+    max_members: usize,
 }
 
 impl MemberView {
@@ -302,7 +310,14 @@ impl MemberView {
             members: BTreeMap::new(),
             departed: BTreeMap::new(),
             revision: 0,
+            max_members: MAX_MEMBERS,
         }
+    }
+
+    /// The same view holding at most `max` members (tests).
+    pub fn with_max_members(mut self, max: usize) -> MemberView {
+        self.max_members = max;
+        self
     }
 
     pub fn get(&self, node: &str) -> Option<&Member> {
@@ -421,6 +436,11 @@ impl MemberView {
             Ok(m) => m,
             Err(e) => return Some(Change::Refused(e)),
         };
+        if self.members.len() >= self.max_members && !self.members.contains_key(node) {
+            return Some(Change::Refused(RecordError::TooManyMembers {
+                key: key.to_string(),
+            }));
+        }
         let departed = self.departed.remove(node);
         match self.members.insert(node.to_string(), new.clone()) {
             None => match departed {
@@ -661,6 +681,28 @@ mod tests {
         ));
         assert_eq!(v.apply(put(&v, &b, 9)), None);
         assert_eq!(v.learn(&key, &b.to_json(), 9), None);
+    }
+
+    #[test]
+    fn a_flood_of_records_is_capped_and_known_members_still_update() {
+        let mut v = view().with_max_members(2);
+        assert!(matches!(
+            v.apply(put(&v, &record("a", 1, 1), 2)),
+            Some(Change::Joined(_))
+        ));
+        assert!(matches!(
+            v.apply(put(&v, &record("b", 1, 1), 3)),
+            Some(Change::Joined(_))
+        ));
+        assert!(matches!(
+            v.apply(put(&v, &record("c", 1, 1), 4)),
+            Some(Change::Refused(RecordError::TooManyMembers { .. }))
+        ));
+        assert_eq!(v.len(), 2);
+        assert!(matches!(
+            v.apply(put(&v, &record("a", 1, 2), 5)),
+            Some(Change::Restarted { .. })
+        ));
     }
 
     #[test]
