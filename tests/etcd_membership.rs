@@ -470,6 +470,36 @@ async fn a_sidecar_restarted_on_its_rails_takes_its_record_over_at_once() {
     assert_eq!(push_verified(&b, &a, "back", 3).await, Ok(1 << 20));
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_deleted_by_hand_is_written_again() {
+    let Some(etcd) = Etcd::start("a_record_deleted_by_hand") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = prefix("deleted");
+    let a = member(dir.path(), &etcd.url(), &prefix, "a", &[]);
+    let b = member(dir.path(), &etcd.url(), &prefix, "b", &[]);
+    wait_peers(&a, &["b"], Duration::from_secs(5)).await;
+    let key = format!("{prefix}/nodes/b");
+    let record = etcd.get(&key).unwrap();
+    etcd.delete(&key);
+    let start = Instant::now();
+    while etcd.get(&key).as_ref() != Some(&record) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "b did not register again:\n{}",
+            b.log_tail(10)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "b wrote its deleted record again after {:?}",
+        start.elapsed()
+    );
+    wait_peers(&a, &["b"], Duration::from_secs(5)).await;
+    assert_eq!(push_verified(&a, &b, "after", 1).await, Ok(1 << 20));
+}
+
 async fn wait_until_logged(s: &Sidecar, text: &str) {
     let start = Instant::now();
     while !s.log().contains(text) {

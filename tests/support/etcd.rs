@@ -178,6 +178,20 @@ impl Etcd {
         (!v.is_empty()).then_some(v)
     }
 
+    /// Deletes `key`.
+    pub fn delete(&self, key: &str) {
+        let out = self
+            .etcdctl()
+            .args(["del", key])
+            .output()
+            .expect("run etcdctl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Writes `value` under `key` (no lease: it stays).
     pub fn put(&self, key: &str, value: &str) {
         let out = self

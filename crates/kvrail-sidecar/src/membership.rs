@@ -54,6 +54,8 @@ pub enum MembershipError {
     NameTaken { incarnation: u64, rails: String },
     #[error("this node's record changed while registering; trying again")]
     Raced,
+    #[error("this node's record was deleted from etcd while it ran; registering again")]
+    RecordDeleted,
 }
 
 /// Where and how this node registers.
@@ -391,9 +393,14 @@ fn on_watch(inner: &Inner, resp: WatchResponse) -> Result<(), MembershipError> {
             resp.cancel_reason().to_string(),
         ));
     }
+    let own = node_key(&inner.config.prefix, &inner.config.record.node);
     for event in resp.events() {
         let Some(kv) = event.kv() else { continue };
         let key = String::from_utf8_lossy(kv.key()).into_owned();
+        if key == own && event.event_type() == EventType::Delete {
+            // Deleted by hand (or its lease revoked): peers would drop us.
+            return Err(MembershipError::RecordDeleted);
+        }
         let store_event = match event.event_type() {
             EventType::Put => StoreEvent::Put {
                 key,
