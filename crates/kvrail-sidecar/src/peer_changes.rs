@@ -3,12 +3,13 @@
 //! links that must close.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvrail_core::membership::{Change, Member};
 use tracing::{info, warn};
 
 use crate::config::PeerConfig;
-use crate::daemon::{PeerSlot, PeerSource, Shared};
+use crate::daemon::{LinkNow, PeerSlot, PeerSource, Shared};
 
 fn slot_for(member: &Member) -> Arc<PeerSlot> {
     PeerSlot::new(
@@ -62,8 +63,79 @@ fn upsert(shared: &Shared, member: &Member, incarnation: Option<u64>, why: &str)
     close_links(shared, member.node(), replaced.as_deref(), incarnation, why);
 }
 
+/// How long a departed peer's sessions may sit idle before they close and
+/// its slot is forgotten (a node cut off from etcd keeps sessions it uses).
+const DEPARTED_IDLE_GRACE: Duration = Duration::from_secs(30);
+const DEPARTED_CHECK: Duration = Duration::from_secs(1);
+
+/// Whether anything of `node` still carries transfers: its outbound link
+/// (or a dial of it) and its inbound sessions.
+fn busy(shared: &Shared, node: &str, slot: &PeerSlot) -> bool {
+    let outbound = match slot.link_now() {
+        LinkNow::Up(l) => l.is_alive() && l.inspect(|s| s.active_transfers()) > 0,
+        LinkNow::None => false,
+        LinkNow::Dialing => true,
+    };
+    outbound
+        || shared.inbound.iter().any(|e| {
+            e.key().0 == node
+                && e.value().is_alive()
+                && e.value().inspect(|s| s.active_transfers()) > 0
+        })
+}
+
+/// Whether `node` holds any live session here (or one is being dialed).
+fn connected(shared: &Shared, node: &str, slot: &PeerSlot) -> bool {
+    let outbound = match slot.link_now() {
+        LinkNow::Up(l) => l.is_alive(),
+        LinkNow::None => false,
+        LinkNow::Dialing => true,
+    };
+    outbound
+        || shared
+            .inbound
+            .iter()
+            .any(|e| e.key().0 == node && e.value().is_alive())
+}
+
+/// Forgets a departed peer's slot: at once when nothing of it is connected
+/// (so records written and deleted under new names cannot grow the table),
+/// else once its sessions sat idle for [`DEPARTED_IDLE_GRACE`] (they close
+/// then). A peer that comes back before that keeps its slot and sessions.
+fn forget_when_idle(shared: &Arc<Shared>, node: String, slot: Arc<PeerSlot>) {
+    if !connected(shared, &node, &slot) {
+        shared.peers.remove_if(&node, &slot);
+        shared.peer_budgets.remove(&node);
+        return;
+    }
+    let weak = Arc::downgrade(shared);
+    tokio::spawn(async move {
+        let mut idle_since = tokio::time::Instant::now();
+        loop {
+            tokio::time::sleep(DEPARTED_CHECK).await;
+            let Some(shared) = weak.upgrade() else { return };
+            if !slot.is_departed() {
+                return; // back, as the same process
+            }
+            if busy(&shared, &node, &slot) {
+                idle_since = tokio::time::Instant::now();
+                continue;
+            }
+            if connected(&shared, &node, &slot) && idle_since.elapsed() < DEPARTED_IDLE_GRACE {
+                continue;
+            }
+            if shared.peers.remove_if(&node, &slot) {
+                let why = format!("peer {node} left the cluster (its membership record is gone) and its sessions were idle");
+                close_links(&shared, &node, Some(&slot), None, &why);
+                shared.peer_budgets.remove(&node);
+            }
+            return;
+        }
+    });
+}
+
 /// Applies one membership change to the peer table.
-pub fn apply(shared: &Shared, change: Change) {
+pub fn apply(shared: &Arc<Shared>, change: Change) {
     let is_static = |node: &str| {
         shared
             .peers
@@ -128,6 +200,7 @@ pub fn apply(shared: &Shared, change: Change) {
             info!(peer = old.node(), "membership: peer left (its record was deleted or its lease expired); sessions still up finish what they carry");
             if let Some(slot) = shared.peers.get_any(old.node()) {
                 slot.set_departed(true);
+                forget_when_idle(shared, old.node().to_string(), slot);
             }
         }
         Change::Refused(e) => {

@@ -146,6 +146,17 @@ impl PeerTable {
         self.read().values().cloned().collect()
     }
 
+    /// Removes `name`'s slot if it is still `slot` (a newer one stays).
+    pub fn remove_if(&self, name: &str, slot: &Arc<PeerSlot>) -> bool {
+        let mut slots = self.write();
+        if slots.get(name).is_some_and(|s| Arc::ptr_eq(s, slot)) {
+            slots.remove(name);
+            true
+        } else {
+            false
+        }
+    }
+
     /// Puts `slot` under its name; the slot it replaced, if any.
     pub fn insert(&self, slot: Arc<PeerSlot>) -> Option<Arc<PeerSlot>> {
         self.write().insert(slot.config.name.clone(), slot)
