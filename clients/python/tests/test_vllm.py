@@ -512,12 +512,22 @@ def test_a_sidecar_killed_under_load_and_restarted_leaves_the_engines_serving(vl
             sidecar = getattr(vllm_pair.pair, side)
             prompts = [long_prompt(f"{side} restart {i}", 12 + 2 * i) for i in range(4)]
             refs = {p: vllm_pair.reference(p) for p in prompts}
+            # The decode engine holds a request once its connector granted
+            # blocks for a push or started a pull: seen on its sidecar at
+            # once (in a CI run vLLM's gauges stayed 0 for the 30 s while the
+            # decode engine answered the round's requests).
+            def decode_acted() -> float:
+                d = vllm_pair.pair.decode
+                return d.metric("kvrail_messages_sent_total") + d.metric("kvrail_transfers_started_total")
+
+            acted = decode_acted()
             with ThreadPoolExecutor(len(prompts)) as pool:
                 results = [pool.submit(_via_router, vllm_pair, base, p) for p in prompts]
                 # Killed while the decode engine holds requests.
                 deadline = time.monotonic() + 30
                 while not (
-                    _metric(vllm_pair.decode.url, "vllm:num_requests_running")
+                    decode_acted() > acted
+                    or _metric(vllm_pair.decode.url, "vllm:num_requests_running")
                     or _metric(vllm_pair.decode.url, "vllm:num_requests_waiting")
                 ):
                     assert time.monotonic() < deadline, "the requests never reached the decode engine"
