@@ -134,3 +134,56 @@ async fn many_concurrent_pushes_across_a_pause_all_end_and_the_direction_lives()
         (TransferState::Done as i32, String::new())
     );
 }
+
+/// A pulling sidecar paused mid-pull for 2.5 s: the serving side sees its
+/// rail stall and goes down, and it cannot redial (the puller dialed it).
+/// The pull must still end Done once the puller runs again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_puller_paused_mid_pull_still_gets_every_byte() {
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let layout = dense_layout(1, 1, 1024, 256 << 10);
+    let p_kv = KvRegion::create(pair.shm_path("p"), layout).unwrap();
+    let d_kv = KvRegion::create(pair.shm_path("d"), layout).unwrap();
+    let p_region = p.register_region("p0", &p_kv, true).await.unwrap();
+    let d_region = d.register_region("d0", &d_kv, false).await.unwrap();
+    let ids: Vec<u32> = (0..1024).collect();
+    fill(&p_kv, 7, 0..1, &ids).unwrap();
+    let t = d
+        .pull(
+            "d0",
+            "paused-pull",
+            "prefill",
+            blocks(p_region, 0..1, ids.clone()),
+            blocks(d_region, 0..1, ids.clone()),
+        )
+        .await
+        .unwrap();
+    pair.decode.signal("STOP");
+    let stopped = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(stopped.elapsed()));
+    pair.decode.signal("CONT");
+    let st = d
+        .wait(t.transfer_id, Some(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let log = pair.prefill.log();
+    assert_eq!(
+        st.state,
+        TransferState::Done as i32,
+        "{st:?}\nprefill log:\n{log}\ndecode log:\n{}",
+        pair.decode.log()
+    );
+    assert_eq!(verify(&d_kv, 7, 0..1, &ids).unwrap(), 1024 << 18);
+    println!(
+        "serving side saw a rail go down: {}",
+        log.contains("rail down")
+    );
+    // The paused side says so once it runs again.
+    kvrail_e2e::wait_until("the paused sidecar logs its stall", || {
+        pair.decode.log().contains("this process did not run for")
+    });
+    p_kv.unlink();
+    d_kv.unlink();
+}

@@ -108,6 +108,7 @@ class Sidecar:
         self, dir: Path, node: str, port: int, peer: str, peer_port: int, *extra: str, metrics: bool = False
     ) -> None:
         self.node = node
+        self.port = port
         self.metrics_port = free_port() if metrics else None
         if self.metrics_port is not None:
             extra = (*extra, "--metrics-addr", f"127.0.0.1:{self.metrics_port}")
@@ -163,6 +164,19 @@ class Sidecar:
         for line in text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 total += float(line.split()[-1])
+        return total
+
+    def unread_bytes(self) -> int:
+        """Bytes waiting unread in this sidecar's accepted loopback TCP
+        connections (from /proc/net/tcp: what its peers wrote that it has
+        not read yet)."""
+        total = 0
+        with open("/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, state, queues = fields[1], fields[3], fields[4]
+                if int(local.rsplit(":", 1)[1], 16) == self.port and state == "01":
+                    total += int(queues.split(":")[1], 16)
         return total
 
     def pause(self) -> None:

@@ -17,6 +17,8 @@ import kvrail
 from kvrail.connector import KVConnectorRole, KvrailConnector
 from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, vllm_config
 
+from conftest import Pair
+
 # Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16 (as 2-byte words), 16-token blocks.
 LAYERS, BLOCK_SHAPE, NUM_BLOCKS, PROMPT = 32, (16, 8, 128), 136, 2000
 #: A prompt of which two fit the cache at once (40 blocks).
@@ -254,6 +256,40 @@ def test_a_restarted_decode_sidecar_fails_the_load_in_flight_and_serves_the_next
     d.run_until(lambda: "req-8" in d.finished_recving)
     assert d.worker.get_block_ids_with_load_errors() == set()
     assert mismatched_layers(d.kv, blocks, seed=9) == []
+
+
+def test_a_failed_read_frees_the_prefill_blocks_before_the_timeout(tmp_path):
+    pair = Pair(tmp_path)
+    try:
+        p, d = engines(pair, "pull", timeout_s=60)
+        warm_up(p, d)
+        params = p.prefill(Request("req-12", list(range(SHORT)), {"do_remote_decode": True}), seed=5)
+        req = Request("req-12", list(range(SHORT)), params)
+        pair.prefill.pause()  # the pull's request waits in its socket
+        try:
+            d.admit_remote(req)
+            d.step()
+            assert d.worker._work.receiving["req-12"], "pull in flight"
+            wait_for(lambda: pair.prefill.unread_bytes() > 0, timeout=10)
+            # The decode sidecar stops reading before a byte is served: the
+            # prefill's serve stalls, its rail goes down and, nobody dialing
+            # it again, the serve fails after the sidecar's 5 s deadline.
+            pair.decode.pause()
+        finally:
+            pair.prefill.resume()
+        started = time.monotonic()
+        try:
+            p.run_until(lambda: "req-12" in p.finished_sending, timeout=30)
+            # Freed when the serve failed, not at the connector's timeout_s.
+            assert time.monotonic() - started < 30
+            assert len(p.free) == NUM_BLOCKS
+        finally:
+            pair.decode.resume()
+        # The decode's load ends (to be recomputed) without hanging.
+        d.run_until(lambda: "req-12" in d.finished_recving, timeout=60)
+        d.finish(req)
+    finally:
+        pair.stop()
 
 
 def test_a_restarted_prefill_sidecar_frees_what_it_held_and_serves_the_next(pair):

@@ -26,6 +26,7 @@ pub mod peer_table;
 pub mod profile;
 pub mod rdma;
 pub mod regions;
+pub mod stall_watch;
 pub mod startup;
 pub mod submit;
 pub mod trace_points;

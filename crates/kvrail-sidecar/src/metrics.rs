@@ -53,6 +53,8 @@ pub const RINGS_CLOSED: &str = "kvrail_rings_closed_total";
 /// Memory peers and workers make this node hold, by `kind`
 /// (`transfer_state`, `notifications_retained`, `notifications_queued`).
 pub const HELD_BYTES: &str = "kvrail_held_bytes";
+pub const PROCESS_STALLS: &str = "kvrail_process_stalls_total";
+pub const PROCESS_STALL_SECONDS: &str = "kvrail_process_stall_seconds";
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -74,6 +76,10 @@ pub async fn install(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
                 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0,
             ],
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(PROCESS_STALL_SECONDS.to_string()),
+            &[0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
         )?
         .install_recorder()?;
     describe();
@@ -104,6 +110,15 @@ fn describe() {
         "Submissions read from worker rings, by outcome"
     );
     describe_counter!(RINGS_CLOSED, "Worker rings closed, by reason");
+    describe_counter!(
+        PROCESS_STALLS,
+        "Times this process did not run for 0.5 s or more (CPU starvation, memory reclaim, a stop)"
+    );
+    describe_histogram!(
+        PROCESS_STALL_SECONDS,
+        Unit::Seconds,
+        "How long each such stall lasted"
+    );
     describe_counter!(
         BYTES_RECEIVED,
         Unit::Bytes,

@@ -145,6 +145,7 @@ impl Daemon {
         };
         tasks.push(api);
         tasks.push(tokio::spawn(report_held_bytes(Arc::downgrade(&shared))));
+        tasks.push(tokio::spawn(crate::stall_watch::run()));
         if shared.busy_poll.runtime_spin() {
             tasks.push(tokio::spawn(shared.busy_poll.clone().run()));
         }

@@ -1601,18 +1601,19 @@ class _WorkerState:
                 log.debug("%s: %d of %d pushed bytes arrived", rid, self.push_arrived[rid], self.push_expected[rid])
             return
         if n.kind == PULL_SERVED:
-            rid, _, part = n.request_id.partition("@")
-            reads = self.reads.setdefault(rid, _Reads(first_seen=time.monotonic()))
-            reads.bytes += n.bytes
-            index, _, total = part.rpartition("#")[2].partition("/")
-            if index.isdigit() and total.isdigit() and 0 < int(total) <= 4096:
-                reads.parts.add(int(index))
-                reads.total_parts = int(total)
+            self.part_served(n.request_id, n.bytes)
             return
         owner = self.transfer_owner.pop(n.request_id, None)
         if owner is None:
             if n.kind == FAILED:
                 log.warning("kvrail: %s failed: %s", n.request_id, n.failure)
+                if "@" in n.request_id:
+                    # A decode's read of this worker's blocks failed: the
+                    # decode fails its load (and recomputes) and does not read
+                    # that part again, so the part has ended; the blocks are
+                    # freed once every part has, not after the timeout.
+                    self.part_served(n.request_id, 0)
+                    return
                 # A peer's push into this worker's blocks failed: the request's
                 # load has failed; the rest of its layers are not waited for.
                 rid = n.request_id.rsplit("/L", 1)[0]
@@ -1650,6 +1651,17 @@ class _WorkerState:
                 self.failed_loads[owner] = list(self.local_blocks[owner])
         if n.kind in (PUSH_DONE, FAILED) and owner in self.sending:
             self.sending[owner].discard(n.transfer_id)
+
+    def part_served(self, pull_name: str, nbytes: int) -> None:
+        """Pull mode, prefill side: the part of a request a decode's pull named
+        (``<request>@<reader>#i/n``) has ended, with ``nbytes`` read."""
+        rid, _, part = pull_name.partition("@")
+        reads = self.reads.setdefault(rid, _Reads(first_seen=time.monotonic()))
+        reads.bytes += nbytes
+        index, _, total = part.rpartition("#")[2].partition("/")
+        if index.isdigit() and total.isdigit() and 0 < int(total) <= 4096:
+            reads.parts.add(int(index))
+            reads.total_parts = int(total)
 
     def collect(self, client: Client | None) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
