@@ -260,12 +260,22 @@ class Disaggregated:
         return [self.pair.prefill.log_path, self.pair.decode.log_path, self.prefill.log_path, self.decode.log_path]
 
 
+def patient_sidecars(dir: Path, deadline_s: int) -> tuple[str, ...]:
+    """Sidecar flags for a machine whose cores the vLLM engines spin on: CI
+    saw a decode sidecar not read its socket for over 5 s (the serving side's
+    default rail deadline), failing a pull. These sidecars wait for their
+    rails up to the connectors' timeout instead."""
+    config = dir / "sidecar.toml"
+    config.write_text(f"rail_deadline_ms = {deadline_s * 1000}\n")
+    return ("--config", str(config))
+
+
 @pytest.fixture(scope="module", params=["pull", "push"])
 def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
     mode = request.param
     dir = tmp_path_factory.mktemp(f"vllm-{mode}")
     model = tiny_model.build(Path(os.environ.get("KVRAIL_TINY_MODEL", dir / "model")))
-    pair = Pair(dir, metrics=True)
+    pair = Pair(dir, *patient_sidecars(dir, TIMEOUT_S), metrics=True)
     engines: list[Engine] = []
     try:
         engines = [

@@ -44,7 +44,7 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed (tests/vllm_disaggregated.rs installs it)")
 
 import tiny_model
-from test_vllm import START_TIMEOUT_S, Engine, _post, long_prompt
+from test_vllm import START_TIMEOUT_S, Engine, _post, long_prompt, patient_sidecars
 
 from kvrail.geometry import rank_heads
 
@@ -111,7 +111,7 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     mode = request.param
     dir = tmp_path_factory.mktemp(f"vllm-tp-{mode}")
     model = tiny_model.build(Path(os.environ.get("KVRAIL_TINY_MODEL", dir / "model")))
-    pair = Pair(dir, metrics=True)
+    pair = Pair(dir, *patient_sidecars(dir, TIMEOUT_S), metrics=True)
     started: list[Engine] = []
     try:
         # The decode engines recompute nothing from a prefix cache: their
