@@ -666,7 +666,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         hello = client.peers()
         self.node: str = hello.node_name
         self._link = _SidecarLink(self.socket, self.worker_id, client, hello.incarnation)
+        #: This engine's record in etcd (scheduler side, with ``etcd`` given).
+        self._registration: Any = None
         if role == KVConnectorRole.SCHEDULER:
+            self._registration = self._register_engine(extra, getattr(cfg, "kv_role", None))
             self._sched = _SchedulerState()
             # Grants from decode engines arrive as messages to this id.
             self._sched.wants_grants = self.mode == "push" and getattr(cfg, "kv_role", None) != "kv_consumer"
@@ -679,6 +682,39 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._link.on_connect = self._reconnected
             # Whatever happens to the engine, its shared-memory files go with it.
             atexit.register(self._remove_files)
+
+    def _register_engine(self, extra: dict[str, Any], kv_role: str | None) -> Any:
+        """Registers this engine in etcd for routers to find (``etcd``,
+        ``engine_url``, optionally ``etcd_prefix`` and ``etcd_lease_ttl_s``
+        in the extra config); None without ``etcd``."""
+        endpoints = extra.get("etcd")
+        if not endpoints:
+            return None
+        from kvrail.engines import EngineRecord, EngineRegistration
+        from kvrail.etcd import Etcd, EtcdError
+
+        url = extra.get("engine_url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise KvrailError("kv_connector_extra_config 'etcd' needs 'engine_url': this engine's API URL, http://HOST:PORT")
+        role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role or "", "both")
+        record = EngineRecord(
+            engine=self.engine_worker_id,
+            role=role,
+            url=url.rstrip("/"),
+            kvrail_node=self.node,
+            worker=self.engine_worker_id,
+            mode=self.mode,
+            model=self.model_id or str(getattr(getattr(self._vllm_config, "model_config", None), "model", "") or ""),
+        )
+        try:
+            etcd = Etcd(endpoints if isinstance(endpoints, (str, list)) else str(endpoints))
+        except EtcdError as e:
+            raise KvrailError(f"kv_connector_extra_config 'etcd': {e}") from None
+        registration = EngineRegistration(
+            etcd, extra.get("etcd_prefix", "/kvrail/default"), record, int(extra.get("etcd_lease_ttl_s", 10))
+        )
+        atexit.register(registration.close)
+        return registration
 
     def _stream_ended(self, error: KvrailError) -> None:
         """A notification stream ended (called from its thread): if the
@@ -1408,6 +1444,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         return {b for blocks in failed.values() for b in blocks}
 
     def shutdown(self) -> None:
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
         if self.role == KVConnectorRole.SCHEDULER and self._sched.messages is not None:
             self._sched.messages.close()
             self._sched.messages = None

@@ -18,6 +18,15 @@ writes each layer into them as it computes it::
     python -m kvrail.vllm_router --mode push --prefill-kvrail prefill/vllm-prefill \
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
+Many engines: repeat ``--prefill`` and ``--decode``, or let the engines
+register themselves in etcd (their connectors do, given ``etcd`` and
+``engine_url`` in ``kv_connector_extra_config``) and follow them with
+``--etcd http://127.0.0.1:2379``; an engine that leaves is no longer picked.
+``--policy`` picks each request's engines: ``round_robin`` or
+``least_loaded`` (fewest tokens this router has queued on the engine)::
+
+    python -m kvrail.vllm_router --etcd http://127.0.0.1:2379 --policy least_loaded
+
 Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed or
 not; request bodies with a Content-Length) and ``GET /health``; anything else is
 404. In pull mode a prefill that fails or returns no ``kv_transfer_params`` is
@@ -41,6 +50,8 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kvrail.routing import POLICIES, Engine, NoEngine, Pools, estimate_tokens, output_tokens
 
 log = logging.getLogger("kvrail.vllm_router")
 
@@ -173,8 +184,14 @@ def push_requests(body: dict[str, Any], prefill_node: str, prefill_worker: str) 
 
 
 def _prefill_in_background(
-    url: str, body: dict[str, Any], timeout: float, watch: ClientWatch | None = None
+    url: str,
+    body: dict[str, Any],
+    timeout: float,
+    watch: ClientWatch | None = None,
+    done: Any = None,
 ) -> threading.Thread:
+    """``done()`` is called when the call has ended, however it ended."""
+
     def run() -> None:
         try:
             with _post(url, body, timeout, watch) as r:
@@ -183,6 +200,9 @@ def _prefill_in_background(
             log.error("push-mode prefill failed (%s): %s", e.status, e.detail[:500])
         except (OSError, http.client.HTTPException) as e:
             log.error("push-mode prefill failed: %s", e)
+        finally:
+            if done is not None:
+                done()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -193,6 +213,14 @@ def hand_off(
     prefill: str, path: str, body: dict[str, Any], timeout: float, watch: ClientWatch | None = None
 ) -> dict[str, Any]:
     """Runs the prefill and returns the decode server's copy of the request."""
+    return hand_off_counted(prefill, path, body, timeout, watch)[0]
+
+
+def hand_off_counted(
+    prefill: str, path: str, body: dict[str, Any], timeout: float, watch: ClientWatch | None = None
+) -> tuple[dict[str, Any], int | None]:
+    """:func:`hand_off`, with the prompt's tokens as the prefill counted them
+    (None if its reply did not say)."""
     try:
         with _post(prefill + path, prefill_request(body), timeout, watch) as r:
             reply = json.load(r)
@@ -209,7 +237,9 @@ def hand_off(
         )
     out = dict(body)
     out["kv_transfer_params"] = params
-    return out
+    usage = reply.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return out, prompt_tokens if isinstance(prompt_tokens, int) and prompt_tokens >= 0 else None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -275,23 +305,67 @@ class _Handler(BaseHTTPRequestHandler):
             watch.close()
 
     def _route(self, body: dict[str, Any], watch: ClientWatch) -> None:
-        if self.server.push_to is not None:
-            # Both at once: the prefill waits for the decode's grant, then
-            # pushes each layer while the decode waits for them.
-            prefill_body, decode_body = push_requests(body, *self.server.push_to)
-            _prefill_in_background(self.server.prefill + self.path, prefill_body, self.server.timeout_s, watch)
-        else:
-            try:
-                decode_body = hand_off(self.server.prefill, self.path, body, self.server.timeout_s, watch)
-            except RouterError as e:
-                if watch.gone:
-                    return  # the prefill was cut because the client left
-                self._reply(e.status, {"error": str(e)})
-                return
-            if watch.gone:
-                return  # nobody waits for the decode: do not start it
+        pools = self.server.pools
+        timeout = self.server.timeout_s
+        tokens = estimate_tokens(body)
         try:
-            upstream = _post(self.server.decode + self.path, decode_body, self.server.timeout_s, watch)
+            prefill = pools.pick("prefill", tokens)
+        except NoEngine as e:
+            self._reply(503, {"error": str(e)})
+            return
+        released = threading.Event()
+
+        def release_prefill() -> None:
+            if not released.is_set():
+                released.set()
+                pools.release("prefill", prefill, tokens)
+
+        try:
+            if self.server.push:
+                if prefill.push_to is None:
+                    release_prefill()
+                    self._reply(502, {"error": f"prefill engine {prefill.url} has no kvrail node/worker for push mode"})
+                    return
+                # Both at once: the prefill waits for the decode's grant, then
+                # pushes each layer while the decode waits for them.
+                prefill_body, decode_body = push_requests(body, *prefill.push_to)
+                decode_tokens = tokens + output_tokens(body)
+                try:
+                    decode = pools.pick("decode", decode_tokens)
+                except NoEngine as e:
+                    release_prefill()
+                    self._reply(503, {"error": str(e)})
+                    return
+                _prefill_in_background(prefill.url + self.path, prefill_body, timeout, watch, release_prefill)
+            else:
+                try:
+                    decode_body, counted = hand_off_counted(prefill.url, self.path, body, timeout, watch)
+                except RouterError as e:
+                    if watch.gone:
+                        return  # the prefill was cut because the client left
+                    self._reply(e.status, {"error": str(e)})
+                    return
+                finally:
+                    release_prefill()
+                if watch.gone:
+                    return  # nobody waits for the decode: do not start it
+                decode_tokens = (counted if counted is not None else tokens) + output_tokens(body)
+                try:
+                    decode = pools.pick("decode", decode_tokens)
+                except NoEngine as e:
+                    self._reply(503, {"error": str(e)})
+                    return
+        except BaseException:
+            release_prefill()
+            raise
+        try:
+            self._relay(decode.url, decode_body, watch)
+        finally:
+            pools.release("decode", decode, decode_tokens)
+
+    def _relay(self, decode: str, decode_body: dict[str, Any], watch: ClientWatch) -> None:
+        try:
+            upstream = _post(decode + self.path, decode_body, self.server.timeout_s, watch)
         except UpstreamError as e:
             self._reply(e.status if 400 <= e.status < 500 else 502, {"error": f"decode server: {e.detail}"})
             return
@@ -321,18 +395,45 @@ class Router(ThreadingHTTPServer):
     def __init__(
         self,
         listen: tuple[str, int],
-        prefill: str,
-        decode: str,
+        prefill: str | list[str],
+        decode: str | list[str],
         timeout_s: float,
         push_to: tuple[str, str] | None = None,
+        *,
+        pools: Pools | None = None,
+        push: bool | None = None,
+        policy: str = "round_robin",
     ) -> None:
-        """``push_to``: push mode, with the prefill engine's (kvrail node,
-        connector worker id); None: pull mode."""
+        """``prefill``/``decode``: engine URLs (ignored with ``pools``, which
+        another party keeps current, e.g. from etcd). ``push_to``: push mode,
+        with the one prefill engine's (kvrail node, connector worker id);
+        ``push``: push mode with ``pools`` whose engines say it themselves."""
         super().__init__(listen, _Handler)
-        self.prefill = prefill.rstrip("/")
-        self.decode = decode.rstrip("/")
+        if pools is None:
+            pools = Pools(policy)
+            urls = [prefill] if isinstance(prefill, str) else list(prefill)
+            pools.set_engines("prefill", [Engine(u.rstrip("/"), push_to, f"prefill-{i}") for i, u in enumerate(urls)])
+            urls = [decode] if isinstance(decode, str) else list(decode)
+            pools.set_engines("decode", [Engine(u.rstrip("/"), None, f"decode-{i}") for i, u in enumerate(urls)])
+        self.pools = pools
         self.timeout_s = timeout_s
-        self.push_to = push_to
+        self.push = push if push is not None else push_to is not None
+
+
+def follow_etcd(directory: Any, pools: Pools, mode: str) -> None:
+    """Keeps ``pools`` equal to the engines of ``mode`` that ``directory``
+    (a :class:`kvrail.engines.EngineDirectory`) knows."""
+
+    def refresh(*_: Any) -> None:
+        records = [r for r in directory.engines() if r.mode == mode]
+        for role in ("prefill", "decode"):
+            pools.set_engines(
+                role,
+                [Engine(r.url.rstrip("/"), (r.kvrail_node, r.worker), r.engine) for r in records if r.serves(role)],
+            )
+
+    directory.on_change = refresh
+    refresh()
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -345,24 +446,51 @@ def _address(text: str) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvrail.vllm_router", description=__doc__.split("\n\n")[0])
     p.add_argument("--listen", type=_address, default=("127.0.0.1", 8000), help="HOST:PORT (default 127.0.0.1:8000)")
-    p.add_argument("--prefill", required=True, help="prefill server URL, e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", required=True, help="decode server URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--prefill", action="append", default=[], help="prefill server URL, e.g. http://127.0.0.1:8100 (repeatable)")
+    p.add_argument("--decode", action="append", default=[], help="decode server URL, e.g. http://127.0.0.1:8200 (repeatable)")
+    p.add_argument("--etcd", help="etcd endpoints (http://HOST:PORT, comma separated): follow the engines registered there")
+    p.add_argument("--etcd-prefix", default="/kvrail/default", help="cluster prefix in etcd (default /kvrail/default)")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin", help="how engines are picked (default round_robin)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call (default 600)")
     p.add_argument("--mode", choices=("pull", "push"), default="pull", help="as the engines' connectors (default pull)")
     p.add_argument(
         "--prefill-kvrail",
         metavar="NODE/WORKER",
-        help="push mode: the prefill engine's kvrail node name and connector worker_id",
+        help="push mode with --prefill: the prefill engine's kvrail node name and connector worker_id",
     )
     args = p.parse_args(argv)
+    if args.etcd and (args.prefill or args.decode):
+        p.error("give either --etcd or --prefill/--decode")
+    if not args.etcd and not (args.prefill and args.decode):
+        p.error("give --prefill and --decode, or --etcd")
     push_to = None
-    if args.mode == "push":
+    if args.mode == "push" and not args.etcd:
         node, sep, worker = (args.prefill_kvrail or "").partition("/")
         if not (node and sep and worker):
             p.error("--mode push needs --prefill-kvrail NODE/WORKER")
         push_to = (node, worker)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    with Router(args.listen, args.prefill, args.decode, args.timeout, push_to) as router:
+    pools = None
+    if args.etcd:
+        from kvrail.engines import EngineDirectory
+        from kvrail.etcd import Etcd, EtcdError
+
+        try:
+            etcd = Etcd(args.etcd)
+        except EtcdError as e:
+            p.error(str(e))
+        pools = Pools(args.policy)
+        follow_etcd(EngineDirectory(etcd, args.etcd_prefix), pools, args.mode)
+    with Router(
+        args.listen,
+        args.prefill,
+        args.decode,
+        args.timeout,
+        push_to,
+        pools=pools,
+        push=args.mode == "push",
+        policy=args.policy,
+    ) as router:
         host, port = router.server_address[:2]
         print(f"kvrail vLLM router on http://{host}:{port}", file=sys.stderr, flush=True)
         try:
