@@ -96,6 +96,8 @@ class FakeEngine(ThreadingHTTPServer):
         self.calls: list[dict[str, Any]] = []
         self.hold = threading.Event()
         self.hold.set()
+        #: Decode: cut every call without answering (an engine dying mid-request).
+        self.broken = False
         self.entered = threading.Semaphore(0)
         super().__init__(("127.0.0.1", 0), _EngineHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -131,6 +133,10 @@ class _EngineHandler(BaseHTTPRequestHandler):
                 "kv_transfer_params": {"do_remote_prefill": True, "remote_node": e.name},
             }
         else:
+            if e.broken:
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
             e.entered.release()
             e.hold.wait(30)
             reply = {"choices": [{"text": e.name}], "from": body.get("kv_transfer_params")}
@@ -331,7 +337,34 @@ def test_least_loaded_routes_around_an_engine_busy_with_a_long_prompt(cluster) -
         assert sorted(served) == ["d1", "d1", "d1", "d2", "d2", "d2"]
         d0.hold.set()
         long.join(30)
-        assert router.pools.queued("decode") == {e.url: 0 for e in engines[2:]}
+        # Released once the router has relayed the reply (just after the client has it).
+        deadline = time.monotonic() + 10
+        while router.pools.queued("decode") != {e.url: 0 for e in engines[2:]}:
+            assert time.monotonic() < deadline, router.pools.queued("decode")
+            time.sleep(0.01)
+    finally:
+        router.shutdown()
+        router.server_close()
+        directory.close()
+
+
+def test_a_decode_engine_that_fails_mid_request_hands_it_to_another(cluster) -> None:
+    etcd, engines, _ = cluster
+    router, directory = start_router(etcd, "round_robin")
+    try:
+        assert wait_for(directory, lambda es: len(es) == 5, 10)
+        engines[2].broken = True  # d0 takes requests and dies on each
+        served = [complete(router, f"p {i}")["choices"][0]["text"] for i in range(6)]
+        assert "d0" not in served and len(served) == 6
+        assert len(engines[2].calls) >= 1
+        for e in engines[2:]:
+            e.broken = True
+        c = http.client.HTTPConnection("127.0.0.1", router.server_address[1], timeout=30)
+        c.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode())
+        r = c.getresponse()
+        error = json.loads(r.read())["error"]
+        # Every decode engine tried once, each named with what it did.
+        assert r.status == 502 and error.count("unreachable or cut") == 3, error
     finally:
         router.shutdown()
         router.server_close()

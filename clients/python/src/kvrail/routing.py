@@ -89,20 +89,23 @@ class Pools:
         with self._lock:
             return {e.url: self._queued.get((role, e.url), 0) for e in self._engines[role]}
 
-    def pick(self, role: str, tokens: int) -> Engine:
+    def pick(self, role: str, tokens: int, exclude: frozenset[str] = frozenset()) -> Engine:
         """The engine for a request of ``tokens``, queued on it until
-        :meth:`release`; :class:`NoEngine` when the role has none."""
+        :meth:`release`; :class:`NoEngine` when the role has none (other
+        than those whose URLs are in ``exclude``)."""
         with self._lock:
-            engines = self._engines[role]
+            engines = [e for e in self._engines[role] if e.url not in exclude]
             if not engines:
-                raise NoEngine(f"no {role} engine is registered")
-            start = self._turn[role] % len(engines)
-            order = engines[start:] + engines[:start]
+                other = " other than " + ", ".join(sorted(exclude)) if exclude else ""
+                raise NoEngine(f"no {role} engine is registered{other}")
+            everyone = self._engines[role]
+            start = self._turn[role] % len(everyone)
+            order = [e for e in everyone[start:] + everyone[:start] if e.url not in exclude]
             if self.policy == "least_loaded":
                 chosen = min(order, key=lambda e: self._queued.get((role, e.url), 0))
             else:
                 chosen = order[0]
-            self._turn[role] = engines.index(chosen) + 1
+            self._turn[role] = self._engines[role].index(chosen) + 1
             key = (role, chosen.url)
             self._queued[key] = self._queued.get(key, 0) + tokens
             return chosen

@@ -358,22 +358,48 @@ class _Handler(BaseHTTPRequestHandler):
         except BaseException:
             release_prefill()
             raise
-        try:
-            self._relay(decode.url, decode_body, watch)
-        finally:
-            pools.release("decode", decode, decode_tokens)
+        failed: list[str] = []
+        tried = {decode.url}
+        while True:
+            try:
+                error = self._relay(decode.url, decode_body, watch)
+            finally:
+                pools.release("decode", decode, decode_tokens)
+            if error is None or watch.gone:
+                return
+            # The decode engine failed before answering (gone, or a server
+            # error): another one takes the request. In pull mode it reads
+            # the blocks the prefill still holds (or, if the first had read
+            # them, recomputes the prompt); nothing was relayed yet.
+            failed.append(f"{decode.url}: {error}")
+            log.warning("decode engine %s failed before answering (%s); trying another", decode.url, error)
+            try:
+                decode = pools.pick("decode", decode_tokens, frozenset(tried))
+            except NoEngine:
+                self._reply(502, {"error": "decode server failed: " + "; ".join(failed)})
+                return
+            tried.add(decode.url)
+            if self.server.push:
+                # A push ticket is the first decode's: the prefill pushed
+                # into its blocks. The next one computes the prompt itself.
+                decode_body = dict(decode_body)
+                decode_body.pop("kv_transfer_params", None)
 
-    def _relay(self, decode: str, decode_body: dict[str, Any], watch: ClientWatch) -> None:
+    def _relay(self, decode: str, decode_body: dict[str, Any], watch: ClientWatch) -> str | None:
+        """Relays the decode engine's answer; the error, with nothing sent to
+        the client, when the engine failed before answering (unreachable, cut,
+        or a 5xx status) so that another may take the request."""
         try:
             upstream = _post(decode + self.path, decode_body, self.server.timeout_s, watch)
         except UpstreamError as e:
-            self._reply(e.status if 400 <= e.status < 500 else 502, {"error": f"decode server: {e.detail}"})
-            return
+            if e.status >= 500:
+                return f"{e.status} {e.detail[:300]}"
+            self._reply(e.status, {"error": f"decode server: {e.detail}"})
+            return None
         except (OSError, http.client.HTTPException) as e:
             if watch.gone:
-                return
-            self._reply(502, {"error": f"decode server unreachable: {e}"})
-            return
+                return None
+            return f"unreachable or cut: {e}"
         with upstream:
             self.send_response(upstream.status)
             self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
@@ -387,6 +413,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
+        return None
 
 
 class Router(ThreadingHTTPServer):
