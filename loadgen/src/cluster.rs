@@ -26,6 +26,57 @@ pub struct SidecarProcess {
 }
 
 impl SidecarProcess {
+    /// Runs `cmd` (a sidecar's full command line, `--socket socket` among
+    /// it), its stderr into `log` (at `log_path`), `RUST_LOG` warn unless set.
+    pub fn spawn(
+        node: &str,
+        socket: PathBuf,
+        metrics: Option<SocketAddr>,
+        mut cmd: Command,
+        log: std::fs::File,
+        log_path: PathBuf,
+    ) -> anyhow::Result<SidecarProcess> {
+        let program = cmd.get_program().to_os_string();
+        let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
+        let child = cmd
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("start a sidecar process")?;
+        Ok(SidecarProcess {
+            node: node.into(),
+            socket,
+            metrics,
+            child,
+            program,
+            args,
+            log: log_path,
+        })
+    }
+
+    /// Whether it answers on its socket now; an error with its log if it exited.
+    pub async fn answers(&mut self) -> anyhow::Result<bool> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            bail!("sidecar {} exited ({status}):\n{log}", self.node);
+        }
+        Ok(match Client::connect(&self.socket).await {
+            Ok(mut c) => c.list_peers().await.is_ok(),
+            Err(_) => false,
+        })
+    }
+
+    /// The last `lines` lines of its log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     /// The process id, for reading its CPU time.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -166,7 +217,7 @@ fn free_port_on(ip: IpAddr) -> anyhow::Result<u16> {
     bail!("no port on {ip} free for both TCP and UDP")
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     free_port_on(IpAddr::from([127, 0, 0, 1]))
 }
 
@@ -283,26 +334,14 @@ impl LocalCluster {
                 ])
                 .args(["--slice-bytes", &opts.slice_bytes.to_string()])
                 .args(["--window-bytes", &opts.window_bytes.to_string()]);
-            let program = cmd.get_program().to_os_string();
-            let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
-            let child = cmd
-                .env(
-                    "RUST_LOG",
-                    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-                )
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .context("start a sidecar process")?;
-            Ok(SidecarProcess {
-                node: node.into(),
+            SidecarProcess::spawn(
+                node,
                 socket,
                 metrics,
-                child,
-                program,
-                args,
-                log: dir.path().join(format!("{node}.log")),
-            })
+                cmd,
+                log,
+                dir.path().join(format!("{node}.log")),
+            )
         };
         let prefill = spawn("prefill", Node::A, &pa, "decode", &da)?;
         let decode = spawn("decode", Node::B, &da, "prefill", &pa)?;
@@ -389,7 +428,7 @@ impl LocalCluster {
 /// directory, and within one as they are reused), a dash.
 const SHM_FAMILY: &str = "kvrail-loadgen-";
 
-fn new_run_prefix() -> String {
+pub(crate) fn new_run_prefix() -> String {
     format!(
         "{SHM_FAMILY}{}.{:08x}-",
         std::process::id(),

@@ -2,5 +2,6 @@
 //! namespaced multi-rail lab), shared with the end-to-end tests.
 
 pub mod cluster;
+pub mod etcd_nodes;
 pub mod netlab;
 pub mod prometheus;

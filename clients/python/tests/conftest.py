@@ -6,12 +6,14 @@ it), else the workspace's target/release or target/debug build.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -260,3 +262,48 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
             log_paths = getattr(value, "log_paths", None)
             if callable(log_paths):
                 report.sections.append(("kvrail evidence", evidence(log_paths())))
+
+
+class EtcdServer:
+    """A real etcd on loopback with its data in ``dir`` (fails under CI=true
+    where etcd is missing, else skips)."""
+
+    def __init__(self, dir: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            if os.environ.get("CI") == "true":
+                pytest.fail("etcd is not installed (quickstart installs etcd-server)")
+            pytest.skip("etcd is not installed (apt install etcd-server)")
+        client, peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{client}"
+        self.log = open(dir / "etcd.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--name", "t",
+                "--data-dir", str(dir / "etcd-data"),
+                "--listen-client-urls", self.url,
+                "--advertise-client-urls", self.url,
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", f"t=http://127.0.0.1:{peer}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                    if json.load(r).get("health") == "true":
+                        break
+            except OSError:
+                pass
+            assert self.proc.poll() is None, (dir / "etcd.log").read_text()
+            assert time.monotonic() < deadline, "etcd did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()

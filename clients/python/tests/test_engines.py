@@ -9,69 +9,24 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import free_port
+from conftest import EtcdServer
 from kvrail.engines import EngineDirectory, EngineRecord, EngineRegistration, engines_prefix, wait_for
 from kvrail.etcd import Etcd, EtcdError
 from kvrail.routing import Engine, NoEngine, Pools, estimate_tokens
 from kvrail.vllm_router import Router, follow_etcd
 
 PREFIX = "/kvrail/test"
-
-
-class EtcdServer:
-    def __init__(self, dir: Path) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            if os.environ.get("CI") == "true":
-                pytest.fail("etcd is not installed (quickstart installs etcd-server)")
-            pytest.skip("etcd is not installed (apt install etcd-server)")
-        client, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{client}"
-        self.log = open(dir / "etcd.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--name", "t",
-                "--data-dir", str(dir / "etcd-data"),
-                "--listen-client-urls", self.url,
-                "--advertise-client-urls", self.url,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"t=http://127.0.0.1:{peer}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
-                    if json.load(r).get("health") == "true":
-                        break
-            except OSError:
-                pass
-            assert self.proc.poll() is None, (dir / "etcd.log").read_text()
-            assert time.monotonic() < deadline, "etcd did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture

@@ -120,6 +120,8 @@ class Engine:
                 # In the test's folder: a killed engine's table stays there.
                 "region_table": str(self.region_table),
                 "timeout_s": timeout_s,
+                # Where routers that find it through etcd send requests.
+                "engine_url": self.url,
                 **(extra_config or {}),
             },
         }

@@ -163,22 +163,22 @@ pub struct LiveRun {
 }
 
 /// A free list of block ids; takers wait until enough are free.
-struct Pool {
+pub(super) struct BlockPool {
     free: Mutex<BTreeSet<u32>>,
     freed: Notify,
     size: u32,
 }
 
-impl Pool {
-    fn new(size: u32) -> Pool {
-        Pool {
+impl BlockPool {
+    pub(super) fn new(size: u32) -> BlockPool {
+        BlockPool {
             free: Mutex::new((0..size).collect()),
             freed: Notify::new(),
             size,
         }
     }
 
-    async fn take(&self, n: usize) -> anyhow::Result<Vec<u32>> {
+    pub(super) async fn take(&self, n: usize) -> anyhow::Result<Vec<u32>> {
         if n > self.size as usize {
             bail!(
                 "a request needs {n} blocks but the pool has {} (raise --pool-bytes)",
@@ -200,7 +200,7 @@ impl Pool {
         }
     }
 
-    fn give(&self, ids: &[u32]) {
+    pub(super) fn give(&self, ids: &[u32]) {
         if let Ok(mut free) = self.free.lock() {
             free.extend(ids.iter().copied());
         }
@@ -217,8 +217,8 @@ struct Shared {
     routes: Vec<Route>,
     prefill_ranks: Vec<Rank>,
     decode_ranks: Vec<Rank>,
-    src_pool: Pool,
-    dst_pool: Pool,
+    src_pool: BlockPool,
+    dst_pool: BlockPool,
     prefill: Client,
     /// Request id of each outstanding push -> who waits for its notification.
     waiters: DashMap<String, oneshot::Sender<(Notification, f64)>>,
@@ -369,8 +369,8 @@ async fn replay_on(
         routes: geometry.routes(),
         prefill_ranks,
         decode_ranks,
-        src_pool: Pool::new(geometry.pool_blocks),
-        dst_pool: Pool::new(geometry.pool_blocks),
+        src_pool: BlockPool::new(geometry.pool_blocks),
+        dst_pool: BlockPool::new(geometry.pool_blocks),
         prefill: p,
         waiters: DashMap::new(),
         t0: Instant::now(),

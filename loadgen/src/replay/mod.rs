@@ -6,6 +6,7 @@
 
 mod live;
 mod report;
+mod routed;
 pub mod sim;
 
 use std::path::PathBuf;
@@ -114,6 +115,18 @@ pub struct ReplayArgs {
     /// projected on the live runs' arrivals as well.
     #[arg(long, default_value_t = 1.0)]
     pub projection_time_scale: f64,
+    /// N prefill and M decode sidecars (`N:M`) that find each other through
+    /// etcd, no static peers; each request's instances picked by `--policy`
+    /// as `kvrail.vllm_router` picks engines, one run per policy, every byte
+    /// verified; TTFT per policy. Starts an etcd on loopback unless `--etcd`.
+    #[arg(long, value_parser = routed::ClusterShape::parse)]
+    pub cluster: Option<routed::ClusterShape>,
+    /// Routing policies of a `--cluster` run, one run each.
+    #[arg(long, value_delimiter = ',', default_value = "round_robin,least_loaded", value_parser = routed::Policy::parse)]
+    pub policy: Vec<routed::Policy>,
+    /// etcd for `--cluster` (http://HOST:PORT); default: one started here.
+    #[arg(long)]
+    pub etcd: Option<String>,
     /// Where per-request CSV/JSON, the summary and the plots go.
     #[arg(long, default_value = "target/kvrail-replay")]
     pub out: PathBuf,
@@ -212,6 +225,36 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let arrivals = trace::shape(&requests, shaping)?;
     let per_block = per_block_bytes(&model, tp, ranks);
     let jobs = make_jobs(&args, &model, tp, per_block, &arrivals);
+    if let Some(shape) = args.cluster {
+        if tp != 1 || ranks.is_some() {
+            bail!("--cluster emulates TP 1 engines: drop --tp, --prefill-tp and --decode-tp");
+        }
+        let chunk_bytes = ((model.block_bytes(1) as f64 * args.kv_scale) as u64 / 8 * 8).max(16);
+        eprintln!(
+            "kvrail replay --cluster {}:{}: {} requests, {} ({} per block, layer and plane live, {} at full scale), policies {:?}",
+            shape.prefill,
+            shape.decode,
+            jobs.len(),
+            model.name,
+            human_bytes(chunk_bytes),
+            human_bytes(model.block_bytes(1)),
+            args.policy.iter().map(|p| p.label()).collect::<Vec<_>>(),
+        );
+        let cluster = routed::ClusterArgs {
+            shape,
+            policies: args.policy.clone(),
+            etcd: args.etcd.clone(),
+            layers: model.num_layers,
+            planes: model.planes(),
+            chunk_bytes,
+            pool_bytes: args.pool_bytes,
+            connections: args.connections,
+            slice_bytes: args.slice_bytes,
+            sidecar_args: args.sidecar_arg.clone(),
+        };
+        let runs = routed::run(&cluster, &jobs).await?;
+        return routed::report(&runs, shape);
+    }
     let instances = args
         .prefill_instances
         .unwrap_or_else(|| sim::instances_for(&jobs, 0.7));
