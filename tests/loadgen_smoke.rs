@@ -451,3 +451,61 @@ fn replay_moves_kv_between_engines_of_different_tensor_parallelism() {
         "{stderr}"
     );
 }
+
+/// `replay --cluster`: sidecars that know each other only through a real
+/// etcd, requests routed by both policies, every byte verified (the replay
+/// fails on any wrong byte), TTFT and the spread over instances per policy.
+#[test]
+fn replay_cluster_routes_over_sidecars_found_through_etcd() {
+    let Some(etcd) = kvrail_e2e::etcd::Etcd::start("replay --cluster") else {
+        return;
+    };
+    let url = format!("http://127.0.0.1:{}", etcd.client_port);
+    let out = replay(&[
+        "--cluster",
+        "2:3",
+        "--etcd",
+        &url,
+        "--requests",
+        "12",
+        "--kv-scale",
+        "1/256",
+        "--pool-bytes",
+        "64M",
+        "--time-scale",
+        "0.2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines = json_lines(&out.stdout);
+    let runs: Vec<&serde_json::Value> = lines.iter().filter(|v| v["replay"] == "cluster").collect();
+    let policies: Vec<&str> = runs.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies, ["round_robin", "least_loaded"], "{stderr}");
+    for r in runs {
+        assert_eq!(r["requests"], 12, "{r}");
+        let full = r["kv_bytes_full_scale"].as_f64().unwrap();
+        let verified = r["verified_bytes"].as_f64().unwrap();
+        // Every block's bytes at 1/256 of their size (rounded to 8 bytes).
+        assert!(
+            verified > 0.0 && (verified - full / 256.0).abs() < 0.05 * full / 256.0,
+            "{r}"
+        );
+        let per = |side: &str| -> Vec<u64> {
+            r[side]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect()
+        };
+        assert_eq!(per("per_prefill").iter().sum::<u64>(), 12);
+        assert_eq!(per("per_decode").len(), 3);
+        assert!(r["summary"]["ttft_p50_ms"].as_f64().unwrap() > 0.0);
+        if r["policy"] == "round_robin" {
+            assert_eq!(per("per_prefill"), [6, 6], "{r}");
+            assert_eq!(per("per_decode"), [4, 4, 4], "{r}");
+        }
+    }
+    // No static peer was given: each decode was found in etcd by name.
+    assert!(stderr.contains("no static peers"), "{stderr}");
+}

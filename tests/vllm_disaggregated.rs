@@ -88,6 +88,7 @@ fn vllm_prefill_and_decode_through_kvrail_match_a_single_engine() {
         .arg(root.join("clients/python/tests/test_vllm.py"))
         // One module after the other (each stops its engines at its end).
         .arg(root.join("clients/python/tests/test_vllm_tp.py"))
+        .arg(root.join("clients/python/tests/test_vllm_cluster.py"))
         .env("KVRAIL_BIN", &kvrail)
         .env("KVRAIL_VLLM_REQUIRED", "1")
         .env("KVRAIL_TINY_MODEL", target.join("vllm-tiny-model"))

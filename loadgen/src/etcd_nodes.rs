@@ -31,7 +31,12 @@ impl EtcdProcess {
         let child = Command::new("etcd")
             .args(["--name", "loadgen", "--data-dir"])
             .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
+            .args([
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+            ])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("loadgen={peer_url}")])
@@ -47,8 +52,8 @@ impl EtcdProcess {
         let deadline = Instant::now() + Duration::from_secs(30);
         while !healthy(client) {
             if let Ok(Some(status)) = etcd.child.try_wait() {
-                let log = std::fs::read_to_string(etcd._dir.path().join("etcd.log"))
-                    .unwrap_or_default();
+                let log =
+                    std::fs::read_to_string(etcd._dir.path().join("etcd.log")).unwrap_or_default();
                 bail!("etcd exited ({status}):\n{log}");
             }
             if Instant::now() > deadline {
@@ -74,8 +79,7 @@ fn healthy(port: u16) -> bool {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if s
-        .write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+    if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
         .is_err()
     {
         return false;
@@ -119,11 +123,7 @@ impl EtcdNodes {
             .collect();
         let tls_dir = dir.path().join("tls");
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        kvrail_auth::generate::cluster(
-            &tls_dir,
-            &refs,
-            kvrail_auth::generate::Validity::days(1),
-        )?;
+        kvrail_auth::generate::cluster(&tls_dir, &refs, kvrail_auth::generate::Validity::days(1))?;
         let mut started = Vec::new();
         for name in &names {
             let socket = dir.path().join(format!("{name}.sock"));

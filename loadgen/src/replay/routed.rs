@@ -232,7 +232,8 @@ pub async fn run(a: &ClusterArgs, jobs: &[Job]) -> anyhow::Result<Vec<PolicyRun>
                 timeout: Duration::from_secs(120),
             });
             let measured = replay(run.clone(), policy).await?;
-            let run = Arc::try_unwrap(run).map_err(|_| anyhow!("a request task outlived its run"))?;
+            let run =
+                Arc::try_unwrap(run).map_err(|_| anyhow!("a request task outlived its run"))?;
             prefill = run.prefill;
             decode = run.decode;
             out.push(measured);
@@ -330,6 +331,11 @@ async fn request(run: &Run, pos: usize) -> anyhow::Result<(Record, u64, usize, u
     };
     let n = usize::try_from(job.blocks)?;
     let src = run.prefill[p].pool.take(n).await?;
+    // Written while the prefill is emulated, as a real prefill writes its KV.
+    if let Err(e) = stamp_source(run, job, p, &src) {
+        run.prefill[p].pool.give(&src);
+        return Err(e);
+    }
     tokio::time::sleep_until((run.t0 + Duration::from_secs_f64(end / 1000.0)).into()).await;
     let d = {
         let mut r = run
@@ -358,17 +364,6 @@ async fn push_and_verify(
     let dst = run.decode[d].pool.take(src.len()).await?;
     let result = async {
         let (pw, dw) = (&run.prefill[p], &run.decode[d]);
-        // A stamp per block, layer and plane: bytes left from another request
-        // (or another block) cannot pass the comparison below.
-        for (k, &b) in src.iter().enumerate() {
-            for layer in 0..run.layers {
-                for plane in 0..run.planes {
-                    let word = stamp(run.seed, job.index, k, layer, plane);
-                    let at = pw.kv.block_offset(layer, plane, b);
-                    pw.kv.memory.write_at(at, &word.to_le_bytes())?;
-                }
-            }
-        }
         let offered = now_ms(run);
         if !src.is_empty() {
             let mut client = pw.client.clone();
@@ -414,6 +409,23 @@ async fn push_and_verify(
     .await;
     run.decode[d].pool.give(&dst);
     result
+}
+
+/// A stamp per block, layer and plane of the request's source blocks: bytes
+/// left from another request (or another block) cannot pass the comparison
+/// with the destination.
+fn stamp_source(run: &Run, job: &Job, p: usize, src: &[u32]) -> anyhow::Result<()> {
+    let kv = &run.prefill[p].kv;
+    for (k, &b) in src.iter().enumerate() {
+        for layer in 0..run.layers {
+            for plane in 0..run.planes {
+                let word = stamp(run.seed, job.index, k, layer, plane);
+                kv.memory
+                    .write_at(kv.block_offset(layer, plane, b), &word.to_le_bytes())?;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn stamp(seed: u64, job: usize, k: usize, layer: u32, plane: u32) -> u64 {
