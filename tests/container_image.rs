@@ -31,6 +31,18 @@ fn podman(args: &[&str]) -> Output {
         .expect("run podman")
 }
 
+/// `podman run` with the limits this machine's podman needs given explicitly.
+fn podman_run(args: &[&str]) -> Output {
+    let limits = [
+        "--ulimit",
+        "nofile=4096:4096",
+        "--ulimit",
+        "nproc=4096:4096",
+    ];
+    let all: Vec<&str> = ["run"].iter().chain(&limits).chain(args).copied().collect();
+    podman(&all)
+}
+
 fn ok(what: &str, out: Output) -> String {
     assert!(
         out.status.success(),
@@ -104,17 +116,12 @@ fn sidecar(dir: &Path, node: &str, port: u16, peer: &str, peer_port: u16) -> Con
     let socket = format!("/run/kvrail/{node}.sock");
     ok(
         "podman run",
-        podman(&[
-            "run",
+        podman_run(&[
             "-d",
             "--name",
             &name,
             "--network",
             "host",
-            "--ulimit",
-            "nofile=4096:4096",
-            "--ulimit",
-            "nproc=4096:4096",
             "-v",
             &socket_dir,
             "-v",
@@ -159,7 +166,7 @@ async fn connect(socket: &Path, container: &Container) -> Client {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_image_builds_and_two_containers_move_a_verified_transfer() {
-    let root = running_as_root();
+    let root = kvrail_e2e::running_as_root();
     if !root || !have("podman") || !have("debootstrap") {
         skip_or_fail(
             TEST,
@@ -194,18 +201,7 @@ async fn the_image_builds_and_two_containers_move_a_verified_transfer() {
     println!("image built in {:?}", built.elapsed());
     let version = ok(
         "podman run --version",
-        podman(&[
-            "run",
-            "--rm",
-            "--network",
-            "host",
-            "--ulimit",
-            "nofile=4096:4096",
-            "--ulimit",
-            "nproc=4096:4096",
-            IMAGE,
-            "--version",
-        ]),
+        podman_run(&["--rm", "--network", "host", IMAGE, "--version"]),
     );
     assert!(version.starts_with("kvrail "), "{version}");
 
@@ -241,14 +237,4 @@ async fn the_image_builds_and_two_containers_move_a_verified_transfer() {
     assert_eq!(verify(&dst, 42, 0..2, &ids).unwrap(), 2 << 20);
     src.unlink();
     dst.unlink();
-}
-
-/// Whether this process runs as root (podman and debootstrap here need it).
-fn running_as_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|v| v.split_whitespace().next().map(|u| u == "0"))
-        .unwrap_or(false)
 }

@@ -120,7 +120,7 @@ async fn only_the_callers_own_shared_memory_files_can_be_registered() {
     // System files and devices. As root the daemon opens /etc's files and
     // refuses them as not shared memory; as another user it cannot open them
     // read-write at all, and says so.
-    let daemon_is_root = running_as_root();
+    let daemon_is_root = kvrail_e2e::running_as_root();
     for path in ["/etc/shadow", "/etc/passwd", "/dev/zero"] {
         let err = c
             .register_path("w", Path::new(path), layout, false)
@@ -175,11 +175,6 @@ async fn a_second_sidecar_cannot_take_a_running_ones_socket() {
 }
 
 /// Virtual memory of a process, in bytes.
-/// This test process's uid is root's (the sidecars it starts run as it).
-fn running_as_root() -> bool {
-    std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-}
-
 fn vm_size(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kb: u64 = status
@@ -226,7 +221,7 @@ async fn huge_sparse_files_and_tiny_blocks_cost_the_daemon_nothing() {
 /// root (to run the impostor as another user).
 #[tokio::test(flavor = "multi_thread")]
 async fn clients_refuse_a_socket_served_by_another_user() {
-    if !running_as_root() {
+    if !kvrail_e2e::running_as_root() {
         return kvrail_e2e::skip_or_fail(
             "clients_refuse_a_socket_served_by_another_user",
             "needs root",

@@ -432,6 +432,12 @@ fn all_threads_stopped(pid: u32) -> bool {
 }
 
 /// Polls `done` until it holds (20 s at most, then panics naming `what`).
+/// Whether this test runs as root (the owner of `/proc/self`: the
+/// effective user).
+pub fn running_as_root() -> bool {
+    std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+}
+
 pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !done() {
