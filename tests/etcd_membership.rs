@@ -284,18 +284,12 @@ async fn sidecars_keep_serving_known_peers_while_etcd_is_down_and_register_again
     assert_eq!(peer_names(&a).await, ["b"]);
     etcd.restart();
     // Both register again (their leases may have expired meanwhile).
-    let start = Instant::now();
-    loop {
-        let keys = etcd.keys(&prefix);
-        if keys.len() == 2 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "after etcd's restart: {keys:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        || etcd.keys(&prefix).len() == 2,
+        || format!("after etcd's restart: {:?}", etcd.keys(&prefix)),
+    )
+    .await;
     // A newcomer after the restart is found by both.
     let c = member(dir.path(), &etcd.url(), &prefix, "c", &[]);
     wait_peers(&a, &["b", "c"], Duration::from_secs(10)).await;
@@ -410,15 +404,12 @@ async fn a_node_restarted_under_its_name_is_a_new_process_and_the_old_one_is_ref
     let new_dir = dir.path().join("new");
     std::fs::create_dir(&new_dir).unwrap();
     let new_b = member(&new_dir, &etcd.url(), &prefix, "b", &[]);
-    let start = Instant::now();
-    while etcd.get(&key).is_none_or(|r| r == old_record) {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the new b never registered:\n{}",
-            new_b.log_tail(20)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        Duration::from_secs(20),
+        || etcd.get(&key).is_some_and(|r| r != old_record),
+        || format!("the new b never registered:\n{}", new_b.log_tail(20)),
+    )
+    .await;
     wait_until_logged(&a, "peer restarted").await;
     assert_eq!(push_verified(&new_b, &a, "new", 2).await, Ok(1 << 20));
     assert_eq!(push_verified(&a, &new_b, "to-new", 3).await, Ok(1 << 20));
@@ -452,14 +443,17 @@ async fn a_sidecar_restarted_on_its_rails_takes_its_record_over_at_once() {
     b.kill();
     let restarted = Instant::now();
     b.restart();
-    while etcd.get(&key).is_none_or(|r| r == old_record) {
-        assert!(
-            restarted.elapsed() < Duration::from_secs(10),
-            "the restarted b did not replace its record:\n{}",
-            b.log_tail(20)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(10),
+        || etcd.get(&key).is_some_and(|r| r != old_record),
+        || {
+            format!(
+                "the restarted b did not replace its record:\n{}",
+                b.log_tail(20)
+            )
+        },
+    )
+    .await;
     println!(
         "the restarted b replaced its record {:?} after starting",
         restarted.elapsed()
@@ -483,34 +477,45 @@ async fn a_record_deleted_by_hand_is_written_again() {
     let key = format!("{prefix}/nodes/b");
     let record = etcd.get(&key).unwrap();
     etcd.delete(&key);
-    let start = Instant::now();
-    while etcd.get(&key).as_ref() != Some(&record) {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "b did not register again:\n{}",
-            b.log_tail(10)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    println!(
-        "b wrote its deleted record again after {:?}",
-        start.elapsed()
-    );
+    let took = eventually(
+        Duration::from_secs(10),
+        || etcd.get(&key).as_ref() == Some(&record),
+        || format!("b did not register again:\n{}", b.log_tail(10)),
+    )
+    .await;
+    println!("b wrote its deleted record again after {took:?}");
     wait_peers(&a, &["b"], Duration::from_secs(5)).await;
     assert_eq!(push_verified(&a, &b, "after", 1).await, Ok(1 << 20));
 }
 
 async fn wait_until_logged(s: &Sidecar, text: &str) {
+    eventually(
+        Duration::from_secs(20),
+        || s.log().contains(text),
+        || {
+            format!(
+                "{} never logged {text:?}; its log ends:\n{}",
+                s.node,
+                s.log_tail(20)
+            )
+        },
+    )
+    .await;
+}
+
+/// Polls `done` every 20 ms until it holds and returns how long that took;
+/// fails with `why()` once `limit` has passed.
+async fn eventually(
+    limit: Duration,
+    mut done: impl FnMut() -> bool,
+    why: impl Fn() -> String,
+) -> Duration {
     let start = Instant::now();
-    while !s.log().contains(text) {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{} never logged {text:?}; its log ends:\n{}",
-            s.node,
-            s.log_tail(20)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    while !done() {
+        assert!(start.elapsed() < limit, "{}", why());
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    start.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread")]

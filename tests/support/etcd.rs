@@ -135,27 +135,27 @@ impl Etcd {
         self.spawn();
     }
 
-    fn etcdctl(&self) -> Command {
-        let mut c = Command::new("etcdctl");
-        c.env("ETCDCTL_API", "3")
+    /// Runs `etcdctl args` against this etcd and returns its stdout; a
+    /// failure fails the test with etcdctl's stderr.
+    fn etcdctl(&self, args: &[&str]) -> String {
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
             .args(["--endpoints", &self.url()])
-            .args(["--command-timeout", "5s"]);
-        c
-    }
-
-    /// Keys under `prefix`.
-    pub fn keys(&self, prefix: &str) -> Vec<String> {
-        let out = self
-            .etcdctl()
-            .args(["get", "--prefix", "--keys-only", prefix])
+            .args(["--command-timeout", "5s"])
+            .args(args)
             .output()
             .expect("run etcdctl");
         assert!(
             out.status.success(),
-            "{}",
+            "etcdctl {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        String::from_utf8_lossy(&out.stdout)
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Keys under `prefix`.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        self.etcdctl(&["get", "--prefix", "--keys-only", prefix])
             .lines()
             .filter(|l| !l.is_empty())
             .map(str::to_string)
@@ -164,46 +164,19 @@ impl Etcd {
 
     /// The value of `key`, if any.
     pub fn get(&self, key: &str) -> Option<String> {
-        let out = self
-            .etcdctl()
-            .args(["get", "--print-value-only", key])
-            .output()
-            .expect("run etcdctl");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
-        (!v.is_empty()).then_some(v)
+        let v = self.etcdctl(&["get", "--print-value-only", key]);
+        let v = v.trim_end();
+        (!v.is_empty()).then(|| v.to_string())
     }
 
     /// Deletes `key`.
     pub fn delete(&self, key: &str) {
-        let out = self
-            .etcdctl()
-            .args(["del", key])
-            .output()
-            .expect("run etcdctl");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        self.etcdctl(&["del", key]);
     }
 
     /// Writes `value` under `key` (no lease: it stays).
     pub fn put(&self, key: &str, value: &str) {
-        let out = self
-            .etcdctl()
-            .args(["put", key, value])
-            .output()
-            .expect("run etcdctl");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        self.etcdctl(&["put", key, value]);
     }
 }
 
