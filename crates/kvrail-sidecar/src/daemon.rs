@@ -44,7 +44,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub use crate::dial::DialError;
 
-pub use crate::peer_table::{LinkNow, PeerSlot, PeerSource, PeerTable};
+pub use crate::peer_table::{LinkNow, PeerSlot, PeerTable};
 
 /// State every task shares.
 pub struct Shared {

@@ -9,20 +9,15 @@ use kvrail_core::membership::{Change, Member};
 use tracing::{info, warn};
 
 use crate::config::PeerConfig;
-use crate::daemon::{LinkNow, PeerSlot, PeerSource, Shared};
+use crate::daemon::{LinkNow, PeerSlot, Shared};
 
 fn slot_for(member: &Member) -> Arc<PeerSlot> {
-    PeerSlot::new(
-        PeerConfig {
-            name: member.node().to_string(),
-            rails: member.rails.clone(),
-            cert_sha256: member.record.cert_sha256.clone(),
-            incarnation: Some(member.incarnation()),
-        },
-        PeerSource::Member {
-            incarnation: member.incarnation(),
-        },
-    )
+    PeerSlot::new(PeerConfig {
+        name: member.node().to_string(),
+        rails: member.rails.clone(),
+        cert_sha256: member.record.cert_sha256.clone(),
+        incarnation: Some(member.incarnation()),
+    })
 }
 
 /// Closes what we hold with `node`: the outbound link of `slot` and every
@@ -68,34 +63,36 @@ fn upsert(shared: &Shared, member: &Member, incarnation: Option<u64>, why: &str)
 const DEPARTED_IDLE_GRACE: Duration = Duration::from_secs(30);
 const DEPARTED_CHECK: Duration = Duration::from_secs(1);
 
-/// Whether anything of `node` still carries transfers: its outbound link
-/// (or a dial of it) and its inbound sessions.
-fn busy(shared: &Shared, node: &str, slot: &PeerSlot) -> bool {
-    let outbound = match slot.link_now() {
-        LinkNow::Up(l) => l.is_alive() && l.inspect(|s| s.active_transfers()) > 0,
-        LinkNow::None => false,
-        LinkNow::Dialing => true,
-    };
-    outbound
-        || shared.inbound.iter().any(|e| {
-            e.key().0 == node
-                && e.value().is_alive()
-                && e.value().inspect(|s| s.active_transfers()) > 0
-        })
+/// What of `node` is here: any live session (or a dial of one), and any
+/// that carries transfers.
+#[derive(Debug, Default, Clone, Copy)]
+struct Presence {
+    connected: bool,
+    busy: bool,
 }
 
-/// Whether `node` holds any live session here (or one is being dialed).
-fn connected(shared: &Shared, node: &str, slot: &PeerSlot) -> bool {
-    let outbound = match slot.link_now() {
-        LinkNow::Up(l) => l.is_alive(),
-        LinkNow::None => false,
-        LinkNow::Dialing => true,
+fn presence(shared: &Shared, node: &str, slot: &PeerSlot) -> Presence {
+    let mut p = match slot.link_now() {
+        LinkNow::Up(l) => Presence {
+            connected: l.is_alive(),
+            busy: l.is_alive() && l.inspect(|s| s.active_transfers()) > 0,
+        },
+        LinkNow::None => Presence::default(),
+        LinkNow::Dialing => Presence {
+            connected: true,
+            busy: true,
+        },
     };
-    outbound
-        || shared
-            .inbound
-            .iter()
-            .any(|e| e.key().0 == node && e.value().is_alive())
+    for e in shared.inbound.iter() {
+        if p.busy {
+            break;
+        }
+        if e.key().0 == node && e.value().is_alive() {
+            p.connected = true;
+            p.busy = e.value().inspect(|s| s.active_transfers()) > 0;
+        }
+    }
+    p
 }
 
 /// Forgets a departed peer's slot: at once when nothing of it is connected
@@ -103,7 +100,7 @@ fn connected(shared: &Shared, node: &str, slot: &PeerSlot) -> bool {
 /// else once its sessions sat idle for [`DEPARTED_IDLE_GRACE`] (they close
 /// then). A peer that comes back before that keeps its slot and sessions.
 fn forget_when_idle(shared: &Arc<Shared>, node: String, slot: Arc<PeerSlot>) {
-    if !connected(shared, &node, &slot) {
+    if !presence(shared, &node, &slot).connected {
         shared.peers.remove_if(&node, &slot);
         shared.peer_budgets.remove(&node);
         return;
@@ -117,11 +114,12 @@ fn forget_when_idle(shared: &Arc<Shared>, node: String, slot: Arc<PeerSlot>) {
             if !slot.is_departed() {
                 return; // back, as the same process
             }
-            if busy(&shared, &node, &slot) {
+            let here = presence(&shared, &node, &slot);
+            if here.busy {
                 idle_since = tokio::time::Instant::now();
                 continue;
             }
-            if connected(&shared, &node, &slot) && idle_since.elapsed() < DEPARTED_IDLE_GRACE {
+            if here.connected && idle_since.elapsed() < DEPARTED_IDLE_GRACE {
                 continue;
             }
             if shared.peers.remove_if(&node, &slot) {
@@ -136,12 +134,7 @@ fn forget_when_idle(shared: &Arc<Shared>, node: String, slot: Arc<PeerSlot>) {
 
 /// Applies one membership change to the peer table.
 pub fn apply(shared: &Arc<Shared>, change: Change) {
-    let is_static = |node: &str| {
-        shared
-            .peers
-            .get(node)
-            .is_some_and(|s| s.source == PeerSource::Static)
-    };
+    let is_static = |node: &str| shared.peers.get(node).is_some_and(|s| s.is_static());
     match change {
         Change::Joined(member) => {
             if is_static(member.node()) {

@@ -10,16 +10,6 @@ use tokio::sync::Mutex as AsyncMutex;
 use crate::config::PeerConfig;
 use crate::link::PeerLink;
 
-/// Where a peer came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PeerSource {
-    /// The configuration (`peers`, `--peer`): kept whatever etcd says.
-    Static,
-    /// A membership record (its certificate's fingerprint is in the
-    /// slot's config): the process it names.
-    Member { incarnation: u64 },
-}
-
 /// A slot's outbound link, seen without waiting.
 pub enum LinkNow {
     None,
@@ -39,8 +29,10 @@ impl LinkNow {
 
 /// An outbound peer: its configuration and the link we dialed, if any.
 pub struct PeerSlot {
+    /// Its `incarnation` is set for a membership record's peer (the process
+    /// the record names) and unset for a configured one (`peers`, `--peer`),
+    /// which is kept whatever etcd says.
     pub config: PeerConfig,
-    pub source: PeerSource,
     pub link: AsyncMutex<Option<Arc<PeerLink>>>,
     /// Its membership record is gone: nothing new starts with it (no
     /// transfer, dial or session), while the sessions already up go on
@@ -51,13 +43,17 @@ pub struct PeerSlot {
 }
 
 impl PeerSlot {
-    pub fn new(config: PeerConfig, source: PeerSource) -> Arc<PeerSlot> {
+    pub fn new(config: PeerConfig) -> Arc<PeerSlot> {
         Arc::new(PeerSlot {
             config,
-            source,
             link: AsyncMutex::new(None),
             departed: AtomicBool::new(false),
         })
+    }
+
+    /// Configured, not learnt from etcd.
+    pub fn is_static(&self) -> bool {
+        self.config.incarnation.is_none()
     }
 
     pub fn is_departed(&self) -> bool {
@@ -92,7 +88,7 @@ impl PeerTable {
     pub fn from_config(peers: &[PeerConfig]) -> PeerTable {
         let table = PeerTable::default();
         for p in peers {
-            table.insert(PeerSlot::new(p.clone(), PeerSource::Static));
+            table.insert(PeerSlot::new(p.clone()));
         }
         table
     }
