@@ -34,6 +34,10 @@ pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
 /// Inbound sessions one peer node may hold at once (a dialer has one per
 /// peer; a restart or a doctor run adds one briefly).
 pub(crate) const MAX_INBOUND_SESSIONS_PER_PEER: usize = 8;
+
+/// Nodes whose replaced incarnations are remembered (as many as membership
+/// holds members).
+pub(crate) const MAX_RETIRED_NODES: usize = kvrail_core::membership::MAX_MEMBERS;
 /// Longest a handshake reply may take to write (a peer that does not read).
 const HANDSHAKE_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest refusal text sent back or logged.
@@ -811,19 +815,15 @@ impl Shared {
         )
     }
 
-    /// Remembers that `incarnation` of `node` was replaced (the last few).
+    /// Remembers that `incarnation` of `node` was replaced (see
+    /// [`remember_retired`]).
     pub(crate) fn retire_incarnation(&self, node: &str, incarnation: u64) {
-        const KEPT: usize = 16;
-        let mut retired = self
-            .retired_incarnations
-            .entry(node.to_string())
-            .or_default();
-        if !retired.contains(&incarnation) {
-            if retired.len() >= KEPT {
-                retired.remove(0);
-            }
-            retired.push(incarnation);
-        }
+        remember_retired(
+            &self.retired_incarnations,
+            node,
+            incarnation,
+            MAX_RETIRED_NODES,
+        );
     }
 
     async fn refuse(
@@ -1282,5 +1282,52 @@ impl LinkEnv for Shared {
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         })
+    }
+}
+
+/// Adds `incarnation` to `node`'s replaced incarnations (its last 16), in a
+/// map of at most `max_nodes` nodes: past that an arbitrary other node's are
+/// forgotten, so names that come and go cannot grow it.
+pub(crate) fn remember_retired(
+    map: &DashMap<String, Vec<u64>>,
+    node: &str,
+    incarnation: u64,
+    max_nodes: usize,
+) {
+    const KEPT: usize = 16;
+    if map.len() >= max_nodes && !map.contains_key(node) {
+        let other = map.iter().next().map(|e| e.key().clone());
+        if let Some(other) = other {
+            map.remove(&other);
+        }
+    }
+    let mut retired = map.entry(node.to_string()).or_default();
+    if !retired.contains(&incarnation) {
+        if retired.len() >= KEPT {
+            retired.remove(0);
+        }
+        retired.push(incarnation);
+    }
+}
+
+#[cfg(test)]
+mod retired_tests {
+    use super::*;
+
+    #[test]
+    fn retired_incarnations_stay_bounded_per_node_and_in_nodes() {
+        let map = DashMap::new();
+        for i in 1..=40u64 {
+            remember_retired(&map, "a", i, 3);
+        }
+        let kept = map.get("a").map(|r| r.clone()).unwrap_or_default();
+        assert_eq!(kept, (25..=40).collect::<Vec<u64>>());
+        remember_retired(&map, "a", 40, 3);
+        assert_eq!(map.get("a").map(|r| r.len()), Some(16));
+        for n in 0..100 {
+            remember_retired(&map, &format!("n{n}"), 1, 3);
+            assert!(map.len() <= 3);
+        }
+        assert!(map.contains_key("n99"));
     }
 }
