@@ -246,12 +246,15 @@ async fn a_hundred_sidecars_discover_each_other_and_move_verified_blocks() {
         summary(&mut socks)
     ));
     // What the membership costs etcd: keys, watchers, the events it sent,
-    // and lease renewals a second (measured over a few seconds of quiet).
+    // and lease renewals a second, measured over whole renewal periods: the
+    // sidecars started within a second of each other, so their renewals come
+    // in bursts, and a window of 1.5 periods counts one burst or two.
     let renewed = etcd.metric("etcd_debugging_lease_renewed_total");
     let sent = etcd.metric("etcd_network_client_grpc_sent_bytes_total");
     let received = etcd.metric("etcd_network_client_grpc_received_bytes_total");
     let window = Instant::now();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // The lease is 10 s, renewed every 10/3 s: three periods.
+    tokio::time::sleep(Duration::from_secs(10)).await;
     let secs = window.elapsed().as_secs_f64();
     let renewals = (etcd.metric("etcd_debugging_lease_renewed_total") - renewed) / secs;
     let sent = (etcd.metric("etcd_network_client_grpc_sent_bytes_total") - sent) / secs;
@@ -266,7 +269,7 @@ async fn a_hundred_sidecars_discover_each_other_and_move_verified_blocks() {
     ));
     // Each sidecar renews three times a lease (10 s): 30 a second for 100.
     assert!(
-        (15.0..=60.0).contains(&renewals),
+        (24.0..=36.0).contains(&renewals),
         "{renewals:.1} lease renewals a second from {SIDECARS} sidecars"
     );
     drop(clients);
