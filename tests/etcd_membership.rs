@@ -573,3 +573,70 @@ async fn a_record_naming_another_certificate_is_refused_both_ways() {
         a.log_tail(20)
     );
 }
+
+/// etcd serving over TLS and asking every client for a certificate of its CA
+/// (`--client-cert-auth`): sidecars given etcd's CA and their client
+/// certificates register and find each other; one that shows no
+/// certificate, and one that trusts another CA, do not get in, say why, and
+/// keep trying.
+#[tokio::test(flavor = "multi_thread")]
+async fn membership_over_tls_with_client_certificates() {
+    let Some(etcd) = Etcd::start_tls("membership over TLS", &["a", "b"]) else {
+        return;
+    };
+    let tls = etcd.tls.clone().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = "/kvrail/tls";
+    let path = |f: &str| tls.join(f).display().to_string();
+    let client = |n: &str| {
+        vec![
+            "--etcd-ca".to_string(),
+            path("ca.pem"),
+            "--etcd-cert".into(),
+            path(&format!("{n}.pem")),
+            "--etcd-key".into(),
+            path(&format!("{n}.key")),
+        ]
+    };
+    fn strs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let (fa, fb) = (client("a"), client("b"));
+    let a = member(dir.path(), &etcd.url(), prefix, "a", &strs(&fa));
+    let b = member(dir.path(), &etcd.url(), prefix, "b", &strs(&fb));
+    wait_peers(&a, &["b"], Duration::from_secs(10)).await;
+    wait_peers(&b, &["a"], Duration::from_secs(10)).await;
+    assert_eq!(push_verified(&a, &b, "over-tls", 3).await, Ok(1 << 20));
+
+    // No client certificate: etcd ends the handshake.
+    let ca = path("ca.pem");
+    let bare = member(dir.path(), &etcd.url(), prefix, "bare", &["--etcd-ca", &ca]);
+    // Another cluster's CA: etcd's certificate is not trusted.
+    let other = tempfile::tempdir().unwrap();
+    kvrail_auth::generate::cluster(
+        other.path(),
+        &["x"],
+        kvrail_auth::generate::Validity::days(1),
+    )
+    .unwrap();
+    let other_ca = other.path().join("ca.pem").display().to_string();
+    let stranger = member(
+        dir.path(),
+        &etcd.url(),
+        prefix,
+        "stranger",
+        &["--etcd-ca", &other_ca],
+    );
+    wait_until_logged(&bare, "membership:").await;
+    wait_until_logged(&stranger, "membership:").await;
+    assert_eq!(
+        etcd.keys(prefix),
+        [format!("{prefix}/nodes/a"), format!("{prefix}/nodes/b")]
+    );
+    assert_eq!(peer_names(&a).await, ["b"]);
+    println!(
+        "without a client certificate: {}\nwith another CA: {}",
+        bare.log_tail(1),
+        stranger.log_tail(1)
+    );
+}

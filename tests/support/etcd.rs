@@ -14,6 +14,8 @@ pub struct Etcd {
     dir: tempfile::TempDir,
     pub client_port: u16,
     peer_port: u16,
+    /// With TLS: the folder of its CA and certificates (see [`Etcd::start_tls`]).
+    pub tls: Option<std::path::PathBuf>,
 }
 
 /// The etcd binary, if installed (`$KVRAIL_ETCD`, else `etcd` on PATH).
@@ -44,24 +46,71 @@ impl Etcd {
             dir: tempfile::tempdir().expect("tempdir"),
             client_port: free_port(),
             peer_port: free_port(),
+            tls: None,
         };
+        etcd.spawn();
+        Some(etcd)
+    }
+
+    /// Starts etcd serving clients over TLS at `https://localhost:PORT` and
+    /// asking each for a certificate of its CA (`--client-cert-auth`). The
+    /// CA and certificates are made in `DIR/tls` (kvrail's generator:
+    /// `localhost` for etcd, `etcdctl`, and one per name in `clients`).
+    pub fn start_tls(test: &str, clients: &[&str]) -> Option<Etcd> {
+        let mut etcd = Etcd {
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            client_port: free_port(),
+            peer_port: free_port(),
+            tls: None,
+        };
+        if etcd_binary().is_none() {
+            skip_or_fail(
+                test,
+                "no etcd binary (apt-get install etcd-server, or ./quickstart deps test)",
+            );
+            return None;
+        }
+        let tls = etcd.dir.path().join("tls");
+        let mut names = vec!["localhost", "etcdctl"];
+        names.extend(clients);
+        kvrail_auth::generate::cluster(&tls, &names, kvrail_auth::generate::Validity::days(1))
+            .expect("make etcd's certificates");
+        etcd.tls = Some(tls);
         etcd.spawn();
         Some(etcd)
     }
 
     /// The client URL sidecars are given.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        match self.tls {
+            Some(_) => format!("https://localhost:{}", self.client_port),
+            None => format!("http://127.0.0.1:{}", self.client_port),
+        }
     }
 
     fn spawn(&mut self) {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::File::create(self.dir.path().join("etcd.log")).expect("etcd log");
-        let child = Command::new(etcd_binary().expect("etcd binary"))
+        let mut cmd = Command::new(etcd_binary().expect("etcd binary"));
+        let listen = match &self.tls {
+            Some(tls) => {
+                cmd.arg("--cert-file")
+                    .arg(tls.join("localhost.pem"))
+                    .arg("--key-file")
+                    .arg(tls.join("localhost.key"))
+                    .arg("--trusted-ca-file")
+                    .arg(tls.join("ca.pem"))
+                    .arg("--client-cert-auth");
+                format!("https://127.0.0.1:{}", self.client_port)
+            }
+            None => self.url(),
+        };
+        let child = cmd
             .args(["--name", "kvrail-test"])
             .arg("--data-dir")
             .arg(self.dir.path().join("data"))
-            .args(["--listen-client-urls", &self.url()])
+            .args(["--listen-client-urls", &listen])
             .args(["--advertise-client-urls", &self.url()])
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
@@ -92,6 +141,14 @@ impl Etcd {
 
     fn healthy(&self) -> bool {
         use std::io::{Read, Write};
+        if self.tls.is_some() {
+            return Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .args(self.etcdctl_flags())
+                .args(["endpoint", "health"])
+                .output()
+                .is_ok_and(|o| o.status.success());
+        }
         let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) else {
             return false;
         };
@@ -140,8 +197,7 @@ impl Etcd {
     fn etcdctl(&self, args: &[&str]) -> String {
         let out = Command::new("etcdctl")
             .env("ETCDCTL_API", "3")
-            .args(["--endpoints", &self.url()])
-            .args(["--command-timeout", "5s"])
+            .args(self.etcdctl_flags())
             .args(args)
             .output()
             .expect("run etcdctl");
@@ -151,6 +207,26 @@ impl Etcd {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn etcdctl_flags(&self) -> Vec<String> {
+        let mut flags = vec![
+            "--endpoints".to_string(),
+            self.url(),
+            "--command-timeout".into(),
+            "5s".into(),
+        ];
+        if let Some(tls) = &self.tls {
+            for (flag, file) in [
+                ("--cacert", "ca.pem"),
+                ("--cert", "etcdctl.pem"),
+                ("--key", "etcdctl.key"),
+            ] {
+                flags.push(flag.into());
+                flags.push(tls.join(file).display().to_string());
+            }
+        }
+        flags
     }
 
     /// Keys under `prefix`.

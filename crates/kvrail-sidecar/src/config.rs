@@ -48,6 +48,13 @@ pub struct Config {
     /// Lease of this node's record: it disappears this long after the
     /// sidecar stops renewing it (killed, or cut off from etcd).
     pub etcd_lease_ttl_s: u64,
+    /// CA certificate (PEM) that signed the etcd servers' certificates:
+    /// needed for `https://` endpoints.
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate and key (PEM) this node shows etcd, when etcd
+    /// asks for one (`--client-cert-auth`).
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
     /// TCP connections opened per rail to each peer.
     pub connections_per_rail: usize,
     pub slice_bytes: u64,
@@ -175,6 +182,9 @@ impl Default for Config {
             etcd_endpoints: vec![],
             etcd_prefix: "/kvrail/default".into(),
             etcd_lease_ttl_s: 10,
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
             connections_per_rail: 4,
             slice_bytes: 1 << 20,
             window_bytes: 8 << 20,
@@ -493,6 +503,25 @@ impl Config {
             }
             if !(2..=3600).contains(&self.etcd_lease_ttl_s) {
                 return bad("etcd_lease_ttl_s must be 2 to 3600");
+            }
+            let https = self
+                .etcd_endpoints
+                .iter()
+                .filter(|e| e.starts_with("https://"))
+                .count();
+            if https != 0 && https != self.etcd_endpoints.len() {
+                return bad("etcd_endpoints must be all http:// or all https://");
+            }
+            if https != 0 && self.etcd_ca.is_none() {
+                return bad("https:// etcd endpoints need etcd_ca: the CA certificate (PEM) that signed etcd's");
+            }
+            if https == 0 && (self.etcd_ca.is_some() || self.etcd_cert.is_some()) {
+                return bad(
+                    "etcd_ca and etcd_cert are for https:// etcd endpoints; these are http://",
+                );
+            }
+            if self.etcd_cert.is_some() != self.etcd_key.is_some() {
+                return bad("etcd_cert and etcd_key go together");
             }
             if self.advertise.is_empty() {
                 if let Some(a) = self.listen.iter().find(|a| a.ip().is_unspecified()) {
@@ -939,5 +968,43 @@ mod tests {
         c.validate().expect("deploy/kvrail.toml is valid");
         assert_eq!(c.etcd_endpoints.len(), 3);
         assert_eq!(c.listen.len(), 2);
+    }
+
+    /// https:// etcd needs the CA that signed etcd's certificate; a client
+    /// certificate needs its key; TLS files for plain http are a mistake.
+    #[test]
+    fn etcd_tls_settings_are_checked() {
+        let base = Config {
+            listen: vec!["127.0.0.1:7400".parse().unwrap()],
+            insecure: true,
+            etcd_endpoints: vec!["https://e1:2379".into(), "https://e2:2379".into()],
+            ..Config::default()
+        };
+        let error = |c: &Config| {
+            c.validate()
+                .map(|_| String::new())
+                .unwrap_or_else(|e| e.to_string())
+        };
+        assert!(error(&base).contains("need etcd_ca"), "{}", error(&base));
+        let with_ca = Config {
+            etcd_ca: Some("/etc/etcd/ca.pem".into()),
+            ..base.clone()
+        };
+        with_ca.validate().unwrap();
+        let mixed = Config {
+            etcd_endpoints: vec!["https://e1:2379".into(), "http://e2:2379".into()],
+            ..with_ca.clone()
+        };
+        assert!(error(&mixed).contains("all http:// or all https://"));
+        let half = Config {
+            etcd_cert: Some("/etc/kvrail/etcd.pem".into()),
+            ..with_ca.clone()
+        };
+        assert!(error(&half).contains("go together"));
+        let plain = Config {
+            etcd_endpoints: vec!["http://e1:2379".into()],
+            ..with_ca
+        };
+        assert!(error(&plain).contains("for https://"));
     }
 }

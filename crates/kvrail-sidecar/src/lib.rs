@@ -70,6 +70,15 @@ pub struct ServeArgs {
     /// Seconds this node's etcd record outlives its last renewal (default 10).
     #[arg(long)]
     pub etcd_lease_ttl_s: Option<u64>,
+    /// CA certificate (PEM) of the etcd servers, for https:// endpoints.
+    #[arg(long)]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) to show etcd (with --etcd-key).
+    #[arg(long)]
+    pub etcd_cert: Option<PathBuf>,
+    /// Key (PEM) of --etcd-cert.
+    #[arg(long)]
+    pub etcd_key: Option<PathBuf>,
     /// TCP connections per rail to each peer (default 4; with RDMA's queue pairs at most 64 over all rails).
     #[arg(long)]
     pub connections_per_rail: Option<usize>,
@@ -204,6 +213,15 @@ impl ServeArgs {
         }
         if let Some(v) = self.etcd_lease_ttl_s {
             c.etcd_lease_ttl_s = v;
+        }
+        for (flag, field) in [
+            (&self.etcd_ca, &mut c.etcd_ca),
+            (&self.etcd_cert, &mut c.etcd_cert),
+            (&self.etcd_key, &mut c.etcd_key),
+        ] {
+            if flag.is_some() {
+                field.clone_from(flag);
+            }
         }
         let mut named = std::collections::HashSet::new();
         for p in &self.peers {

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions, WatchResponse,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
+    PutOptions, TlsOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchResponse,
 };
 use kvrail_core::membership::{
     node_key, nodes_prefix, takeover, Change, MemberRecord, MemberView, StoreEvent, Takeover,
@@ -66,6 +66,58 @@ pub struct MembershipConfig {
     pub lease_ttl_s: u64,
     /// What this node publishes (its name, rails, process, certificate).
     pub record: MemberRecord,
+    /// For `https://` endpoints: whom to trust and what to show.
+    pub tls: Option<EtcdTls>,
+}
+
+/// TLS towards etcd: the CA that signed etcd's certificates and, when etcd
+/// asks for one, this node's client certificate and key (all PEM, read at
+/// start so a bad file stops the daemon there, not at the first reconnect).
+#[derive(Clone)]
+pub struct EtcdTls {
+    pub ca_pem: Vec<u8>,
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("EtcdTls")
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+impl EtcdTls {
+    /// Reads the files; None when no CA is configured (plain http).
+    pub fn load(
+        ca: Option<&std::path::Path>,
+        cert: Option<&std::path::Path>,
+        key: Option<&std::path::Path>,
+    ) -> anyhow::Result<Option<EtcdTls>> {
+        use anyhow::Context;
+        let Some(ca) = ca else { return Ok(None) };
+        let read = |p: &std::path::Path, what: &str| {
+            std::fs::read(p).with_context(|| format!("{what} {}", p.display()))
+        };
+        let ca_pem = read(ca, "etcd_ca")?;
+        if !String::from_utf8_lossy(&ca_pem).contains("-----BEGIN CERTIFICATE-----") {
+            anyhow::bail!("etcd_ca {}: no PEM certificate in it", ca.display());
+        }
+        let identity = match (cert, key) {
+            (Some(c), Some(k)) => Some((read(c, "etcd_cert")?, read(k, "etcd_key")?)),
+            _ => None,
+        };
+        Ok(Some(EtcdTls { ca_pem, identity }))
+    }
+
+    fn options(&self) -> TlsOptions {
+        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(&self.ca_pem));
+        if let Some((cert, key)) = &self.identity {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        tls
+    }
 }
 
 /// What the daemon does with each change (applies it to its peer table).
@@ -303,10 +355,13 @@ async fn timed<T>(
 /// renew the lease until something fails.
 async fn session(inner: &Inner, retry: &mut Duration) -> Result<(), MembershipError> {
     let config = &inner.config;
-    let options = ConnectOptions::new()
+    let mut options = ConnectOptions::new()
         .with_connect_timeout(CALL_TIMEOUT)
         .with_timeout(CALL_TIMEOUT)
         .with_keep_alive(Duration::from_secs(2), CALL_TIMEOUT);
+    if let Some(tls) = &config.tls {
+        options = options.with_tls(tls.options());
+    }
     let mut client = timed("connect", Client::connect(&config.endpoints, Some(options))).await?;
     let ttl = config.lease_ttl_s as i64;
     let lease = timed("lease grant", client.lease_grant(ttl, None))

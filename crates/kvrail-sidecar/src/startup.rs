@@ -53,6 +53,11 @@ impl Daemon {
             )),
             None => None,
         };
+        let etcd_tls = crate::membership::EtcdTls::load(
+            config.etcd_ca.as_deref(),
+            config.etcd_cert.as_deref(),
+            config.etcd_key.as_deref(),
+        )?;
         if config.insecure && config.wants("tcp") {
             warn!("--insecure: tcp peer connections are not authenticated; anyone who reaches a rail port can pose as a peer");
         }
@@ -164,6 +169,7 @@ impl Daemon {
                     prefix: config.etcd_prefix.clone(),
                     lease_ttl_s: config.etcd_lease_ttl_s,
                     record: member_record(&shared),
+                    tls: etcd_tls,
                 },
                 on_change,
             );
