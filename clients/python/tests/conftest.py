@@ -266,35 +266,62 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 class EtcdServer:
     """A real etcd on loopback with its data in ``dir`` (fails under CI=true
-    where etcd is missing, else skips)."""
+    where etcd is missing, else skips). ``tls``: serving https at
+    ``https://localhost:PORT`` and asking clients for a certificate of the CA
+    made in ``dir/tls`` by ``kvrail certs`` (``localhost`` for etcd, and
+    ``client`` for its clients)."""
 
-    def __init__(self, dir: Path) -> None:
+    def __init__(self, dir: Path, tls: bool = False) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             if os.environ.get("CI") == "true":
                 pytest.fail("etcd is not installed (quickstart installs etcd-server)")
             pytest.skip("etcd is not installed (apt install etcd-server)")
         client, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{client}"
+        listen = f"http://127.0.0.1:{client}"
+        self.url = listen
+        self.tls_dir: Path | None = None
+        extra: list[str] = []
+        if tls:
+            self.tls_dir = dir / "tls"
+            subprocess.run([str(kvrail_bin()), "certs", "init", "--dir", str(self.tls_dir)], check=True)
+            subprocess.run(
+                [str(kvrail_bin()), "certs", "node", "--dir", str(self.tls_dir), "localhost", "client"], check=True
+            )
+            listen = f"https://127.0.0.1:{client}"
+            self.url = f"https://localhost:{client}"
+            extra = [
+                "--cert-file", str(self.tls_dir / "localhost.pem"),
+                "--key-file", str(self.tls_dir / "localhost.key"),
+                "--trusted-ca-file", str(self.tls_dir / "ca.pem"),
+                "--client-cert-auth",
+            ]
         self.log = open(dir / "etcd.log", "w")
         self.proc = subprocess.Popen(
             [
                 binary,
                 "--name", "t",
                 "--data-dir", str(dir / "etcd-data"),
-                "--listen-client-urls", self.url,
+                "--listen-client-urls", listen,
                 "--advertise-client-urls", self.url,
                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                 "--initial-cluster", f"t=http://127.0.0.1:{peer}",
+                *extra,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+        context = None
+        if self.tls_dir is not None:
+            import ssl
+
+            context = ssl.create_default_context(cafile=str(self.tls_dir / "ca.pem"))
+            context.load_cert_chain(str(self.tls_dir / "client.pem"), str(self.tls_dir / "client.key"))
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=context) as r:
                     if json.load(r).get("health") == "true":
                         break
             except OSError:
@@ -302,6 +329,16 @@ class EtcdServer:
             assert self.proc.poll() is None, (dir / "etcd.log").read_text()
             assert time.monotonic() < deadline, "etcd did not start"
             time.sleep(0.05)
+
+    def client_files(self) -> dict[str, str]:
+        """The TLS files a client of this etcd is given (none without TLS)."""
+        if self.tls_dir is None:
+            return {}
+        return {
+            "ca": str(self.tls_dir / "ca.pem"),
+            "cert": str(self.tls_dir / "client.pem"),
+            "key": str(self.tls_dir / "client.key"),
+        }
 
     def stop(self) -> None:
         self.proc.kill()

@@ -324,3 +324,36 @@ def test_a_decode_engine_that_fails_mid_request_hands_it_to_another(cluster) -> 
         router.shutdown()
         router.server_close()
         directory.close()
+
+
+def test_engines_and_the_router_over_tls_etcd(tmp_path: Path) -> None:
+    server = EtcdServer(tmp_path, tls=True)
+    files = server.client_files()
+    try:
+        etcd = Etcd(server.url, **files)
+        engines = [FakeEngine("p0", "prefill"), FakeEngine("d0", "decode")]
+        regs = [EngineRegistration(etcd, PREFIX, e.record(), ttl_s=10) for e in engines]
+        router, directory = start_router(etcd, "round_robin")
+        try:
+            assert wait_for(directory, lambda es: len(es) == 2, 10)
+            assert complete(router, "over tls")["choices"][0]["text"] == "d0"
+        finally:
+            router.shutdown()
+            router.server_close()
+            directory.close()
+            for r in regs:
+                r.close()
+            for e in engines:
+                e.close()
+        # Without a client certificate etcd refuses; without its CA, the
+        # client refuses etcd; plain http to a TLS etcd gets nowhere.
+        with pytest.raises(EtcdError, match="no etcd endpoint answered"):
+            Etcd(server.url, ca=files["ca"]).get_prefix(PREFIX)
+        with pytest.raises(EtcdError, match="need etcd's CA"):
+            Etcd(server.url)
+        with pytest.raises(EtcdError, match="no etcd endpoint answered"):
+            Etcd(server.url.replace("https", "http")).get_prefix(PREFIX)
+        with pytest.raises(EtcdError, match="needs its key"):
+            Etcd(server.url, ca=files["ca"], cert=files["cert"])
+    finally:
+        server.stop()

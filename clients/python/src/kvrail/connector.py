@@ -685,8 +685,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
 
     def _register_engine(self, extra: dict[str, Any], kv_role: str | None) -> Any:
         """Registers this engine in etcd for routers to find (``etcd``,
-        ``engine_url``, optionally ``etcd_prefix`` and ``etcd_lease_ttl_s``
-        in the extra config); None without ``etcd``."""
+        ``engine_url``, optionally ``etcd_prefix``, ``etcd_lease_ttl_s`` and
+        for https ``etcd_ca``, ``etcd_cert``, ``etcd_key`` in the extra
+        config); None without ``etcd``."""
         endpoints = extra.get("etcd")
         if not endpoints:
             return None
@@ -707,7 +708,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             model=self.model_id or str(getattr(getattr(self._vllm_config, "model_config", None), "model", "") or ""),
         )
         try:
-            etcd = Etcd(endpoints if isinstance(endpoints, (str, list)) else str(endpoints))
+            etcd = Etcd(
+                endpoints if isinstance(endpoints, (str, list)) else str(endpoints),
+                ca=extra.get("etcd_ca"),
+                cert=extra.get("etcd_cert"),
+                key=extra.get("etcd_key"),
+            )
         except EtcdError as e:
             raise KvrailError(f"kv_connector_extra_config 'etcd': {e}") from None
         registration = EngineRegistration(

@@ -1,7 +1,9 @@
 """A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client
 URL, served by etcd 3.4 and later), standard library only: leases, puts,
-deletes, prefix reads and prefix watches. Enough for engines to register
-themselves and for the router to follow them; no transactions, no auth.
+deletes, prefix reads and prefix watches, over ``http://`` or ``https://``
+(etcd's CA, and a client certificate when etcd asks for one). Enough for
+engines to register themselves and for the router to follow them; no
+transactions, no user/password auth.
 
 Keys and values are ``str`` here and base64 on the wire, as the gateway
 wants; revisions and lease ids are ints here and decimal strings there.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import ssl
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -53,19 +56,45 @@ class WatchEvent:
 class Etcd:
     """Talks to the first of ``endpoints`` (``http://host:port``) that answers."""
 
-    def __init__(self, endpoints: list[str] | str, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: list[str] | str,
+        timeout: float = 5.0,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        """``ca``: etcd's CA certificate (PEM), needed for ``https://``
+        endpoints; ``cert`` and ``key``: the client certificate shown to an
+        etcd that asks for one."""
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
             raise EtcdError("no etcd endpoint given")
         self.endpoints = [e.rstrip("/") for e in endpoints]
-        for e in self.endpoints:
-            if urllib.parse.urlsplit(e).scheme != "http":
-                raise EtcdError(f"etcd endpoint {e!r}: only http:// URLs are supported here")
+        schemes = {urllib.parse.urlsplit(e).scheme for e in self.endpoints}
+        if not schemes <= {"http", "https"} or len(schemes) != 1:
+            raise EtcdError(f"etcd endpoints {self.endpoints}: all http:// or all https://")
+        if (cert is None) != (key is None):
+            raise EtcdError("an etcd client certificate needs its key (and the key its certificate)")
+        self.tls: ssl.SSLContext | None = None
+        if schemes == {"https"}:
+            if ca is None:
+                raise EtcdError("https:// etcd endpoints need etcd's CA certificate (etcd_ca)")
+            try:
+                self.tls = ssl.create_default_context(cafile=ca)
+                if cert is not None:
+                    self.tls.load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as e:
+                raise EtcdError(f"etcd TLS files: {e}") from None
+        elif ca is not None or cert is not None:
+            raise EtcdError("etcd_ca and etcd_cert are for https:// endpoints; these are http://")
         self.timeout = timeout
 
     def _connection(self, endpoint: str, timeout: float | None) -> http.client.HTTPConnection:
         u = urllib.parse.urlsplit(endpoint)
+        if self.tls is not None:
+            return http.client.HTTPSConnection(u.hostname or "localhost", u.port or 2379, timeout=timeout, context=self.tls)
         return http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 2379, timeout=timeout)
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -477,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", action="append", default=[], help="decode server URL, e.g. http://127.0.0.1:8200 (repeatable)")
     p.add_argument("--etcd", help="etcd endpoints (http://HOST:PORT, comma separated): follow the engines registered there")
     p.add_argument("--etcd-prefix", default="/kvrail/default", help="cluster prefix in etcd (default /kvrail/default)")
+    p.add_argument("--etcd-ca", help="https:// etcd: the CA certificate (PEM) that signed etcd's")
+    p.add_argument("--etcd-cert", help="client certificate (PEM) to show etcd (with --etcd-key)")
+    p.add_argument("--etcd-key", help="key (PEM) of --etcd-cert")
     p.add_argument("--policy", choices=POLICIES, default="round_robin", help="how engines are picked (default round_robin)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call (default 600)")
     p.add_argument("--mode", choices=("pull", "push"), default="pull", help="as the engines' connectors (default pull)")
@@ -503,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvrail.etcd import Etcd, EtcdError
 
         try:
-            etcd = Etcd(args.etcd)
+            etcd = Etcd(args.etcd, ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key)
         except EtcdError as e:
             p.error(str(e))
         pools = Pools(args.policy)
