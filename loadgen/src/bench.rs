@@ -1121,7 +1121,9 @@ async fn run_at(args: BenchArgs) -> anyhow::Result<()> {
             );
             (cluster, devices)
         } else {
-            let opts = args.cluster_options(&[transport]);
+            let mut opts = args.cluster_options(&[transport]);
+            // QUIC: how connections spread over the receiving sockets.
+            opts.metrics |= transport == "quic";
             eprintln!(
                 "kvrail bench: 2 sidecars on loopback, {transport}, {} connections, slices of {}, window {}",
                 args.connections,
@@ -1385,6 +1387,51 @@ fn rdma_counters(bench: &mut Bench) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How many QUIC connections each receiving socket of each sidecar's
+/// listener carries (the kernel spreads them by address hash: two on one
+/// socket share its endpoint's one driver task).
+fn quic_socket_loads(bench: &mut Bench) -> anyhow::Result<()> {
+    let gauge = kvrail_sidecar::metrics::QUIC_SOCKET_CONNECTIONS;
+    for side in ["prefill", "decode"] {
+        let s = if side == "prefill" {
+            &bench.cluster.prefill
+        } else {
+            &bench.cluster.decode
+        };
+        let text = bench.cluster.scrape(s)?;
+        let mut loads: Vec<(usize, u64)> = text
+            .lines()
+            .filter(|l| l.starts_with(gauge) && l[gauge.len()..].starts_with('{'))
+            .filter_map(|l| {
+                let socket = l
+                    .split("socket=\"")
+                    .nth(1)?
+                    .split('"')
+                    .next()?
+                    .parse()
+                    .ok()?;
+                let n = l.rsplit(' ').next()?.parse::<f64>().ok()? as u64;
+                Some((socket, n))
+            })
+            .collect();
+        loads.sort_unstable();
+        let per_socket: Vec<u64> = loads.iter().map(|&(_, n)| n).collect();
+        let connections: u64 = per_socket.iter().sum();
+        let used = per_socket.iter().filter(|&&n| n > 0).count();
+        let busiest = per_socket.iter().copied().max().unwrap_or(0);
+        let v = json!({"bench": "quic_sockets", "transport": "quic", "sidecar": side,
+            "connections": connections, "sockets": per_socket.len(), "sockets_used": used,
+            "busiest_socket": busiest, "per_socket": per_socket});
+        eprintln!(
+            "quic sockets ({side}): {connections} connections over {used} of {} receiving sockets, at most {busiest} on one",
+            per_socket.len()
+        );
+        println!("{v}");
+        bench.results.push(v);
+    }
+    Ok(())
+}
+
 /// What QUIC costs here before kvrail adds anything: the packet cipher per byte
 /// and raw quinn with kvrail's settings, identities and connection count.
 async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
@@ -1588,6 +1635,9 @@ async fn run_parts(
                 }
                 bench.report(point, json!({}));
             }
+        }
+        if bench.transport == "quic" {
+            quic_socket_loads(bench)?;
         }
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);

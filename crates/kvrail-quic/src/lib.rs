@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -410,16 +410,23 @@ impl Transport for QuicTransport {
         };
         let (tx, rx) = mpsc::channel(64);
         let admission = HandshakeAdmission::new(self.settings.peer_addresses.iter().copied());
-        for endpoint in &endpoints {
+        let loads: Arc<Vec<AtomicUsize>> =
+            Arc::new(endpoints.iter().map(|_| AtomicUsize::new(0)).collect());
+        for (socket, endpoint) in endpoints.iter().enumerate() {
             tokio::spawn(accept_incoming(
                 endpoint.clone(),
                 tx.clone(),
                 admission.clone(),
+                SocketSlot {
+                    loads: loads.clone(),
+                    socket,
+                },
             ));
         }
         Ok(Box::new(QuicListener {
             rx,
             local,
+            loads,
             _endpoints: endpoints,
         }))
     }
@@ -536,10 +543,31 @@ fn log_refusal(why: &str) {
 /// concurrently, so one slow or hostile client holds up no other; hands
 /// established connections over, and TLS refusals while the acceptor has room
 /// for them (the rest are logged here, rate-limited, never queued).
+/// Which receiving socket of a listener an endpoint reads, and the count of
+/// connections each socket carries.
+#[derive(Clone)]
+struct SocketSlot {
+    loads: Arc<Vec<AtomicUsize>>,
+    socket: usize,
+}
+
+impl SocketSlot {
+    /// Counts `conn` on this socket until it closes.
+    fn carry(&self, conn: &quinn::Connection) {
+        self.loads[self.socket].fetch_add(1, Ordering::Relaxed);
+        let (slot, conn) = (self.clone(), conn.clone());
+        tokio::spawn(async move {
+            conn.closed().await;
+            slot.loads[slot.socket].fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
 async fn accept_incoming(
     endpoint: quinn::Endpoint,
     tx: mpsc::Sender<io::Result<(Connection, SocketAddr)>>,
     admission: Arc<HandshakeAdmission>,
+    slot: SocketSlot,
 ) {
     while let Some(incoming) = endpoint.accept().await {
         if !incoming.remote_address_validated() {
@@ -558,6 +586,7 @@ async fn accept_incoming(
             continue;
         };
         let tx = tx.clone();
+        let slot = slot.clone();
         tokio::spawn(async move {
             let handshake = async {
                 let connecting = incoming.accept()?;
@@ -586,6 +615,7 @@ async fn accept_incoming(
                 }
             };
             drop(permit);
+            slot.carry(&conn);
             // Every stream the dialer opens is one kvrail connection.
             let mut streams = 0u64;
             loop {
@@ -617,6 +647,8 @@ async fn accept_incoming(
 struct QuicListener {
     rx: mpsc::Receiver<io::Result<(Connection, SocketAddr)>>,
     local: SocketAddr,
+    /// QUIC connections per receiving socket (see [`SocketSlot`]).
+    loads: Arc<Vec<AtomicUsize>>,
     // Dropping the listener closes its endpoints.
     _endpoints: Vec<quinn::Endpoint>,
 }
@@ -632,6 +664,13 @@ impl Listener for QuicListener {
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
         Ok(self.local)
+    }
+
+    fn socket_loads(&self) -> Option<kvrail_transport::SocketLoads> {
+        let loads = self.loads.clone();
+        Some(Arc::new(move || {
+            loads.iter().map(|n| n.load(Ordering::Relaxed)).collect()
+        }))
     }
 }
 
@@ -799,6 +838,44 @@ mod tests {
         }
         generate::node(dir, node, Validity::days(1)).unwrap();
         Identity::load(node, &IdentityFiles::in_dir(dir, node)).unwrap()
+    }
+
+    /// A listener on four sockets counts each connection on the socket that
+    /// took it, and forgets it once it closes.
+    #[tokio::test]
+    async fn each_receiving_socket_counts_the_connections_it_carries() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = QuicSettings {
+            receive_sockets: 4,
+            ..QuicSettings::default()
+        };
+        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
+        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let loads = listener.socket_loads().unwrap();
+        assert_eq!(loads(), [0, 0, 0, 0]);
+        let mut dialed = Vec::new();
+        let mut accepted = Vec::new();
+        for _ in 0..6 {
+            let mut c = a.connect(None, addr, "b").await.unwrap();
+            // A stream is opened (and accepted) by its first bytes.
+            c.writer.write_control(b"hi").await.unwrap();
+            accepted.push(listener.accept().await.unwrap().0);
+            dialed.push(c);
+        }
+        assert_eq!(loads().iter().sum::<usize>(), 6, "{:?}", loads());
+        drop(dialed);
+        drop(accepted);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while loads().iter().sum::<usize>() != 0 {
+            assert!(Instant::now() < deadline, "still counted: {:?}", loads());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // TCP-like transports with a socket per connection report nothing.
+        let tcp = kvrail_transport::tcp::TcpTransport;
+        let l = tcp.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        assert!(l.socket_loads().is_none());
     }
 
     #[tokio::test]

@@ -89,6 +89,9 @@ pub struct Shared {
     pub busy_poll: Arc<BusyPoll>,
     /// etcd membership, when `etcd_endpoints` are configured.
     pub membership: std::sync::OnceLock<Arc<crate::membership::Membership>>,
+    /// Per QUIC listener (by its address): connections each of its
+    /// receiving sockets carries, reported as a gauge.
+    pub socket_loads: std::sync::Mutex<Vec<(String, kvrail_transport::SocketLoads)>>,
 }
 
 /// Why blocks cannot be released.

@@ -54,6 +54,7 @@ pub const RINGS_CLOSED: &str = "kvrail_rings_closed_total";
 /// (`transfer_state`, `notifications_retained`, `notifications_queued`).
 pub const HELD_BYTES: &str = "kvrail_held_bytes";
 pub const PROCESS_STALLS: &str = "kvrail_process_stalls_total";
+pub const QUIC_SOCKET_CONNECTIONS: &str = "kvrail_quic_socket_connections";
 pub const PROCESS_STALL_SECONDS: &str = "kvrail_process_stall_seconds";
 
 /// Label value of a transfer kind.
@@ -110,6 +111,10 @@ fn describe() {
         "Submissions read from worker rings, by outcome"
     );
     describe_counter!(RINGS_CLOSED, "Worker rings closed, by reason");
+    describe_gauge!(
+        QUIC_SOCKET_CONNECTIONS,
+        "QUIC connections each receiving socket of a listener carries (by listen address and socket; the kernel spreads connections over a listener's sockets by address hash)"
+    );
     describe_counter!(
         PROCESS_STALLS,
         "Times this process did not run for 0.5 s or more (CPU starvation, memory reclaim, a stop)"

@@ -110,6 +110,7 @@ impl Daemon {
             next_transfer: AtomicU64::new((incarnation & 0xffff_ffff) << 32),
             busy_poll: BusyPoll::new(config.runtime_busy_poll(), config.reader_spin()),
             membership: std::sync::OnceLock::new(),
+            socket_loads: std::sync::Mutex::default(),
         });
         if let Some(addr) = config.metrics_addr {
             m::install(addr).await?;
@@ -128,6 +129,11 @@ impl Daemon {
                         anyhow::anyhow!("cannot listen on {at} ({}): {e}", transport.name())
                     })?;
                     bound.get_or_insert(listener.local_addr()?);
+                    if let (Some(loads), Ok(mut all)) =
+                        (listener.socket_loads(), shared.socket_loads.lock())
+                    {
+                        all.push((listener.local_addr()?.to_string(), loads));
+                    }
                     tasks.push(tokio::spawn(accept_loop(
                         shared.clone(),
                         transport.name(),
@@ -261,6 +267,14 @@ async fn report_held_bytes(shared: std::sync::Weak<Shared>) {
             ("notifications_queued", queued as u64),
         ] {
             metrics::gauge!(m::HELD_BYTES, "kind" => kind).set(bytes as f64);
+        }
+        if let Ok(all) = shared.socket_loads.lock() {
+            for (listen, loads) in all.iter() {
+                for (socket, n) in loads().into_iter().enumerate() {
+                    metrics::gauge!(m::QUIC_SOCKET_CONNECTIONS, "listen" => listen.clone(), "socket" => socket.to_string())
+                        .set(n as f64);
+                }
+            }
         }
         let held = transfers + retained as u64 + queued as u64;
         high = high.max(held);

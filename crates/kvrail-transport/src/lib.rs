@@ -46,10 +46,19 @@ pub trait Transport: Send + Sync + 'static {
 }
 
 /// Accepting side of a transport.
+/// How many connections each receiving socket of a listener carries now (a
+/// QUIC listener's sockets share one port and the kernel spreads
+/// connections over them by address hash); callable at any time.
+pub type SocketLoads = std::sync::Arc<dyn Fn() -> Vec<usize> + Send + Sync>;
+
 #[async_trait]
 pub trait Listener: Send {
     async fn accept(&mut self) -> io::Result<(Connection, SocketAddr)>;
     fn local_addr(&self) -> io::Result<SocketAddr>;
+    /// See [`SocketLoads`]; None where each connection has its own socket.
+    fn socket_loads(&self) -> Option<SocketLoads> {
+        None
+    }
 }
 
 /// One connection, split so that reading and writing run concurrently.
