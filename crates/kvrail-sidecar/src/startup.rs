@@ -270,10 +270,7 @@ async fn report_held_bytes(shared: std::sync::Weak<Shared>) {
         }
         if let Ok(all) = shared.socket_loads.lock() {
             for (listen, loads) in all.iter() {
-                for (socket, n) in loads().into_iter().enumerate() {
-                    metrics::gauge!(m::QUIC_SOCKET_CONNECTIONS, "listen" => listen.clone(), "socket" => socket.to_string())
-                        .set(n as f64);
-                }
+                publish_socket_loads(listen, loads);
             }
         }
         let held = transfers + retained as u64 + queued as u64;
@@ -303,11 +300,23 @@ const STALLED_HANDSHAKE_AGE: Duration = Duration::from_millis(250);
 /// but it is read only when its task runs.
 const SILENT_HANDSHAKE_AGE: Duration = Duration::from_millis(20);
 
+/// Sets the per-socket connection gauge of the listener at `listen`.
+fn publish_socket_loads(listen: &str, loads: &kvrail_transport::SocketLoads) {
+    for (socket, n) in loads().into_iter().enumerate() {
+        metrics::gauge!(m::QUIC_SOCKET_CONNECTIONS, "listen" => listen.to_string(), "socket" => socket.to_string())
+            .set(n as f64);
+    }
+}
+
 async fn accept_loop(
     shared: Arc<Shared>,
     transport: &'static str,
     mut listener: Box<dyn Listener>,
 ) {
+    // Published at each accept (closes are caught by the 1 s report).
+    let loads = listener
+        .socket_loads()
+        .zip(listener.local_addr().ok().map(|a| a.to_string()));
     // Handshakes in progress at once, per listener: each holds at most one
     // bounded handshake frame, so pre-authentication memory is bounded too.
     // When all are taken, the oldest that has not sent a frame within
@@ -326,6 +335,9 @@ async fn accept_loop(
     loop {
         match listener.accept().await {
             Ok((conn, from)) => {
+                if let Some((loads, listen)) = &loads {
+                    publish_socket_loads(listen, loads);
+                }
                 let Some(permit) = admission.admit(from.ip(), std::time::Instant::now()) else {
                     metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "rate_limited")
                         .increment(1);
