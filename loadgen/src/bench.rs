@@ -385,6 +385,8 @@ impl Bench {
         });
         if let Some(c) = p.cpu {
             v["sidecar_cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
+            v["sidecar_cpu_ns_per_byte_each"] =
+                json!([round3(c.each_ns_per_byte[0]), round3(c.each_ns_per_byte[1])]);
             v["machine_busy"] = json!(round3(c.machine_busy));
             v["udp_rcvbuf_errors"] = json!(c.net.udp_rcvbuf_errors);
             v["udp_sndbuf_errors"] = json!(c.net.udp_sndbuf_errors);

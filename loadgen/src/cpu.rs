@@ -11,6 +11,8 @@ const TICKS_PER_S: f64 = 100.0;
 pub struct CpuSample {
     /// utime + stime of the watched processes, all threads.
     process_ticks: u64,
+    /// The same, per watched process (in the order given).
+    each_ticks: [u64; MAX_EACH],
     /// Busy and all ticks of the machine, summed over its cores.
     machine_busy_ticks: u64,
     machine_ticks: u64,
@@ -80,11 +82,17 @@ impl NetCounters {
     }
 }
 
+/// Processes whose CPU time is also kept one by one (the two sidecars).
+const MAX_EACH: usize = 2;
+
 /// CPU spent between two samples.
 #[derive(Debug, Clone, Copy)]
 pub struct CpuUse {
     /// The watched processes' CPU time per byte moved, in nanoseconds.
     pub ns_per_byte: f64,
+    /// The same for each of the first two watched processes (the sending
+    /// and the receiving sidecar of a push).
+    pub each_ns_per_byte: [f64; MAX_EACH],
     /// Fraction of all the machine's cores that were busy.
     pub machine_busy: f64,
     /// Drops and resends meanwhile.
@@ -94,7 +102,8 @@ pub struct CpuUse {
 /// The counters now, or `None` where /proc cannot tell (then nothing is reported).
 pub fn sample(pids: &[u32]) -> Option<CpuSample> {
     let mut process_ticks = 0;
-    for pid in pids {
+    let mut each_ticks = [0; MAX_EACH];
+    for (i, pid) in pids.iter().enumerate() {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
         // Fields after the command name, which is in parentheses and may hold spaces.
         let rest = stat.get(stat.rfind(')')? + 2..)?;
@@ -103,6 +112,9 @@ pub fn sample(pids: &[u32]) -> Option<CpuSample> {
         let utime: u64 = fields.get(11)?.parse().ok()?;
         let stime: u64 = fields.get(12)?.parse().ok()?;
         process_ticks += utime + stime;
+        if let Some(each) = each_ticks.get_mut(i) {
+            *each = utime + stime;
+        }
     }
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
@@ -115,6 +127,7 @@ pub fn sample(pids: &[u32]) -> Option<CpuSample> {
     let idle = ticks.get(3)? + ticks.get(4)?;
     Some(CpuSample {
         process_ticks,
+        each_ticks,
         machine_busy_ticks: machine_ticks - idle,
         machine_ticks,
         net: NetCounters::read().unwrap_or_default(),
@@ -157,8 +170,14 @@ impl CpuSample {
         if bytes == 0 || all == 0 {
             return None;
         }
+        let per_byte = |ticks: u64| ticks as f64 / TICKS_PER_S * 1e9 / bytes as f64;
+        let mut each_ns_per_byte = [0.0; MAX_EACH];
+        for (i, e) in each_ns_per_byte.iter_mut().enumerate() {
+            *e = per_byte(self.each_ticks[i].saturating_sub(earlier.each_ticks[i]));
+        }
         Some(CpuUse {
-            ns_per_byte: process as f64 / TICKS_PER_S * 1e9 / bytes as f64,
+            ns_per_byte: per_byte(process),
+            each_ns_per_byte,
             machine_busy: busy as f64 / all as f64,
             net: self.net.since(&earlier.net),
         })
