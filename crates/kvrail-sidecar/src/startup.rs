@@ -42,6 +42,7 @@ impl Daemon {
     /// Binds every listener and the API socket, then serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Daemon> {
         config.validate()?;
+        kvrail_shm::keep_heap_pages();
         // A worker that shrinks its file must not be able to kill the daemon.
         if let Err(e) = kvrail_shm::guard::install() {
             warn!("cannot install the SIGBUS guard (a truncated region file would kill the daemon): {e}");
