@@ -115,6 +115,27 @@ fn bench_prints_one_json_result_per_measurement() {
     let (ring_lines, points): (Vec<_>, Vec<_>) = points
         .into_iter()
         .partition(|v| v["bench"] == "latency_path" || v["bench"] == "layerwise");
+    // After its QUIC points, how each sidecar's connections fall on its
+    // receiving sockets: the pushes' receiver carries the connections.
+    let (sockets, points): (Vec<_>, Vec<_>) = points
+        .into_iter()
+        .partition(|v| v["bench"] == "quic_sockets");
+    let receiver = sockets
+        .iter()
+        .find(|v| v["sidecar"] == "decode")
+        .unwrap_or_else(|| panic!("no quic_sockets line for the decode sidecar: {sockets:?}"));
+    let per_socket: Vec<u64> = receiver["per_socket"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect();
+    assert!(receiver["connections"].as_u64().unwrap() >= 1, "{receiver}");
+    assert_eq!(
+        per_socket.iter().sum::<u64>(),
+        receiver["connections"].as_u64().unwrap(),
+        "{receiver}"
+    );
     for transport in ["tcp", "quic"] {
         for path in ["grpc", "ring"] {
             for bytes in [4096u64, 65536, 1 << 20] {
