@@ -53,6 +53,8 @@ class FakeEngine(ThreadingHTTPServer):
         self.hold.set()
         #: Decode: cut every call without answering (an engine dying mid-request).
         self.broken = False
+        #: Decode: answer every call as aborted (an engine shutting down).
+        self.aborting = False
         self.entered = threading.Semaphore(0)
         super().__init__(("127.0.0.1", 0), _EngineHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -91,6 +93,15 @@ class _EngineHandler(BaseHTTPRequestHandler):
             if e.broken:
                 self.close_connection = True
                 self.connection.shutdown(2)
+                return
+            if e.aborting:
+                # What vLLM answers for the requests it holds as it shuts down.
+                data = json.dumps({"choices": [{"text": "", "finish_reason": "abort"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
                 return
             e.entered.release()
             e.hold.wait(30)
@@ -357,3 +368,18 @@ def test_engines_and_the_router_over_tls_etcd(tmp_path: Path) -> None:
             Etcd(server.url, ca=files["ca"], cert=files["cert"])
     finally:
         server.stop()
+
+
+def test_a_decode_engine_that_aborts_as_it_shuts_down_hands_the_request_over(cluster) -> None:
+    etcd, engines, _ = cluster
+    router, directory = start_router(etcd, "round_robin")
+    try:
+        assert wait_for(directory, lambda es: len(es) == 5, 10)
+        engines[2].aborting = True  # d0 answers 200 with finish_reason "abort"
+        served = [complete(router, f"p {i}")["choices"][0]["text"] for i in range(6)]
+        assert "" not in served and "d0" not in served and len(served) == 6
+        assert len(engines[2].calls) >= 1
+    finally:
+        router.shutdown()
+        router.server_close()
+        directory.close()

@@ -400,6 +400,23 @@ class _Handler(BaseHTTPRequestHandler):
             if watch.gone:
                 return None
             return f"unreachable or cut: {e}"
+        if not decode_body.get("stream"):
+            # A whole answer: one that the engine aborted (vLLM answers the
+            # requests it holds when it shuts down with finish_reason
+            # "abort" and no text) is not relayed; another engine takes it.
+            with upstream:
+                try:
+                    data = upstream.read()
+                except (OSError, http.client.HTTPException) as e:
+                    return f"cut while answering: {e}"
+            if _aborted(data):
+                return "aborted the request (finish_reason abort: shutting down?)"
+            self.send_response(upstream.status)
+            self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return None
         with upstream:
             self.send_response(upstream.status)
             self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
@@ -414,6 +431,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
         return None
+
+
+def _aborted(data: bytes) -> bool:
+    """Whether a completion reply says the engine aborted every choice."""
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        return False
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    return (
+        isinstance(choices, list)
+        and len(choices) > 0
+        and all(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+    )
 
 
 class Router(ThreadingHTTPServer):
