@@ -25,6 +25,18 @@ pub struct SidecarProcess {
     log: PathBuf,
 }
 
+/// Runs a sidecar's command line, its stderr into `log`, `RUST_LOG` warn
+/// unless set.
+fn launch(mut cmd: Command, log: std::fs::File) -> std::io::Result<Child> {
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+    )
+    .stdout(Stdio::null())
+    .stderr(log)
+    .spawn()
+}
+
 impl SidecarProcess {
     /// Runs `cmd` (a sidecar's full command line, `--socket socket` among
     /// it), its stderr into `log` (at `log_path`), `RUST_LOG` warn unless set.
@@ -32,21 +44,13 @@ impl SidecarProcess {
         node: &str,
         socket: PathBuf,
         metrics: Option<SocketAddr>,
-        mut cmd: Command,
+        cmd: Command,
         log: std::fs::File,
         log_path: PathBuf,
     ) -> anyhow::Result<SidecarProcess> {
         let program = cmd.get_program().to_os_string();
         let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
-        let child = cmd
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("start a sidecar process")?;
+        let child = launch(cmd, log).context("start a sidecar process")?;
         Ok(SidecarProcess {
             node: node.into(),
             socket,
@@ -90,16 +94,9 @@ impl SidecarProcess {
             .create(true)
             .append(true)
             .open(&self.log)?;
-        self.child = Command::new(&self.program)
-            .args(&self.args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("restart a sidecar process")?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args);
+        self.child = launch(cmd, log).context("restart a sidecar process")?;
         Ok(())
     }
 

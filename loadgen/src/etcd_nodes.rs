@@ -72,8 +72,9 @@ impl Drop for EtcdProcess {
     }
 }
 
-/// Whether etcd on loopback `port` answers `GET /health` with health true.
-fn healthy(port: u16) -> bool {
+/// Whether etcd on loopback `port` answers `GET /health` (plain http) with
+/// health true.
+pub fn healthy(port: u16) -> bool {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
         return false;

@@ -34,20 +34,7 @@ impl Etcd {
     /// Starts etcd and waits until it answers; None (after saying why, or
     /// failing under CI) when it is not installed.
     pub fn start(test: &str) -> Option<Etcd> {
-        let Some(_) = etcd_binary() else {
-            skip_or_fail(
-                test,
-                "no etcd binary (apt-get install etcd-server, or ./quickstart deps test)",
-            );
-            return None;
-        };
-        let mut etcd = Etcd {
-            child: None,
-            dir: tempfile::tempdir().expect("tempdir"),
-            client_port: free_port(),
-            peer_port: free_port(),
-            tls: None,
-        };
+        let mut etcd = Self::unstarted(test)?;
         etcd.spawn();
         Some(etcd)
     }
@@ -57,20 +44,7 @@ impl Etcd {
     /// CA and certificates are made in `DIR/tls` (kvrail's generator:
     /// `localhost` for etcd, `etcdctl`, and one per name in `clients`).
     pub fn start_tls(test: &str, clients: &[&str]) -> Option<Etcd> {
-        let mut etcd = Etcd {
-            child: None,
-            dir: tempfile::tempdir().expect("tempdir"),
-            client_port: free_port(),
-            peer_port: free_port(),
-            tls: None,
-        };
-        if etcd_binary().is_none() {
-            skip_or_fail(
-                test,
-                "no etcd binary (apt-get install etcd-server, or ./quickstart deps test)",
-            );
-            return None;
-        }
+        let mut etcd = Self::unstarted(test)?;
         let tls = etcd.dir.path().join("tls");
         let mut names = vec!["localhost", "etcdctl"];
         names.extend(clients);
@@ -79,6 +53,25 @@ impl Etcd {
         etcd.tls = Some(tls);
         etcd.spawn();
         Some(etcd)
+    }
+
+    /// Its folder and ports, not running yet; None (after saying why, or
+    /// failing under CI) when etcd is not installed.
+    fn unstarted(test: &str) -> Option<Etcd> {
+        if etcd_binary().is_none() {
+            skip_or_fail(
+                test,
+                "no etcd binary (apt-get install etcd-server, or ./quickstart deps test)",
+            );
+            return None;
+        }
+        Some(Etcd {
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            client_port: free_port(),
+            peer_port: free_port(),
+            tls: None,
+        })
     }
 
     /// The client URL sidecars are given.
@@ -140,7 +133,6 @@ impl Etcd {
     }
 
     fn healthy(&self) -> bool {
-        use std::io::{Read, Write};
         if self.tls.is_some() {
             return Command::new("etcdctl")
                 .env("ETCDCTL_API", "3")
@@ -149,18 +141,7 @@ impl Etcd {
                 .output()
                 .is_ok_and(|o| o.status.success());
         }
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            .is_err()
-        {
-            return false;
-        }
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body.contains("\"health\":\"true\"")
+        loadgen::etcd_nodes::healthy(self.client_port)
     }
 
     /// A counter or gauge from etcd's Prometheus `/metrics` (0 if absent).

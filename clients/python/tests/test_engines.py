@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
@@ -138,13 +139,20 @@ def cluster(etcd: Etcd) -> Iterator[tuple[Etcd, list[FakeEngine], list[EngineReg
             e.close()
 
 
-def start_router(etcd: Etcd, policy: str) -> tuple[Router, EngineDirectory]:
+@contextmanager
+def routing(etcd: Etcd, policy: str) -> Iterator[tuple[Router, EngineDirectory]]:
+    """A router following the engines in etcd, stopped on the way out."""
     pools = Pools(policy)
     directory = EngineDirectory(etcd, PREFIX)
     follow_etcd(directory, pools, "pull")
     router = Router(("127.0.0.1", 0), [], [], 30.0, pools=pools, push=False)
     threading.Thread(target=router.serve_forever, daemon=True).start()
-    return router, directory
+    try:
+        yield router, directory
+    finally:
+        router.shutdown()
+        router.server_close()
+        directory.close()
 
 
 def test_pools_pick_in_turn_or_by_least_queued_tokens() -> None:
@@ -258,8 +266,7 @@ def test_an_engine_cut_off_from_etcd_registers_again(tmp_path: Path) -> None:
 
 def test_the_router_spreads_requests_over_engines_from_etcd(cluster) -> None:
     etcd, engines, regs = cluster
-    router, directory = start_router(etcd, "round_robin")
-    try:
+    with routing(etcd, "round_robin") as (router, directory):
         assert wait_for(directory, lambda es: len(es) == 5, 10)
         served = [complete(router, f"prompt {i}")["choices"][0]["text"] for i in range(6)]
         assert sorted(served) == ["d0", "d0", "d1", "d1", "d2", "d2"]
@@ -280,17 +287,12 @@ def test_the_router_spreads_requests_over_engines_from_etcd(cluster) -> None:
         c.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode())
         r = c.getresponse()
         assert r.status == 503 and "no decode engine" in json.loads(r.read())["error"]
-    finally:
-        router.shutdown()
-        router.server_close()
-        directory.close()
 
 
 def test_least_loaded_routes_around_an_engine_busy_with_a_long_prompt(cluster) -> None:
     etcd, engines, _ = cluster
     d0 = engines[2]
-    router, directory = start_router(etcd, "least_loaded")
-    try:
+    with routing(etcd, "least_loaded") as (router, directory):
         assert wait_for(directory, lambda es: len(es) == 5, 10)
         d0.hold.clear()  # d0 keeps what it gets
         long = threading.Thread(target=complete, args=(router, "L" * 40_000), daemon=True)
@@ -308,16 +310,11 @@ def test_least_loaded_routes_around_an_engine_busy_with_a_long_prompt(cluster) -
         while router.pools.queued("decode") != {e.url: 0 for e in engines[2:]}:
             assert time.monotonic() < deadline, router.pools.queued("decode")
             time.sleep(0.01)
-    finally:
-        router.shutdown()
-        router.server_close()
-        directory.close()
 
 
 def test_a_decode_engine_that_fails_mid_request_hands_it_to_another(cluster) -> None:
     etcd, engines, _ = cluster
-    router, directory = start_router(etcd, "round_robin")
-    try:
+    with routing(etcd, "round_robin") as (router, directory):
         assert wait_for(directory, lambda es: len(es) == 5, 10)
         engines[2].broken = True  # d0 takes requests and dies on each
         served = [complete(router, f"p {i}")["choices"][0]["text"] for i in range(6)]
@@ -331,10 +328,6 @@ def test_a_decode_engine_that_fails_mid_request_hands_it_to_another(cluster) -> 
         error = json.loads(r.read())["error"]
         # Every decode engine tried once, each named with what it did.
         assert r.status == 502 and error.count("unreachable or cut") == 3, error
-    finally:
-        router.shutdown()
-        router.server_close()
-        directory.close()
 
 
 def test_engines_and_the_router_over_tls_etcd(tmp_path: Path) -> None:
@@ -344,14 +337,11 @@ def test_engines_and_the_router_over_tls_etcd(tmp_path: Path) -> None:
         etcd = Etcd(server.url, **files)
         engines = [FakeEngine("p0", "prefill"), FakeEngine("d0", "decode")]
         regs = [EngineRegistration(etcd, PREFIX, e.record(), ttl_s=10) for e in engines]
-        router, directory = start_router(etcd, "round_robin")
         try:
-            assert wait_for(directory, lambda es: len(es) == 2, 10)
-            assert complete(router, "over tls")["choices"][0]["text"] == "d0"
+            with routing(etcd, "round_robin") as (router, directory):
+                assert wait_for(directory, lambda es: len(es) == 2, 10)
+                assert complete(router, "over tls")["choices"][0]["text"] == "d0"
         finally:
-            router.shutdown()
-            router.server_close()
-            directory.close()
             for r in regs:
                 r.close()
             for e in engines:
@@ -372,14 +362,9 @@ def test_engines_and_the_router_over_tls_etcd(tmp_path: Path) -> None:
 
 def test_a_decode_engine_that_aborts_as_it_shuts_down_hands_the_request_over(cluster) -> None:
     etcd, engines, _ = cluster
-    router, directory = start_router(etcd, "round_robin")
-    try:
+    with routing(etcd, "round_robin") as (router, directory):
         assert wait_for(directory, lambda es: len(es) == 5, 10)
         engines[2].aborting = True  # d0 answers 200 with finish_reason "abort"
         served = [complete(router, f"p {i}")["choices"][0]["text"] for i in range(6)]
         assert "" not in served and "d0" not in served and len(served) == 6
         assert len(engines[2].calls) >= 1
-    finally:
-        router.shutdown()
-        router.server_close()
-        directory.close()
