@@ -15,7 +15,7 @@ import pytest
 
 import kvrail
 from kvrail.connector import KVConnectorRole, KvrailConnector
-from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, vllm_config
+from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, read_blocks, vllm_config
 
 from conftest import Pair
 
@@ -290,6 +290,62 @@ def test_a_failed_read_frees_the_prefill_blocks_before_the_timeout(tmp_path):
         d.finish(req)
     finally:
         pair.stop()
+
+
+def test_a_read_after_the_prefill_freed_its_blocks_is_refused_not_served_stale(pair):
+    """A second decode taking a request over (its first decode engine died
+    after reading) names blocks the prefill has since freed and reused: the
+    read must fail, never land the next request's KV."""
+    p, d = engines(pair, "pull", timeout_s=30)
+    params = p.prefill(Request("req-13", list(range(SHORT)), {"do_remote_decode": True}), seed=6)
+    first = Request("req-13", list(range(SHORT)), dict(params))
+    blocks = d.admit_remote(first)
+    d.run_until(lambda: "req-13" in d.finished_recving)
+    assert mismatched_layers(d.kv, blocks, seed=6) == []
+    d.finish(first)
+    p.run_until(lambda: "req-13" in p.finished_sending)
+    # vLLM gives the freed blocks to the next request (this one takes every
+    # free block, most of those of req-13 among them) and fills them.
+    freed = set(params["remote_block_ids"])
+    p.prefill(Request("req-14", list(range(PROMPT)), {"do_remote_decode": True}), seed=9)
+    assert freed & set(p.held["req-14"])
+    again = Request("req-13-again", list(range(SHORT)), params)
+    blocks = d.admit_remote(again)
+    d.run_until(lambda: "req-13-again" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set(blocks), "a read of freed blocks must fail"
+    reused = params["remote_block_ids"]
+    landed = [l for l in range(LAYERS) if np.array_equal(read_blocks(d.kv, l, blocks), read_blocks(p.kv, l, reused))]
+    assert landed == [], "the next request's KV landed"
+    d.finish(again)
+
+
+def test_a_prefill_without_its_sidecar_tells_the_decode_to_recompute(pair):
+    p, d = engines(pair, "pull", timeout_s=30)
+    pair.prefill.kill()
+    params = p.prefill(Request("req-15", list(range(SHORT)), {"do_remote_decode": True}), seed=3)
+    # Nothing to vouch for the blocks: freed at once, and the decode's load
+    # fails without a pull (recomputed), not after a timeout.
+    assert params is not None and "sidecar" in params["remote_failure"]
+    assert "req-15" not in p.held and len(p.free) == NUM_BLOCKS
+    req = Request("req-15", list(range(SHORT)), params)
+    blocks = d.admit_remote(req)
+    d.step()
+    assert "req-15" in d.finished_recving
+    assert d.worker.get_block_ids_with_load_errors() == set(blocks)
+    d.finish(req)
+
+
+def test_malformed_remote_generations_fail_the_load(pair):
+    p, d = engines(pair, "pull", timeout_s=30)
+    params = p.prefill(Request("req-16", list(range(SHORT)), {"do_remote_decode": True}), seed=3)
+    for bad in ({"1": [1]}, {"1": ["x"] * 40}, {"x": [1] * 40}, {"1": [-1] * 40}):
+        req = Request("req-16", list(range(SHORT)), dict(params, remote_generations=bad))
+        blocks = d.admit_remote(req)
+        d.step()
+        assert "req-16" in d.finished_recving, bad
+        assert d.worker.get_block_ids_with_load_errors() == set(blocks), bad
+        d.finished_recving.clear()
+        d.finish(req)
 
 
 def test_a_restarted_prefill_sidecar_frees_what_it_held_and_serves_the_next(pair):

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -136,7 +136,10 @@ class RemoteBlocks:
     remote_node: str
     remote_regions: RegionTable
     remote_request_id: str
-    #: Push mode: the remote blocks' generations per region id (as text).
+    #: The remote blocks' generations per region id (as text), in the order
+    #: of ``remote_block_ids``: a transfer naming them fails once that side
+    #: released the blocks (freed, to be reused), instead of moving another
+    #: request's KV.
     remote_generations: dict[str, list[int]] = field(default_factory=dict)
     #: Why this load cannot happen (the scheduler could not grant the
     #: blocks): the worker fails it at once. Empty: it can.
@@ -159,8 +162,27 @@ class RemoteBlocks:
             [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
             params["remote_request_id"],
             dict(params.get("remote_generations") or {}),
+            failure=str(params.get("remote_failure") or ""),
             remote_ranks=list(params.get("remote_ranks") or []),
         )
+
+    def window(self, start: int, count: int, local: list[int]) -> "RemoteBlocks":
+        """Only the remote blocks ``[start, start + count)`` (with their
+        generations), loaded into ``local``."""
+        gens = {r: list(g[start : start + count]) for r, g in self.remote_generations.items()}
+        return replace(
+            self, local_block_ids=local, remote_block_ids=self.remote_block_ids[start : start + count], remote_generations=gens
+        )
+
+    def generations_problem(self) -> str:
+        """Why the generations do not fit the block ids ("" when they do)."""
+        n = len(self.remote_block_ids)
+        for region, gens in self.remote_generations.items():
+            if not str(region).isdigit() or not isinstance(gens, list) or len(gens) != n:
+                return f"remote_generations of region {region!r} do not give one generation per block ({n} blocks)"
+            if not all(_uint(g, 64) for g in gens):
+                return f"remote_generations of region {region!r} are not unsigned 64-bit integers"
+        return ""
 
 
 @dataclass
@@ -169,8 +191,8 @@ class KvrailConnectorMetadata(_MetadataBase):  # type: ignore[misc]
 
     load: dict[str, RemoteBlocks] = field(default_factory=dict)
     save: dict[str, RemoteBlocks] = field(default_factory=dict)
-    # Pull mode prefill: requests whose blocks wait to be read, and how many blocks.
-    send: dict[str, int] = field(default_factory=dict)
+    # Pull mode prefill: requests whose blocks wait to be read, and their block ids.
+    send: dict[str, list[int]] = field(default_factory=dict)
     # Requests aborted while their KV was still arriving.
     cancel: set[str] = field(default_factory=set)
 
@@ -819,10 +841,14 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
                 self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid, failure=failure)
             else:
-                remote = list(params["remote_block_ids"])
-                remote = remote[cached:] if cached else remote[max(0, len(remote) - len(local)) :]
-                n = min(len(local), len(remote))
-                self._sched.loading[rid] = RemoteBlocks.from_params(local[:n], remote[:n], params)
+                offered = RemoteBlocks.from_params(local, list(params["remote_block_ids"]), params)
+                remote = offered.remote_block_ids
+                start = cached if cached else max(0, len(remote) - len(local))
+                n = max(0, min(len(local), len(remote) - start))
+                spec = offered.window(start, n, local[:n])
+                if not spec.failure:
+                    spec.failure = offered.generations_problem()
+                self._sched.loading[rid] = spec
             self._sched.new_loads[rid] = self._sched.loading[rid]
             params["do_remote_prefill"] = False  # once
         elif self.mode == "push" and params.get("push_to"):
@@ -1028,16 +1054,31 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             return False, None
         if not params.get("do_remote_decode") or aborted or not block_ids:
             return False, None
-        s.new_sends[rid] = len(block_ids)
-        return True, {
+        ranks = self._rank_tables()
+        out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_node": self.node,
             "remote_regions": self._regions(),
-            "remote_ranks": self._rank_tables(),
+            "remote_ranks": ranks,
             "remote_block_ids": list(block_ids),
             "remote_request_id": rid,
         }
+        every_region = [r for t in ranks for r, _, _ in t["regions"]]
+        try:
+            # The workers release these generations before the blocks are
+            # freed: a decode reading them later (a second decode engine
+            # taking the request over) is refused, never handed the KV of
+            # whichever request vLLM gave the blocks to next.
+            out["remote_generations"] = self._scheduler_call(
+                lambda c: {str(r): c.block_generations(r, block_ids) for r in every_region}
+            )
+        except KvrailError as e:
+            log.error("kvrail: %s: the blocks' generations: %s; the decode side recomputes", rid, e)
+            out["remote_failure"] = f"the prefill engine's sidecar could not vouch for its blocks: {e}"
+            return False, out
+        s.new_sends[rid] = list(block_ids)
+        return True, out
 
     # ------------------------------------------------------------------
     # Worker side
@@ -1239,7 +1280,14 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 out.append(
                     (
                         name,
-                        Blocks(src_region, spec.remote_block_ids, src_layer, count, slice=head_slice),
+                        Blocks(
+                            src_region,
+                            spec.remote_block_ids,
+                            src_layer,
+                            count,
+                            generations=spec.remote_generations.get(str(src_region), ()),
+                            slice=head_slice,
+                        ),
                         Blocks(dst, spec.local_block_ids, dst_layer, count),
                     )
                 )
@@ -1410,8 +1458,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         w = self._work
         if self.has_connector_metadata():
             meta: KvrailConnectorMetadata = self._get_connector_metadata()
-            for rid, nblocks in meta.send.items():
-                w.serve_expected[rid] = nblocks * len(w.layer_names) * w.planes * w.block_bytes
+            for rid, blocks in meta.send.items():
+                w.serve_blocks[rid] = blocks
+                w.serve_expected[rid] = len(blocks) * len(w.layer_names) * w.planes * w.block_bytes
                 w.serve_deadline[rid] = time.monotonic() + self.timeout_s
         now = time.monotonic()
         for rid in finished_req_ids:
@@ -1478,7 +1527,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
 class _SchedulerState:
     loading: dict[str, RemoteBlocks] = field(default_factory=dict)
     new_loads: dict[str, RemoteBlocks] = field(default_factory=dict)
-    new_sends: dict[str, int] = field(default_factory=dict)
+    new_sends: dict[str, list[int]] = field(default_factory=dict)
     new_cancels: set[str] = field(default_factory=set)
     push_targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     # push mode, prefill side: grants by ticket (arrival time, target), and
@@ -1551,6 +1600,9 @@ class _WorkerState:
         # pull mode, prefill side: bytes to be read, give-up time
         self.serve_expected: dict[str, int] = {}
         self.serve_deadline: dict[str, float] = {}
+        #: ... and the blocks, released (their generations moved on) when
+        #: the reads end, before vLLM may reuse them
+        self.serve_blocks: dict[str, list[int]] = {}
         # what the decode side has read of each request so far
         self.reads: dict[str, _Reads] = {}
         # finished requests (as vLLM reported them) -> when
@@ -1601,7 +1653,27 @@ class _WorkerState:
         self.done_sending.update(self.serve_expected)
         self.serve_expected.clear()
         self.serve_deadline.clear()
+        self.serve_blocks.clear()
         self.reads.clear()
+
+    def release_served(self, client: Client | None, rid: str) -> None:
+        """Pull mode, prefill side: the reads of a request's blocks have ended
+        (all served, failed, or given up on). The blocks' generations move on
+        before vLLM may reuse them, so a decode that reads them later (another
+        engine taking the request over, a late or repeated pull) is refused
+        with ``blocks_released`` rather than handed another request's KV."""
+        mine = self.serve_blocks.pop(rid, [])
+        # Blocks vLLM's prefix cache shares with a request still being read
+        # stay at their generation until that one's reads end too.
+        shared = {b for other in self.serve_blocks.values() for b in other}
+        blocks = [b for b in mine if b not in shared]
+        if client is None or not blocks:
+            return  # no sidecar: nobody reads through it; a new one knows no old regions
+        for region, _, _ in self.regions:
+            try:
+                client.release_blocks(region, blocks)
+            except KvrailError as e:
+                log.warning("kvrail: releasing the served blocks of %s: %s", rid, e)
 
     def release_pushed(self, client: Client | None, rid: str) -> None:
         """Push mode, decode side: gives up on a request's pushed layers. The
@@ -1745,6 +1817,7 @@ class _WorkerState:
                     log.warning("kvrail: %s not read within the send timeout; freeing its blocks", rid)
                 del self.serve_expected[rid], self.serve_deadline[rid]
                 self.reads.pop(rid, None)
+                self.release_served(client, rid)
                 self.done_sending.add(rid)
         # vLLM only takes finished sends of requests it has reported finished.
         sending = self.done_sending & self.finished_seen.keys()
