@@ -33,7 +33,7 @@ pub use session::{
     ConnId, Event, LocalTransfer, OneSidedOp, RailChange, RegionAccess, RegionDirectory,
     RemoteSlice, Session, SessionConfig, SliceDisposition, TransferKind, Transmit,
 };
-pub use transfer::TransferState;
+pub use transfer::{InvalidTransition, TransferEvent, TransferState};
 
 #[cfg(test)]
 mod handshake_tests;

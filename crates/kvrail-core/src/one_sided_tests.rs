@@ -19,6 +19,20 @@ struct Side {
     events: Vec<Event>,
 }
 
+impl Drop for Side {
+    /// Every test that drives a session checks its lifecycle: no transition
+    /// the table refuses was attempted.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            assert_eq!(
+                self.session.invalid_transitions(),
+                0,
+                "the session attempted a transition its lifecycle table refuses"
+            );
+        }
+    }
+}
+
 /// A one-sided slice posted by `from` on a queue pair.
 struct Posted {
     from: usize,

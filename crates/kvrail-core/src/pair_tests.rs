@@ -36,6 +36,20 @@ struct Side {
     events: Vec<Event>,
 }
 
+impl Drop for Side {
+    /// Every test that drives a session checks its lifecycle: no transition
+    /// the table refuses was attempted.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            assert_eq!(
+                self.session.invalid_transitions(),
+                0,
+                "the session attempted a transition its lifecycle table refuses"
+            );
+        }
+    }
+}
+
 /// Two endpoints and, per connection and direction, a FIFO "wire".
 struct Pair {
     sides: [Side; 2],

@@ -66,6 +66,20 @@ struct Side {
     events: Vec<(Duration, Event)>,
 }
 
+impl Drop for Side {
+    /// Every test that drives a session checks its lifecycle: no transition
+    /// the table refuses was attempted.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            assert_eq!(
+                self.session.invalid_transitions(),
+                0,
+                "the session attempted a transition its lifecycle table refuses"
+            );
+        }
+    }
+}
+
 /// A connection: its id and whether it is open, on each side (a side that closed
 /// its end over a dead rail leaves the other end open and unaware).
 struct Link {

@@ -23,7 +23,7 @@ use crate::placement::{Admitted, OwnedGate, PlacementGate};
 use crate::plan::{Access, BlockSelection, Plan};
 use crate::rail::{Rail, RailConfig, RailHealth, RailId, RailSignal, RailStats};
 use crate::rangeset::RangeSet;
-use crate::transfer::{TransferEvent, TransferState};
+use crate::transfer::{InvalidTransition, TransferEvent, TransferState};
 use crate::wire::{pb, Body, ErrorCode, PeerMessage, SliceHeader};
 
 /// Index of a connection inside its session.
@@ -295,12 +295,8 @@ struct Transfer {
     /// What it holds in memory ([`crate::budget::transfer_bytes`]), counted
     /// against the session's and the node's budgets while it is open.
     held_bytes: u64,
-    /// Asked for a grant; nothing moves until it (or a refusal) arrives.
-    awaiting_grant: bool,
     /// Granted: this side moves the bytes one-sided.
     remote: Option<RemoteGrant>,
-    /// A pull served by granting: the reader moves the bytes, we wait for Complete.
-    passive: bool,
     // Both: bytes confirmed placed.
     placed: RangeSet,
     // Receiver side: slices being read into memory right now, admitted by the
@@ -308,7 +304,11 @@ struct Transfer {
     placing: u32,
     /// ...or by the transfer's gate, without the session (see `placement`).
     gate: Option<OwnedGate>,
+    /// Why it fails, while it is `Failing` (slices still being placed).
     pending_failure: Option<TransferError>,
+    /// Lifecycle transitions the table refused (a session bug: the state
+    /// stays put, the transfer goes on; counted by the session).
+    invalid_transitions: u32,
 }
 
 impl Transfer {
@@ -336,13 +336,12 @@ impl Transfer {
             pinned_rail: None,
             staged: false,
             held_bytes: 0,
-            awaiting_grant: false,
             remote: None,
-            passive: false,
             placed: RangeSet::default(),
             placing: 0,
             gate: None,
             pending_failure: None,
+            invalid_transitions: 0,
         }
     }
 
@@ -359,12 +358,36 @@ impl Transfer {
         }
     }
 
-    fn advance(&mut self, event: TransferEvent) {
-        // The session only feeds legal events; an illegal one would be a bug, and the
-        // state then stays put rather than taking the daemon down.
-        if let Ok(next) = self.state.on(event) {
-            self.state = next;
+    /// Moves the lifecycle on by `event`. An illegal one is a session bug:
+    /// the error is returned (and counted), and the state stays put rather
+    /// than taking the daemon down.
+    fn advance(&mut self, event: TransferEvent) -> Result<TransferState, InvalidTransition> {
+        match self.state.on(event) {
+            Ok(next) => {
+                self.state = next;
+                Ok(next)
+            }
+            Err(e) => {
+                self.invalid_transitions = self.invalid_transitions.saturating_add(1);
+                Err(e)
+            }
         }
+    }
+
+    /// Asked for a grant; nothing moves until it (or a refusal) arrives.
+    fn awaiting_grant(&self) -> bool {
+        self.state == TransferState::AwaitingGrant
+    }
+
+    /// A pull served by granting: the reader moves the bytes, we wait for Complete.
+    fn passive(&self) -> bool {
+        self.state == TransferState::ServedByGrant
+    }
+
+    /// Fails once the slices being placed have landed (the first reason stays).
+    fn fail_when_placed(&mut self, error: TransferError) {
+        self.pending_failure.get_or_insert(error);
+        let _ = self.advance(TransferEvent::FailWhilePlacing);
     }
 
     /// The completion event of a finished transfer.
@@ -381,12 +404,12 @@ impl Transfer {
 
     /// Whether this side puts the transfer's slices on connections.
     fn schedules(&self) -> bool {
-        if self.awaiting_grant {
+        if self.awaiting_grant() {
             return false;
         }
         match self.kind {
             TransferKind::Push => true,
-            TransferKind::PullServe => !self.passive,
+            TransferKind::PullServe => !self.passive(),
             TransferKind::Pull => self.remote.is_some(),
             TransferKind::PushReceive => false,
         }
@@ -418,6 +441,8 @@ pub struct LocalTransfer {
 #[derive(Debug)]
 pub struct Session {
     config: SessionConfig,
+    /// Lifecycle transitions the table refused, of transfers already ended.
+    invalid_transitions: u64,
     conns: Vec<Conn>,
     rails: Vec<Rail>,
     /// Since when no rail has been able to carry anything.
@@ -520,6 +545,7 @@ impl Session {
             segments_held: 0,
             bytes_held: 0,
             ended_with_open: 0,
+            invalid_transitions: 0,
             control: VecDeque::new(),
             events: VecDeque::new(),
             rejected: RecentIds::default(),
@@ -678,6 +704,18 @@ impl Session {
         self.conns.get(conn).map(|c| c.rail)
     }
 
+    /// Lifecycle transitions the table refused, over every transfer this
+    /// session has had: always 0 unless the session has a bug (the tests
+    /// that drive sessions assert it).
+    pub fn invalid_transitions(&self) -> u64 {
+        self.invalid_transitions
+            + self
+                .transfers
+                .values()
+                .map(|t| u64::from(t.invalid_transitions))
+                .sum::<u64>()
+    }
+
     /// Transfers not yet finished.
     pub fn active_transfers(&self) -> usize {
         self.transfers.len()
@@ -807,6 +845,7 @@ impl Session {
     fn unhold(&mut self, id: u64) -> Option<Transfer> {
         let t = self.transfers.remove(&id)?;
         self.release(&t);
+        self.invalid_transitions += u64::from(t.invalid_transitions);
         // Its open may still wait in the control queue (no live connection
         // took it, the rails are down): such opens go in one pass once they
         // may be half the queue (each pass then pays for the ends that
@@ -866,7 +905,7 @@ impl Session {
         t.staged = req.staged;
         if one_sided {
             // The grant names where to write; two-sided slices announce themselves.
-            t.awaiting_grant = true;
+            let _ = t.advance(TransferEvent::AskedForGrant);
             self.control.push_back((None, open.clone()));
         }
         t.open_msg = Some(open);
@@ -904,7 +943,9 @@ impl Session {
         self.control.push_back((None, open.clone()));
         let mut t = Transfer::new(req.request_id, TransferKind::Pull, req.local, plan, now);
         t.staged = req.staged;
-        t.awaiting_grant = one_sided;
+        if one_sided {
+            let _ = t.advance(TransferEvent::AskedForGrant);
+        }
         t.open_msg = Some(open);
         self.hold(req.transfer_id, t, bytes);
         Ok(total)
@@ -1171,7 +1212,7 @@ impl Session {
         ) else {
             return;
         };
-        let keys = if t.kind == TransferKind::PullServe && !t.passive {
+        let keys = if t.kind == TransferKind::PullServe && !t.passive() {
             Vec::new()
         } else {
             region.keys.clone()
@@ -1202,7 +1243,7 @@ impl Session {
             if t.kind == TransferKind::PullServe
                 && t.request_id == open.request_id
                 && selection_of(open.source.as_ref()) == t.selection
-                && (open.one_sided || !t.passive)
+                && (open.one_sided || !t.passive())
             {
                 // The reader sent its open again, not knowing whether its
                 // connection died before we read the first one: serving
@@ -1212,10 +1253,10 @@ impl Session {
                 }
                 return;
             }
-            if t.kind == TransferKind::PullServe && t.passive && !open.one_sided {
+            if t.kind == TransferKind::PullServe && t.passive() && !open.one_sided {
                 // The reader lost its one-sided paths: send everything after all
                 // (it discards what it already has).
-                t.passive = false;
+                let _ = t.advance(TransferEvent::GrantWithdrawn);
                 t.next_offset = 0;
                 t.resend.clear();
                 t.last_progress = now;
@@ -1252,7 +1293,9 @@ impl Session {
                     return self.reject(conn, id, full.wire_code(), full.to_string());
                 }
                 if open.one_sided {
-                    t.passive = !region.keys.is_empty();
+                    if !region.keys.is_empty() {
+                        let _ = t.advance(TransferEvent::Granted);
+                    }
                     self.control
                         .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
                 }
@@ -1268,10 +1311,10 @@ impl Session {
         let Some(t) = self.transfers.get_mut(&id) else {
             return;
         };
-        if !t.awaiting_grant {
+        if !t.awaiting_grant() {
             return;
         }
-        t.awaiting_grant = false;
+        let _ = t.advance(TransferEvent::GrantAnswered);
         t.open_on = None;
         t.last_progress = now;
         if g.keys.is_empty() {
@@ -1371,7 +1414,7 @@ impl Session {
         };
         if t.kind == TransferKind::Pull {
             t.placing = t.placing.saturating_sub(1);
-            t.advance(TransferEvent::SliceMoved);
+            let _ = t.advance(TransferEvent::SliceMoved);
             if let Some(r) = rail.and_then(|r| self.rails.get_mut(r as usize)) {
                 r.bytes_received += u64::from(len);
             }
@@ -1445,7 +1488,7 @@ impl Session {
             }
             self.rail_signal(rail, RailSignal::Acked, "transfer complete", false, now);
         }
-        t.advance(TransferEvent::AllPlaced);
+        let _ = t.advance(TransferEvent::AllPlaced);
         self.events.push_back(t.into_done(transfer_id));
     }
 
@@ -1581,7 +1624,7 @@ impl Session {
             return;
         }
         t.last_progress = now;
-        t.advance(TransferEvent::SliceMoved);
+        let _ = t.advance(TransferEvent::SliceMoved);
         if let Some(r) = rail.and_then(|r| self.rails.get_mut(r as usize)) {
             r.bytes_received += u64::from(len);
         }
@@ -1754,7 +1797,7 @@ impl Session {
         let Some(mut t) = self.unhold(id) else {
             return;
         };
-        t.advance(TransferEvent::AllPlaced);
+        let _ = t.advance(TransferEvent::AllPlaced);
         self.received.insert(id);
         self.control.push_back((
             reply_on,
@@ -2032,7 +2075,7 @@ impl Session {
     /// sends Complete cannot keep the region pinned forever.
     fn progress_deadline(&self, t: &Transfer, passive: u64) -> Instant {
         let mut allowed = self.config.progress_timeout;
-        if t.passive {
+        if t.passive() {
             allowed += Duration::from_secs(passive / PASSIVE_SERVE_FLOOR_BYTES_PER_SEC);
         }
         t.last_progress + allowed
@@ -2042,7 +2085,7 @@ impl Session {
     fn passive_bytes(&self) -> u64 {
         self.transfers
             .values()
-            .filter(|t| t.passive)
+            .filter(|t| t.passive())
             .map(|t| t.plan.total_bytes())
             .sum()
     }
@@ -2076,7 +2119,8 @@ impl Session {
         };
         t.close_gate();
         if t.placing_now() {
-            t.pending_failure = Some(error);
+            t.pending_failure = None; // this reason, not an earlier one
+            t.fail_when_placed(error);
             return;
         }
         self.finish_failed(id, error);
@@ -2088,14 +2132,14 @@ impl Session {
         };
         t.close_gate();
         if t.placing_now() {
-            t.pending_failure.get_or_insert(error);
+            t.fail_when_placed(error);
             return;
         }
         let Some(mut t) = self.unhold(id) else {
             return;
         };
         self.release_in_flight(&mut t);
-        t.advance(TransferEvent::Abort);
+        let _ = t.advance(TransferEvent::Abort);
         self.events.push_back(Event::Failed {
             transfer_id: id,
             request_id: t.request_id,
@@ -2262,7 +2306,7 @@ impl Session {
                 t.placing += 1;
             }
             t.in_flight.push((conn, off, len, now));
-            t.advance(TransferEvent::SliceMoved);
+            let _ = t.advance(TransferEvent::SliceMoved);
             let region_id = t.selection.region_id;
             self.conns[conn].outstanding += len;
             let r = &mut self.rails[rail as usize];
@@ -2653,4 +2697,45 @@ fn accept_plan(
         return Err((e.wire_code(), e.to_string()));
     }
     Ok((plan, region))
+}
+
+#[cfg(test)]
+mod lifecycle_tests {
+    use super::*;
+
+    #[test]
+    fn an_illegal_transition_is_an_error_the_session_counts() {
+        let layout = RegionLayout::dense(1, 1, 2, 64);
+        let selection = crate::testkit::sel(1, (0, 1), &[0]);
+        let plan = Plan::build(&layout, &selection, Access::Read).expect("plan");
+        let now = Instant::now();
+        let mut t = Transfer::new("r".into(), TransferKind::Push, selection, plan, now);
+        // Nothing moved yet: "every byte placed" is not a way out of Queued.
+        assert_eq!(
+            t.advance(TransferEvent::AllPlaced),
+            Err(InvalidTransition {
+                from: TransferState::Queued,
+                event: TransferEvent::AllPlaced
+            })
+        );
+        assert_eq!(t.state, TransferState::Queued, "the state stays put");
+        assert_eq!(
+            t.advance(TransferEvent::SliceMoved),
+            Ok(TransferState::InFlight)
+        );
+        assert_eq!(t.advance(TransferEvent::AllPlaced), Ok(TransferState::Done));
+        assert!(
+            t.advance(TransferEvent::Abort).is_err(),
+            "nothing leaves Done"
+        );
+        let mut session = Session::new(SessionConfig::default());
+        session.hold(7, t, 0);
+        assert_eq!(session.invalid_transitions(), 2);
+        session.unhold(7);
+        assert_eq!(
+            session.invalid_transitions(),
+            2,
+            "kept once the transfer ended"
+        );
+    }
 }
