@@ -366,7 +366,7 @@ impl Sidecar for Api {
         let region = registering
             .await
             .map_err(|e| Status::internal(format!("registration did not finish: {e}")))??;
-        metrics::gauge!(m::REGIONS_REGISTERED).set(self.shared.registry.len() as f64);
+        m::regions_registered().set(self.shared.registry.len() as f64);
         if let Some(pid) = owner_pid {
             crate::daemon::watch_worker(&self.shared, pid);
         }
@@ -639,7 +639,7 @@ impl Sidecar for Api {
                 }
                 e => Status::invalid_argument(e.to_string()),
             })?;
-        metrics::counter!(m::MESSAGES_SENT).increment(1);
+        m::messages_sent().increment(1);
         Ok(Response::new(SendMessageResponse {}))
     }
 

@@ -218,7 +218,7 @@ impl Shared {
         }
         self.rdma.unregister_region(id);
         self.registry.remove(id);
-        metrics::gauge!(m::REGIONS_REGISTERED).set(self.registry.len() as f64);
+        m::regions_registered().set(self.registry.len() as f64);
         Ok(())
     }
 
@@ -364,8 +364,7 @@ impl Shared {
         why.extend(rdma.iter().cloned());
         info!(peer = %peer.name, transport = chosen, stream = link.transport, reason = %why.join("; "), "transport chosen for peer");
         for t in ["rdma", "quic", "tcp"] {
-            metrics::gauge!(m::PEER_TRANSPORT, "peer" => peer.name.clone(), "transport" => t)
-                .set(if t == chosen { 1.0 } else { 0.0 });
+            m::peer_transport(&peer.name, t).set(if t == chosen { 1.0 } else { 0.0 });
         }
     }
 
@@ -561,7 +560,7 @@ impl Shared {
                         info!(peer = %peer.name, rail, qps = n, "RDMA queue pairs connected");
                         format!("rdma on rail {rail}: {n} queue pairs")
                     }
-                    Err(e) if e.starts_with("peer:") => {
+                    Err(e) if e.declined_by_peer() => {
                         info!(peer = %peer.name, rail, "RDMA not used on this rail, {stream} only: {e}");
                         format!("rail {rail}: {e}")
                     }
@@ -841,7 +840,7 @@ impl Shared {
         // fields were, and a flood of refusals logs a few lines a second.
         let reason: String = reason.chars().take(MAX_REFUSAL_CHARS).collect();
         // Counted before it is logged: whoever reads the log finds the count.
-        metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => label).increment(1);
+        m::handshakes_refused(label).increment(1);
         if let Some(suppressed) = self.refusal_log.admit() {
             warn!(%from, suppressed, "refused peer handshake: {reason}");
         }
@@ -912,14 +911,14 @@ impl Shared {
                 } else {
                     "unknown_worker"
                 };
-                metrics::counter!(m::MESSAGES_RECEIVED, "outcome" => outcome).increment(1);
+                m::messages_received(outcome).increment(1);
                 if !delivered {
                     // Counted above; not logged at warn: a peer could flood the log.
                     debug!(peer, to_worker = %to, "message for a worker that never subscribed here: dropped");
                 }
             }
             Event::MessageDropped(e) => {
-                metrics::counter!(m::MESSAGES_RECEIVED, "outcome" => "refused").increment(1);
+                m::messages_received("refused").increment(1);
                 debug!(peer, "message from the peer refused: {e}");
             }
             Event::Done {
@@ -930,7 +929,7 @@ impl Shared {
                 block_ids,
                 bytes,
             } => {
-                metrics::counter!(m::TRANSFERS_DONE, "kind" => m::kind_label(kind)).increment(1);
+                m::transfers_done(kind).increment(1);
                 let nkind = match kind {
                     TransferKind::Push => NotificationKind::PushDone,
                     TransferKind::PushReceive => NotificationKind::PushReceived,
@@ -946,8 +945,7 @@ impl Shared {
                             return;
                         };
                         let elapsed = rec.started.elapsed();
-                        metrics::histogram!(m::TRANSFER_SECONDS, "kind" => m::kind_label(kind))
-                            .record(elapsed.as_secs_f64());
+                        m::transfer_seconds(kind).record(elapsed.as_secs_f64());
                         if let Some(group) = &rec.group {
                             // The worker hears of the group, once.
                             match self
@@ -1008,7 +1006,7 @@ impl Shared {
                 region_id,
                 error,
             } => {
-                metrics::counter!(m::TRANSFERS_FAILED, "kind" => m::kind_label(kind), "reason" => error.code()).increment(1);
+                m::transfers_failed(kind, error.code()).increment(1);
                 let failure = failure_of(&error);
                 warn!(
                     peer,
@@ -1152,7 +1150,6 @@ impl Shared {
         let cancel = move || {
             for (id, link) in links {
                 link.with_session(|s, now| s.cancel(id, now));
-                link.rearm_timer();
             }
         };
         match tokio::runtime::Handle::try_current() {

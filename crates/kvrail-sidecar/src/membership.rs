@@ -142,7 +142,7 @@ struct Inner {
 impl Inner {
     fn emit(&self, change: Option<Change>) {
         if let Some(change) = change {
-            metrics::counter!(m::MEMBERSHIP_EVENTS, "kind" => change_kind(&change)).increment(1);
+            m::membership_events(change_kind(&change)).increment(1);
             (self.on_change)(change);
         }
     }
@@ -238,7 +238,7 @@ async fn run(inner: Arc<Inner>, mut stop: oneshot::Receiver<oneshot::Sender<()>>
                 return;
             }
         };
-        metrics::gauge!(m::MEMBERSHIP_CONNECTED).set(0.0);
+        m::membership_connected().set(0.0);
         *lock(&inner.client) = None;
         if let Err(e) = ended {
             warn!(
@@ -406,8 +406,8 @@ async fn session(inner: &Inner, retry: &mut Duration) -> Result<(), MembershipEr
     )
     .await?;
     *lock(&inner.client) = Some(client.clone());
-    metrics::gauge!(m::MEMBERSHIP_CONNECTED).set(1.0);
-    metrics::gauge!(m::MEMBERSHIP_PEERS).set(lock(&inner.view).len() as f64);
+    m::membership_connected().set(1.0);
+    m::membership_peers().set(lock(&inner.view).len() as f64);
     info!(
         endpoints = ?config.endpoints,
         prefix = %config.prefix,
@@ -470,6 +470,6 @@ fn on_watch(inner: &Inner, resp: WatchResponse) -> Result<(), MembershipError> {
         let change = lock(&inner.view).apply(store_event);
         inner.emit(change);
     }
-    metrics::gauge!(m::MEMBERSHIP_PEERS).set(lock(&inner.view).len() as f64);
+    m::membership_peers().set(lock(&inner.view).len() as f64);
     Ok(())
 }

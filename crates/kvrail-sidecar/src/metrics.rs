@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 
-use metrics::Counter;
+use metrics::{Counter, Gauge, Histogram};
 
 use kvrail_core::TransferKind;
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -56,6 +56,199 @@ pub const HELD_BYTES: &str = "kvrail_held_bytes";
 pub const PROCESS_STALLS: &str = "kvrail_process_stalls_total";
 pub const QUIC_SOCKET_CONNECTIONS: &str = "kvrail_quic_socket_connections";
 pub const PROCESS_STALL_SECONDS: &str = "kvrail_process_stall_seconds";
+
+// Each metric's series, by its label values: the one place a label set is
+// built (names and order as the module's header lists them).
+
+fn peer_rail(peer: &str, rail: u32) -> [(&'static str, String); 2] {
+    [("peer", peer.to_string()), ("rail", rail.to_string())]
+}
+
+fn connection(peer: &str, rail: u32, transport: &str) -> [(&'static str, String); 3] {
+    [
+        ("peer", peer.to_string()),
+        ("rail", rail.to_string()),
+        ("transport", transport.to_string()),
+    ]
+}
+
+fn rail_of_session(peer: &str, rail: u32, direction: &str) -> [(&'static str, String); 3] {
+    [
+        ("peer", peer.to_string()),
+        ("rail", rail.to_string()),
+        ("direction", direction.to_string()),
+    ]
+}
+
+pub fn transfers_started(kind: TransferKind) -> Counter {
+    metrics::counter!(TRANSFERS_STARTED, "kind" => kind_label(kind))
+}
+
+pub fn transfers_done(kind: TransferKind) -> Counter {
+    metrics::counter!(TRANSFERS_DONE, "kind" => kind_label(kind))
+}
+
+pub fn transfers_failed(kind: TransferKind, reason: &'static str) -> Counter {
+    metrics::counter!(TRANSFERS_FAILED, "kind" => kind_label(kind), "reason" => reason)
+}
+
+pub fn transfer_seconds(kind: TransferKind) -> Histogram {
+    metrics::histogram!(TRANSFER_SECONDS, "kind" => kind_label(kind))
+}
+
+pub fn regions_registered() -> Gauge {
+    metrics::gauge!(REGIONS_REGISTERED)
+}
+
+pub fn messages_sent() -> Counter {
+    metrics::counter!(MESSAGES_SENT)
+}
+
+/// `outcome`: delivered, unknown_worker, refused.
+pub fn messages_received(outcome: &'static str) -> Counter {
+    metrics::counter!(MESSAGES_RECEIVED, "outcome" => outcome)
+}
+
+pub fn peer_transport(peer: &str, transport: &'static str) -> Gauge {
+    metrics::gauge!(PEER_TRANSPORT, "peer" => peer.to_string(), "transport" => transport)
+}
+
+pub fn handshakes_refused(reason: &'static str) -> Counter {
+    metrics::counter!(HANDSHAKES_REFUSED, "reason" => reason)
+}
+
+pub fn frames_rejected(reason: &'static str) -> Counter {
+    metrics::counter!(FRAMES_REJECTED, "reason" => reason)
+}
+
+pub fn peer_connections(peer: &str) -> Gauge {
+    metrics::gauge!(PEER_CONNECTIONS, "peer" => peer.to_string())
+}
+
+pub fn connections_lost(peer: &str, rail: u32) -> Counter {
+    metrics::counter!(CONNECTIONS_LOST, &peer_rail(peer, rail))
+}
+
+pub fn rail_slices_retransmitted(peer: &str, rail: u32) -> Counter {
+    metrics::counter!(RAIL_SLICES_RETRANSMITTED, &peer_rail(peer, rail))
+}
+
+pub fn rail_probes_failed(peer: &str, rail: u32) -> Counter {
+    metrics::counter!(RAIL_PROBES_FAILED, &peer_rail(peer, rail))
+}
+
+pub fn rail_state(peer: &str, rail: u32, direction: &str) -> Gauge {
+    metrics::gauge!(RAIL_STATE, &rail_of_session(peer, rail, direction))
+}
+
+pub fn rail_throughput(peer: &str, rail: u32, direction: &str) -> Gauge {
+    metrics::gauge!(RAIL_THROUGHPUT, &rail_of_session(peer, rail, direction))
+}
+
+pub fn rail_transitions(peer: &str, rail: u32, from: &'static str, to: &'static str) -> Counter {
+    metrics::counter!(
+        RAIL_TRANSITIONS,
+        "peer" => peer.to_string(),
+        "rail" => rail.to_string(),
+        "from" => from,
+        "to" => to
+    )
+}
+
+/// Payload placed by a path outside a connection's reader (one-sided
+/// completions, GPU copies): the same series as [`ConnCounters`].
+pub fn bytes_received(peer: &str, rail: u32, transport: &str) -> Counter {
+    metrics::counter!(BYTES_RECEIVED, &connection(peer, rail, transport))
+}
+
+pub fn slices_received(peer: &str, rail: u32, transport: &str) -> Counter {
+    metrics::counter!(SLICES_RECEIVED, &connection(peer, rail, transport))
+}
+
+/// A queue pair's counters (`transport` rdma).
+#[derive(Clone)]
+pub struct RdmaCounters {
+    pub build_nanos: Counter,
+    pub post_nanos: Counter,
+    pub work_requests: Counter,
+    pub descriptors: Counter,
+    pub bytes_sent: Counter,
+    pub slices_sent: Counter,
+    pub bytes_received: Counter,
+    pub slices_received: Counter,
+}
+
+impl RdmaCounters {
+    pub fn new(peer: &str, rail: u32) -> Self {
+        let labels = connection(peer, rail, "rdma");
+        RdmaCounters {
+            build_nanos: metrics::counter!(RDMA_BUILD_NANOS, &labels),
+            post_nanos: metrics::counter!(RDMA_POST_NANOS, &labels),
+            work_requests: metrics::counter!(RDMA_WORK_REQUESTS, &labels),
+            descriptors: metrics::counter!(RDMA_DESCRIPTORS, &labels),
+            bytes_sent: metrics::counter!(BYTES_SENT, &labels),
+            slices_sent: metrics::counter!(SLICES_SENT, &labels),
+            bytes_received: metrics::counter!(BYTES_RECEIVED, &labels),
+            slices_received: metrics::counter!(SLICES_RECEIVED, &labels),
+        }
+    }
+}
+
+/// `direction`: to_host, to_device.
+pub fn gpu_staged_bytes(direction: &'static str) -> Counter {
+    metrics::counter!(GPU_STAGED_BYTES, "direction" => direction)
+}
+
+pub fn gpu_copy_failures() -> Counter {
+    metrics::counter!(GPU_COPY_FAILURES)
+}
+
+pub fn gpu_staging_buffer_bytes() -> Gauge {
+    metrics::gauge!(GPU_STAGING_BUFFER_BYTES)
+}
+
+/// `kind`: joined, updated, restarted, left, refused, name_clash.
+pub fn membership_events(kind: &'static str) -> Counter {
+    metrics::counter!(MEMBERSHIP_EVENTS, "kind" => kind)
+}
+
+pub fn membership_connected() -> Gauge {
+    metrics::gauge!(MEMBERSHIP_CONNECTED)
+}
+
+pub fn membership_peers() -> Gauge {
+    metrics::gauge!(MEMBERSHIP_PEERS)
+}
+
+pub fn process_stalls() -> Counter {
+    metrics::counter!(PROCESS_STALLS)
+}
+
+pub fn process_stall_seconds() -> Histogram {
+    metrics::histogram!(PROCESS_STALL_SECONDS)
+}
+
+/// `kind`: transfer_state, notifications_retained, notifications_queued.
+pub fn held_bytes(kind: &'static str) -> Gauge {
+    metrics::gauge!(HELD_BYTES, "kind" => kind)
+}
+
+pub fn quic_socket_connections(listen: &str, socket: usize) -> Gauge {
+    metrics::gauge!(QUIC_SOCKET_CONNECTIONS, "listen" => listen.to_string(), "socket" => socket.to_string())
+}
+
+/// `outcome`: accepted, rejected, corrupt.
+pub fn ring_submissions(outcome: &'static str) -> Counter {
+    metrics::counter!(RING_SUBMISSIONS, "outcome" => outcome)
+}
+
+pub fn rings_closed(reason: String) -> Counter {
+    metrics::counter!(RINGS_CLOSED, "reason" => reason)
+}
+
+pub fn rings_open() -> Gauge {
+    metrics::gauge!(RINGS_OPEN)
+}
 
 /// Label value of a transfer kind.
 pub fn kind_label(kind: TransferKind) -> &'static str {
@@ -226,11 +419,7 @@ pub struct ConnCounters {
 
 impl ConnCounters {
     pub fn new(peer: &str, rail: u32, transport: &str) -> Self {
-        let labels = [
-            ("peer", peer.to_string()),
-            ("rail", rail.to_string()),
-            ("transport", transport.to_string()),
-        ];
+        let labels = connection(peer, rail, transport);
         ConnCounters {
             bytes_sent: metrics::counter!(BYTES_SENT, &labels),
             slices_sent: metrics::counter!(SLICES_SENT, &labels),
@@ -243,11 +432,6 @@ impl ConnCounters {
     /// The inline-write counter of the same connection (registered only
     /// where a connection can write inline).
     pub fn inline_writes(peer: &str, rail: u32, transport: &str) -> Counter {
-        metrics::counter!(
-            INLINE_WRITES,
-            "peer" => peer.to_string(),
-            "rail" => rail.to_string(),
-            "transport" => transport.to_string()
-        )
+        metrics::counter!(INLINE_WRITES, &connection(peer, rail, transport))
     }
 }

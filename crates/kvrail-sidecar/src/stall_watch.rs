@@ -24,8 +24,8 @@ pub async fn run() {
         let late = now.saturating_duration_since(last).saturating_sub(TICK);
         last = now;
         if late >= REPORTED_LATENESS {
-            metrics::counter!(m::PROCESS_STALLS).increment(1);
-            metrics::histogram!(m::PROCESS_STALL_SECONDS).record(late.as_secs_f64());
+            m::process_stalls().increment(1);
+            m::process_stall_seconds().record(late.as_secs_f64());
             warn!(
                 "this process did not run for {} ms (peers judge its rails stalled after 1 s): {}",
                 late.as_millis(),

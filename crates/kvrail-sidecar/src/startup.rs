@@ -267,7 +267,7 @@ async fn report_held_bytes(shared: std::sync::Weak<Shared>) {
             ("notifications_retained", retained as u64),
             ("notifications_queued", queued as u64),
         ] {
-            metrics::gauge!(m::HELD_BYTES, "kind" => kind).set(bytes as f64);
+            m::held_bytes(kind).set(bytes as f64);
         }
         if let Ok(all) = shared.socket_loads.lock() {
             for (listen, loads) in all.iter() {
@@ -304,8 +304,7 @@ const SILENT_HANDSHAKE_AGE: Duration = Duration::from_millis(20);
 /// Sets the per-socket connection gauge of the listener at `listen`.
 fn publish_socket_loads(listen: &str, loads: &kvrail_transport::SocketLoads) {
     for (socket, n) in loads().into_iter().enumerate() {
-        metrics::gauge!(m::QUIC_SOCKET_CONNECTIONS, "listen" => listen.to_string(), "socket" => socket.to_string())
-            .set(n as f64);
+        m::quic_socket_connections(listen, socket).set(n as f64);
     }
 }
 
@@ -340,8 +339,7 @@ async fn accept_loop(
                     publish_socket_loads(listen, loads);
                 }
                 let Some(permit) = admission.admit(from.ip(), std::time::Instant::now()) else {
-                    metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "rate_limited")
-                        .increment(1);
+                    m::handshakes_refused("rate_limited").increment(1);
                     if let Some(suppressed) = shared.refusal_log.admit() {
                         warn!(%from, suppressed, "refused peer connection: its address has too many handshakes in progress, or started too many");
                     }
@@ -365,15 +363,13 @@ async fn accept_loop(
                     match evict.and_then(|(i, reason)| Some((pending.remove(i)?, reason))) {
                         Some((evicted, reason)) => {
                             evicted.task.abort();
-                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => reason)
-                                .increment(1);
+                            m::handshakes_refused(reason).increment(1);
                             if let Some(suppressed) = shared.refusal_log.admit() {
                                 warn!(from = %evicted.from, suppressed, reason, "{MAX_CONCURRENT_HANDSHAKES} peer handshakes in progress: the oldest was dropped to make room");
                             }
                         }
                         None => {
-                            metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "too_many_handshakes")
-                                .increment(1);
+                            m::handshakes_refused("too_many_handshakes").increment(1);
                             if let Some(suppressed) = shared.refusal_log.admit() {
                                 warn!(%from, suppressed, "refused peer connection: {MAX_CONCURRENT_HANDSHAKES} handshakes already in progress");
                             }
@@ -398,7 +394,7 @@ async fn accept_loop(
             }
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
                 // A TLS handshake failed: a peer without a certificate of our CA.
-                metrics::counter!(m::HANDSHAKES_REFUSED, "reason" => "tls").increment(1);
+                m::handshakes_refused("tls").increment(1);
                 if let Some(suppressed) = shared.refusal_log.admit() {
                     warn!(transport, suppressed, "refused peer handshake: {e}");
                 }

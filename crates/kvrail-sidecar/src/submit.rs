@@ -227,8 +227,12 @@ pub async fn start_transfer(
         staged: region.memory.is_staged(),
         local_geometry: region.geometry.clone(),
     };
-    let kind = if push { "push" } else { "pull" };
-    metrics::counter!(m::TRANSFERS_STARTED, "kind" => kind).increment(1);
+    let kind = if push {
+        kvrail_core::TransferKind::Push
+    } else {
+        kvrail_core::TransferKind::Pull
+    };
+    m::transfers_started(kind).increment(1);
     let started = link.with_session(|s, now| {
         crate::trace_points::mark(crate::trace_points::START_LOCKED);
         // Checked under the session lock, so a concurrent ReleaseBlocks
@@ -257,7 +261,6 @@ pub async fn start_transfer(
             ),
         })
     });
-    link.rearm_timer();
     if let Err((code, status)) = started {
         let failure = Failure {
             side: FailureSide::Local as i32,

@@ -72,7 +72,7 @@ impl Slot {
             )));
         }
         *n += 1;
-        metrics::gauge!(m::RINGS_OPEN).increment(1.0);
+        m::rings_open().increment(1.0);
         Ok(Slot {
             worker_id: worker_id.to_string(),
         })
@@ -86,7 +86,7 @@ impl Drop for Slot {
             *n = n.saturating_sub(1);
             *n == 0
         });
-        metrics::gauge!(m::RINGS_OPEN).decrement(1.0);
+        m::rings_open().decrement(1.0);
     }
 }
 
@@ -290,7 +290,7 @@ impl RingService {
                         crate::link::set_inline_writes_on_this_thread(false);
                     }
                     Next::Corrupt(user_data, e) => {
-                        metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "corrupt").increment(1);
+                        m::ring_submissions("corrupt").increment(1);
                         self.reject(user_data, String::new(), "bad_descriptor", &e.to_string());
                     }
                     Next::Overrun(reason) => {
@@ -337,7 +337,7 @@ impl RingService {
         ));
         match started {
             Ok(accepted) => {
-                metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "accepted").increment(1);
+                m::ring_submissions("accepted").increment(1);
                 self.publish(Completion {
                     kind: CompletionKind::Accepted,
                     failure_side: 0,
@@ -356,7 +356,7 @@ impl RingService {
                 });
             }
             Err(refusal) => {
-                metrics::counter!(m::RING_SUBMISSIONS, "outcome" => "rejected").increment(1);
+                m::ring_submissions("rejected").increment(1);
                 self.reject(
                     s.user_data,
                     s.request_id,
@@ -464,7 +464,7 @@ impl RingService {
         let _ = self
             .events
             .send(Err(Status::aborted(format!("ring closed: {reason}"))));
-        metrics::counter!(m::RINGS_CLOSED, "reason" => format!("{reason:?}")).increment(1);
+        m::rings_closed(format!("{reason:?}")).increment(1);
         if reason == CloseReason::WorkerClosed {
             info!(worker = %self.worker_id, "ring closed: {reason}");
         } else {

@@ -134,7 +134,7 @@ impl PeerLink {
 
     pub(super) fn device_copy_failed(&self, transfer_id: u64, reason: &str) {
         warn!(peer = %self.peer, transfer = transfer_id, "GPU copy failed: {reason}");
-        metrics::counter!(m::GPU_COPY_FAILURES).increment(1);
+        m::gpu_copy_failures().increment(1);
         self.with_session(|s, now| {
             s.fail(
                 transfer_id,
@@ -196,7 +196,7 @@ pub(super) async fn receive_staged(
     // A peer may cut larger staged slices than ours (`gpu_slice_bytes`):
     // the pool's buffers grow to them.
     let taken = g.device.pool.take_at_least(len);
-    metrics::gauge!(m::GPU_STAGING_BUFFER_BYTES).set(g.device.pool.buffer_bytes() as f64);
+    m::gpu_staging_buffer_bytes().set(g.device.pool.buffer_bytes() as f64);
     taking.account(crate::trace_points::SUM_READER_POOL_TAKE);
     let mut buffer = match taken {
         Ok(b) => b,
@@ -254,25 +254,18 @@ pub(super) async fn receive_staged(
                 match outcome {
                     Ok(()) => {
                         let rail = link.rail_of(conn);
-                        let labels = [
-                            ("peer", link.peer.clone()),
-                            ("rail", rail.to_string()),
-                            ("transport", link.transport.to_string()),
-                        ];
-                        metrics::counter!(m::BYTES_RECEIVED, &labels)
+                        m::bytes_received(&link.peer, rail, link.transport)
                             .increment(u64::from(payload_len));
-                        metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
-                        metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_device")
-                            .increment(u64::from(payload_len));
+                        m::slices_received(&link.peer, rail, link.transport).increment(1);
+                        m::gpu_staged_bytes("to_device").increment(u64::from(payload_len));
                         link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
                     }
                     Err(reason) => {
                         warn!(peer = %link.peer, transfer = header.transfer_id, "GPU copy failed: {reason}");
-                        metrics::counter!(m::GPU_COPY_FAILURES).increment(1);
+                        m::gpu_copy_failures().increment(1);
                         link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
                     }
                 }
-                link.rearm_timer();
             });
         }
         Err((e, buffer)) => {

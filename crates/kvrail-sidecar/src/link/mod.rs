@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::IoSlice;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -19,7 +19,7 @@ use kvrail_core::{
     ConnId, Event, RailChange, RailHealth, RailId, Session, SliceDisposition, Transmit,
 };
 use kvrail_transport::{read_frame, Connection, Frame, FrameReader, FrameWriter, TransportError};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tracing::{debug, info, warn};
 
@@ -36,6 +36,7 @@ mod gpu_staging;
 mod inline;
 mod queue_pairs;
 mod reader;
+mod timer;
 mod writer;
 
 pub use env::{LinkEnv, ProbeFuture};
@@ -43,6 +44,7 @@ use gpu_staging::Queued;
 pub use inline::set_inline_writes_on_this_thread;
 use inline::StreamSink;
 use reader::reader_task;
+use timer::{Deadlines, Locked, Timer};
 use writer::writer_task;
 
 /// Frames a connection's writer may have queued and not written before its
@@ -127,21 +129,20 @@ struct LinkState {
     timer_armed: Option<Instant>,
 }
 
-impl LinkState {
-    /// Whether the next deadline is earlier than the one the timer sleeps until.
-    fn timer_needs_nudge(&self) -> bool {
-        match (self.next_deadline(), self.timer_armed) {
-            (Some(next), Some(armed)) => next < armed,
-            (Some(_), None) => true,
-            (None, _) => false,
-        }
-    }
-
+impl Deadlines for LinkState {
     /// The session's and the queue-pair setups' next deadline.
     fn next_deadline(&self) -> Option<Instant> {
         let session = self.session.poll_timeout();
         let setups = self.qp_setups.poll_timeout();
         session.into_iter().chain(setups).min()
+    }
+
+    fn armed(&self) -> Option<Instant> {
+        self.timer_armed
+    }
+
+    fn closed(&self) -> bool {
+        self.closed
     }
 }
 
@@ -164,7 +165,7 @@ pub struct PeerLink {
     /// Present on outbound links: what probing dials.
     pub dial: Option<DialInfo>,
     state: Mutex<LinkState>,
-    timer: Notify,
+    timer: Timer,
     env: Weak<dyn LinkEnv>,
     me: Weak<PeerLink>,
     /// Payload of this link's sending transfers still queued or held by a writer.
@@ -215,7 +216,7 @@ impl PeerLink {
                 timer_armed: None,
             }),
             dial,
-            timer: Notify::new(),
+            timer: Timer::default(),
             env,
             me: me.clone(),
             held: HeldPayload::default(),
@@ -224,11 +225,16 @@ impl PeerLink {
         link
     }
 
-    fn lock(&self) -> MutexGuard<'_, LinkState> {
+    /// The link's state, locked; releasing it after a change re-arms the
+    /// timer where the change needs it (see `timer`).
+    fn lock(&self) -> Locked<'_, LinkState> {
         #[cfg(feature = "profile")]
         let _wait = crate::profile::LockWait::start();
         // A panic while holding the lock is a bug; keep serving with the state as is.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        Locked::new(
+            self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            &self.timer,
+        )
     }
 
     /// Whether the link is still in service (its rails may be down for now).
@@ -288,7 +294,6 @@ impl PeerLink {
             self.pump(&mut st);
             (failed, carrying, stall)
         };
-        self.rearm_timer();
         let deadline = tokio::time::Instant::now() + limit;
         // A writer holds a view only while its write is in the kernel's hands;
         // one still holding it after the stall limit (or half the worker's
@@ -411,38 +416,20 @@ impl PeerLink {
         });
     }
 
-    /// Wakes the timer after a change that may move the next deadline, when
-    /// it does: the timer re-reads every deadline whenever it wakes, so one due
-    /// later than the one it sleeps until needs no wake-up (a task wake per
-    /// transfer and per acknowledgement otherwise).
-    pub fn rearm_timer(&self) {
-        let nudge = self.lock().timer_needs_nudge();
-        if nudge {
-            self.timer.notify_one();
-        }
-    }
-
-    /// As [`PeerLink::with_session`] followed by [`PeerLink::rearm_timer`],
-    /// in one lock, for what connection `key` read: `f` is given its slot, or
-    /// None if the slot has gone to another connection since.
+    /// As [`PeerLink::with_session`], for what connection `key` read: `f` is
+    /// given its slot, or None if the slot has gone to another connection since.
     fn with_session_from<R>(
         &self,
         (conn, generation): ConnKey,
         f: impl FnOnce(&mut Session, Option<ConnId>, Instant) -> R,
     ) -> R {
-        let (r, nudge) = {
-            let mut st = self.lock();
-            let ours = st
-                .conns
-                .get(conn)
-                .is_some_and(|h| h.generation == generation);
-            let r = f(&mut st.session, ours.then_some(conn), Instant::now());
-            self.pump(&mut st);
-            (r, st.timer_needs_nudge())
-        };
-        if nudge {
-            self.timer.notify_one();
-        }
+        let mut st = self.lock();
+        let ours = st
+            .conns
+            .get(conn)
+            .is_some_and(|h| h.generation == generation);
+        let r = f(&mut st.session, ours.then_some(conn), Instant::now());
+        self.pump(&mut st);
         r
     }
 
@@ -481,7 +468,7 @@ impl PeerLink {
             } = &t
             {
                 let rail = st.conns.get(*conn).map_or(0, |c| c.rail);
-                metrics::counter!(m::RAIL_SLICES_RETRANSMITTED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+                m::rail_slices_retransmitted(&self.peer, rail).increment(1);
             }
             let (conn, out) = match t {
                 Transmit::Control { conn, msg } => (conn, Outgoing::Control(encode_control(&msg))),
@@ -571,10 +558,9 @@ impl PeerLink {
             st.gauges_at = Some(now);
             st.gauged_rails = rails;
             for r in st.session.rail_stats() {
-                let labels = self.rail_labels(r.rail);
-                metrics::gauge!(m::RAIL_THROUGHPUT, &labels)
+                m::rail_throughput(&self.peer, r.rail, self.direction)
                     .set(r.rate_bytes_per_sec.unwrap_or(0.0));
-                metrics::gauge!(m::RAIL_STATE, &labels).set(r.health.gauge());
+                m::rail_state(&self.peer, r.rail, self.direction).set(r.health.gauge());
             }
         }
     }
@@ -590,15 +576,8 @@ impl PeerLink {
 
     /// Logs and counts a rail change; a rail gone down loses its connections.
     fn on_rail_change(&self, st: &mut LinkState, c: RailChange) {
-        metrics::gauge!(m::RAIL_STATE, &self.rail_labels(c.rail)).set(c.to.gauge());
-        metrics::counter!(
-            m::RAIL_TRANSITIONS,
-            "peer" => self.peer.clone(),
-            "rail" => c.rail.to_string(),
-            "from" => c.from.as_str(),
-            "to" => c.to.as_str()
-        )
-        .increment(1);
+        m::rail_state(&self.peer, c.rail, self.direction).set(c.to.gauge());
+        m::rail_transitions(&self.peer, c.rail, c.from.as_str(), c.to.as_str()).increment(1);
         match c.to {
             RailHealth::Down => {
                 warn!(peer = %self.peer, rail = c.rail, direction = self.direction, from = c.from.as_str(), "rail down: {}", c.reason);
@@ -612,15 +591,6 @@ impl PeerLink {
                 info!(peer = %self.peer, rail = c.rail, direction = self.direction, "rail {}: {}", to.as_str(), c.reason);
             }
         }
-    }
-
-    /// Labels of the per-rail series of this session.
-    fn rail_labels(&self, rail: RailId) -> [(&'static str, String); 3] {
-        [
-            ("peer", self.peer.clone()),
-            ("rail", rail.to_string()),
-            ("direction", self.direction.to_string()),
-        ]
     }
 
     /// Cuts the connections whose peer has stopped reading while it keeps
@@ -656,7 +626,7 @@ impl PeerLink {
         });
         self.stop_connections(st, [conn]);
         warn!(peer = %self.peer, conn, rail, queue_pair, "peer connection lost: {reason}");
-        metrics::counter!(m::CONNECTIONS_LOST, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+        m::connections_lost(&self.peer, rail).increment(1);
         st.session.connection_lost(conn, reason, now);
     }
 
@@ -664,7 +634,7 @@ impl PeerLink {
     fn stop_connections(&self, st: &mut LinkState, conns: impl IntoIterator<Item = ConnId>) {
         for conn in conns {
             if st.conns.get_mut(conn).is_some_and(ConnHandle::stop) {
-                metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).decrement(1.0);
+                m::peer_connections(&self.peer).decrement(1.0);
             }
         }
     }
@@ -682,15 +652,13 @@ impl PeerLink {
     /// Marks a rail whose first dial failed as down (to be probed).
     pub fn rail_unreachable(&self, rail: RailId, reason: &str) {
         self.with_session(|s, now| s.rail_unreachable(rail, reason, now));
-        self.rearm_timer();
     }
 
     /// Rebuilding `rail` failed; the session backs off before the next probe.
     pub fn probe_failed(&self, rail: RailId, reason: &str) {
-        metrics::counter!(m::RAIL_PROBES_FAILED, "peer" => self.peer.clone(), "rail" => rail.to_string()).increment(1);
+        m::rail_probes_failed(&self.peer, rail).increment(1);
         debug!(peer = %self.peer, rail, "probe failed: {reason}");
         self.with_session(|s, now| s.probe_failed(rail, reason, now));
-        self.rearm_timer();
     }
 
     /// The dialer is rebuilding `rail`: drop what this side still holds on it,
@@ -798,10 +766,8 @@ impl PeerLink {
             Some(old) => *old = handle,
             None => st.conns.push(handle),
         }
-        metrics::gauge!(m::PEER_CONNECTIONS, "peer" => self.peer.clone()).increment(1.0);
+        m::peer_connections(&self.peer).increment(1.0);
         self.pump(&mut st);
-        drop(st);
-        self.timer.notify_one();
         Some(id)
     }
 
@@ -820,7 +786,6 @@ impl PeerLink {
         self.pump(&mut st);
         let rebuild = queue_pair && self.dial.is_some() && !st.closed;
         drop(st);
-        self.timer.notify_one();
         if rebuild {
             self.spawn_rdma_rebuild(rail);
         }
@@ -873,7 +838,6 @@ impl PeerLink {
         for h in handles {
             self.connection_failed(h, reason);
         }
-        self.timer.notify_one();
     }
 }
 
@@ -901,23 +865,15 @@ async fn timer_task(link: Weak<PeerLink>) {
         if closed {
             return;
         }
-        match deadline {
-            Some(d) => {
-                tokio::select! {
-                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(d)) => {
-                        let probes = l.with_session(|s, now| {
-                            s.handle_timeout(now);
-                            std::iter::from_fn(|| s.poll_probe()).collect::<Vec<_>>()
-                        });
-                        l.qp_setups_timed_out();
-                        for rail in probes {
-                            tokio::spawn(probe_rail(l.clone(), rail));
-                        }
-                    }
-                    _ = l.timer.notified() => {}
-                }
+        if l.timer.sleep_until(deadline).await {
+            let probes = l.with_session(|s, now| {
+                s.handle_timeout(now);
+                std::iter::from_fn(|| s.poll_probe()).collect::<Vec<_>>()
+            });
+            l.qp_setups_timed_out();
+            for rail in probes {
+                tokio::spawn(probe_rail(l.clone(), rail));
             }
-            None => l.timer.notified().await,
         }
     }
 }

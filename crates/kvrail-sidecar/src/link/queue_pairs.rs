@@ -11,6 +11,41 @@ use kvrail_verbs::{gather, Completion, Opcode, QueuePair, Sge, WorkRequest};
 use super::*;
 use crate::rdma::OneSidedWork;
 
+/// Why a rail's queue pairs were not set up.
+#[derive(Debug, thiserror::Error)]
+pub enum RdmaSetupError {
+    /// The exchange failed: the peer declined (it has no RDMA on that rail,
+    /// or its own setup is under way), answered wrongly, or not in time.
+    #[error(transparent)]
+    Exchange(#[from] kvrail_core::qp_setup::QpSetupError),
+    /// This side could not create, describe or connect its queue pairs, or
+    /// the link or its connection went away.
+    #[error("{0}")]
+    Local(String),
+}
+
+impl RdmaSetupError {
+    /// The peer said no: the rail carries streams only, nothing to rebuild.
+    pub fn declined_by_peer(&self) -> bool {
+        matches!(
+            self,
+            Self::Exchange(kvrail_core::qp_setup::QpSetupError::Declined(_))
+        )
+    }
+}
+
+impl From<String> for RdmaSetupError {
+    fn from(why: String) -> Self {
+        Self::Local(why)
+    }
+}
+
+impl From<&str> for RdmaSetupError {
+    fn from(why: &str) -> Self {
+        Self::Local(why.to_string())
+    }
+}
+
 impl PeerLink {
     /// Rebuilds `rail`'s queue pairs in the background (dialer side).
     pub fn spawn_rdma_rebuild(&self, rail: RailId) {
@@ -38,9 +73,6 @@ impl PeerLink {
         };
         if self.cut_unread_connections(&mut st, conn_bit(conn), Instant::now()) {
             self.pump(&mut st);
-            drop(st);
-            // The loss may have set a deadline (a rail's probe or failover).
-            self.rearm_timer();
             return false;
         }
         queued
@@ -62,11 +94,15 @@ impl PeerLink {
 
     /// Dialer: sets up `qps_per_rail` queue pairs on `rail` over its stream
     /// connection `conn`. Ok(n) with the number attached.
-    pub async fn setup_rdma(self: &Arc<Self>, rail: RailId, conn: ConnId) -> Result<usize, String> {
+    pub async fn setup_rdma(
+        self: &Arc<Self>,
+        rail: RailId,
+        conn: ConnId,
+    ) -> Result<usize, RdmaSetupError> {
         let env = self.env.upgrade().ok_or("daemon is shutting down")?;
         {
             let mut st = self.lock();
-            st.qp_setups.begin(rail).map_err(|e| e.to_string())?;
+            st.qp_setups.begin(rail)?;
         }
         let _claim = RailClaim {
             link: self,
@@ -94,7 +130,6 @@ impl PeerLink {
             st.qp_waiters.insert(nonce, tx);
             st.qp_setups.start(rail, nonce, endpoints, Instant::now())
         };
-        self.rearm_timer();
         if !self.send_control(conn, Body::RdmaConnect(request)) {
             let mut st = self.lock();
             st.qp_setups.abandon(nonce);
@@ -106,7 +141,7 @@ impl PeerLink {
         let outcome = rx
             .await
             .map_err(|_| "the link closed during setup".to_string())?;
-        let accept_qps = outcome.result.map_err(|e| e.to_string())?;
+        let accept_qps = outcome.result?;
         // A rail retired meanwhile took the acceptor's side of these queue
         // pairs with it: attaching ours would revive the rail with queue
         // pairs that reach nothing.
@@ -308,11 +343,7 @@ pub(super) async fn run_qp(
     busy_poll: Duration,
 ) -> String {
     let conn = key.0;
-    let labels = [
-        ("peer", link.peer.clone()),
-        ("rail", rail.to_string()),
-        ("transport", "rdma".to_string()),
-    ];
+    let counters = m::RdmaCounters::new(&link.peer, rail);
     let max_sge = qp.device().limits().max_sge.clamp(1, 30) as usize;
     let mut free_slots = qp.send_depth();
     let mut posted: HashMap<u64, Posted> = HashMap::new();
@@ -354,11 +385,12 @@ pub(super) async fn run_qp(
             if let Err(e) = qp.post(&wrs) {
                 return format!("posting to the queue pair failed: {e}");
             }
-            metrics::counter!(m::RDMA_BUILD_NANOS, &labels).increment(built.as_nanos() as u64);
-            metrics::counter!(m::RDMA_POST_NANOS, &labels)
+            counters.build_nanos.increment(built.as_nanos() as u64);
+            counters
+                .post_nanos
                 .increment(posting.elapsed().as_nanos() as u64);
-            metrics::counter!(m::RDMA_WORK_REQUESTS, &labels).increment(u64::from(n));
-            metrics::counter!(m::RDMA_DESCRIPTORS, &labels).increment(work.pieces.len() as u64);
+            counters.work_requests.increment(u64::from(n));
+            counters.descriptors.increment(work.pieces.len() as u64);
             free_slots -= n;
             next_token += 1;
             posted.insert(
@@ -410,9 +442,8 @@ pub(super) async fn run_qp(
                                 s.slice_placed(conn, header, len, now);
                             }
                         });
-                        metrics::counter!(m::BYTES_RECEIVED, &labels).increment(u64::from(len));
-                        metrics::counter!(m::SLICES_RECEIVED, &labels).increment(1);
-                        link.rearm_timer();
+                        counters.bytes_received.increment(u64::from(len));
+                        counters.slices_received.increment(1);
                     }
                     None => return format!("malformed slice trailer of {} bytes", bytes.len()),
                 }
@@ -424,12 +455,11 @@ pub(super) async fn run_qp(
             free_slots += p.work_requests;
             link.with_session(|s, now| s.one_sided_done(conn, p.header, p.len, now));
             let (bytes, slices) = match p.op {
-                OneSidedOp::Write => (m::BYTES_SENT, m::SLICES_SENT),
-                OneSidedOp::Read => (m::BYTES_RECEIVED, m::SLICES_RECEIVED),
+                OneSidedOp::Write => (&counters.bytes_sent, &counters.slices_sent),
+                OneSidedOp::Read => (&counters.bytes_received, &counters.slices_received),
             };
-            metrics::counter!(bytes, &labels).increment(u64::from(p.len));
-            metrics::counter!(slices, &labels).increment(1);
-            link.rearm_timer();
+            bytes.increment(u64::from(p.len));
+            slices.increment(1);
         }
         if !input_open && posted.is_empty() && waiting.is_empty() {
             return "queue pair closed".into();

@@ -40,7 +40,7 @@ pub(super) async fn reader_task(
     let reason = match read.await {
         Ok(()) => "link closed".to_string(),
         Err(TransportError::Wire(e)) => {
-            metrics::counter!(m::FRAMES_REJECTED, "reason" => wire_reason(&e)).increment(1);
+            m::frames_rejected(wire_reason(&e)).increment(1);
             format!("malformed frame: {e}")
         }
         Err(e) => e.to_string(),

@@ -83,8 +83,7 @@ pub(super) async fn writer_task(
                     if bytes.slices > 0 {
                         counters.bytes_sent.increment(bytes.bytes);
                         counters.slices_sent.increment(bytes.slices);
-                        metrics::counter!(m::GPU_STAGED_BYTES, "direction" => "to_host")
-                            .increment(bytes.bytes);
+                        m::gpu_staged_bytes("to_host").increment(bytes.bytes);
                     }
                 }
                 sent.map(|_| ())
