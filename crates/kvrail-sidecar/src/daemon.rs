@@ -134,7 +134,7 @@ pub enum UnregisterError {
 
 impl Shared {
     /// This daemon as its links see it.
-    fn link_env(self: &Arc<Self>) -> std::sync::Weak<dyn LinkEnv> {
+    fn link_env(self: &Arc<Self>) -> std::sync::Weak<crate::link::Env> {
         let weak: std::sync::Weak<Shared> = Arc::downgrade(self);
         weak
     }
@@ -1239,6 +1239,8 @@ pub fn watch_worker(shared: &Arc<Shared>, pid: i32) {
 }
 
 impl LinkEnv for Shared {
+    type Link = PeerLink;
+
     fn registry(&self) -> &Registry {
         &self.registry
     }

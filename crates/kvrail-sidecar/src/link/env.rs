@@ -8,15 +8,28 @@ use std::sync::Arc;
 
 use kvrail_core::{Event, RailId};
 
-use super::{DialInfo, PeerLink};
+use crate::config::PeerConfig;
 use crate::rdma::{Directory, RdmaRails};
 use crate::regions::Registry;
 
 /// A rail probe's outcome: Err with why the rail is still unreachable.
 pub type ProbeFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
 
+/// How an outbound session rebuilds its rails.
+#[derive(Clone)]
+pub struct DialInfo {
+    pub peer: PeerConfig,
+    pub session_id: u64,
+    /// The acceptor's incarnation seen at this session's first handshake (0:
+    /// none yet).
+    pub peer_incarnation: Arc<std::sync::atomic::AtomicU64>,
+}
+
 /// The daemon as a link sees it.
 pub trait LinkEnv: Send + Sync + 'static {
+    /// The link it serves (`PeerLink`; named here so that this file needs
+    /// nothing of the link's).
+    type Link;
     /// Regions registered by local workers.
     fn registry(&self) -> &Registry;
     /// RDMA devices and memory registrations of the rails.
@@ -40,7 +53,7 @@ pub trait LinkEnv: Send + Sync + 'static {
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).
-    fn probe_rail(&self, link: Arc<PeerLink>, dial: DialInfo, rail: RailId) -> ProbeFuture<'_>;
+    fn probe_rail(&self, link: Arc<Self::Link>, dial: DialInfo, rail: RailId) -> ProbeFuture<'_>;
 
     /// Regions as the session checks requests against them.
     fn directory(&self) -> Directory<'_> {

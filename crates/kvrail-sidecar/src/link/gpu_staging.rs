@@ -2,7 +2,23 @@
 //! slice's device-to-host copy ahead of its turn; the reader hands received
 //! slices to the host-to-device queue and reads on.
 
-use super::*;
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::Arc;
+
+use kvrail_core::wire::{ErrorCode, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
+use kvrail_core::ConnId;
+use kvrail_cuda::CopyDone;
+use kvrail_transport::{FrameReader, FrameWriter, TransportError};
+use tokio::sync::oneshot;
+use tracing::warn;
+
+use super::frames::Outgoing;
+use super::owner::ConnOwner;
+use crate::gpu;
+use crate::held::ViewToken;
+use crate::metrics as m;
+use crate::regions::RegionMemory;
 
 /// A staged slice: header, transfer, payload length, and its copy's outcome.
 pub(super) type StagedSlice = (
@@ -33,117 +49,115 @@ pub(super) enum Queued {
     },
 }
 
-impl PeerLink {
-    /// Queues a frame; a GPU region's slice starts its device-to-host copy now.
-    /// Returns 1 when a copy was started.
-    pub(super) fn admit(&self, out: Outgoing, queue: &mut VecDeque<Queued>) -> usize {
-        if out.abandoned() {
-            return 0;
-        }
-        let Outgoing::Slice {
+/// Queues a frame; a GPU region's slice starts its device-to-host copy now.
+/// Returns 1 when a copy was started.
+pub(super) fn admit(link: &impl ConnOwner, out: Outgoing, queue: &mut VecDeque<Queued>) -> usize {
+    if out.abandoned() {
+        return 0;
+    }
+    let Outgoing::Slice {
+        header,
+        transfer_id,
+        region,
+        pieces,
+        len,
+        hold,
+    } = out
+    else {
+        queue.push_back(Queued::Ready(out));
+        return 0;
+    };
+    let RegionMemory::Gpu(g) = &region.memory else {
+        queue.push_back(Queued::Ready(Outgoing::Slice {
             header,
             transfer_id,
             region,
             pieces,
             len,
             hold,
-        } = out
-        else {
-            queue.push_back(Queued::Ready(out));
-            return 0;
-        };
-        let RegionMemory::Gpu(g) = &region.memory else {
-            queue.push_back(Queued::Ready(Outgoing::Slice {
+        }));
+        return 0;
+    };
+    let started = g.device.pool.take().and_then(|buffer| {
+        g.device
+            .to_host
+            .to_host(g.memory.clone(), &pieces, buffer)
+            .map_err(|(e, buffer)| {
+                g.device.pool.give(buffer);
+                e
+            })
+    });
+    match started {
+        Ok(copy) => {
+            queue.push_back(Queued::Staging {
                 header,
                 transfer_id,
-                region,
-                pieces,
-                len,
-                hold,
-            }));
-            return 0;
-        };
-        let started = g.device.pool.take().and_then(|buffer| {
-            g.device
-                .to_host
-                .to_host(g.memory.clone(), &pieces, buffer)
-                .map_err(|(e, buffer)| {
-                    g.device.pool.give(buffer);
-                    e
-                })
-        });
-        match started {
-            Ok(copy) => {
-                queue.push_back(Queued::Staging {
-                    header,
-                    transfer_id,
-                    len: len as usize,
-                    device: g.device.clone(),
-                    copy,
-                    _hold: hold,
-                });
-                1
-            }
-            Err(e) => {
-                self.device_copy_failed(transfer_id, &e.to_string());
-                0
-            }
+                len: len as usize,
+                device: g.device.clone(),
+                copy,
+                _hold: hold,
+            });
+            1
+        }
+        Err(e) => {
+            device_copy_failed(link, transfer_id, &e.to_string());
+            0
         }
     }
+}
 
-    /// Sends staged slices in one write; a slice whose copy failed is left out
-    /// (its transfer fails, the connection goes on).
-    pub(super) async fn send_staged(
-        &self,
-        writer: &mut dyn FrameWriter,
-        staged: Vec<StagedSlice>,
-        device: &gpu::GpuDevice,
-    ) -> std::io::Result<Sent> {
-        let mut ready = Vec::with_capacity(staged.len());
-        for (header, transfer_id, len, done) in staged {
-            match done {
-                Ok(CopyDone {
-                    buffer,
-                    result: Ok(()),
-                }) => ready.push((header, len, buffer)),
-                Ok(CopyDone {
-                    buffer,
-                    result: Err(e),
-                }) => {
-                    device.pool.give(buffer);
-                    self.device_copy_failed(transfer_id, &e.to_string());
-                }
-                Err(_) => self.device_copy_failed(transfer_id, "the copy queue stopped"),
+/// Sends staged slices in one write; a slice whose copy failed is left out
+/// (its transfer fails, the connection goes on).
+pub(super) async fn send_staged(
+    link: &impl ConnOwner,
+    writer: &mut dyn FrameWriter,
+    staged: Vec<StagedSlice>,
+    device: &gpu::GpuDevice,
+) -> std::io::Result<Sent> {
+    let mut ready = Vec::with_capacity(staged.len());
+    for (header, transfer_id, len, done) in staged {
+        match done {
+            Ok(CopyDone {
+                buffer,
+                result: Ok(()),
+            }) => ready.push((header, len, buffer)),
+            Ok(CopyDone {
+                buffer,
+                result: Err(e),
+            }) => {
+                device.pool.give(buffer);
+                device_copy_failed(link, transfer_id, &e.to_string());
             }
+            Err(_) => device_copy_failed(link, transfer_id, "the copy queue stopped"),
         }
-        let mut bufs = Vec::with_capacity(ready.len() * 2);
-        for (header, len, buffer) in &ready {
-            bufs.push(IoSlice::new(header));
-            bufs.push(IoSlice::new(&buffer.as_slice()[..*len]));
-        }
-        let r = writer.write_all_vectored(&mut bufs).await;
-        let sent = Sent {
-            slices: ready.len() as u64,
-            bytes: ready.iter().map(|(_, len, _)| *len as u64).sum(),
-        };
-        for (_, _, buffer) in ready {
-            device.pool.give(buffer);
-        }
-        r.map(|()| sent)
     }
+    let mut bufs = Vec::with_capacity(ready.len() * 2);
+    for (header, len, buffer) in &ready {
+        bufs.push(IoSlice::new(header));
+        bufs.push(IoSlice::new(&buffer.as_slice()[..*len]));
+    }
+    let r = writer.write_all_vectored(&mut bufs).await;
+    let sent = Sent {
+        slices: ready.len() as u64,
+        bytes: ready.iter().map(|(_, len, _)| *len as u64).sum(),
+    };
+    for (_, _, buffer) in ready {
+        device.pool.give(buffer);
+    }
+    r.map(|()| sent)
+}
 
-    pub(super) fn device_copy_failed(&self, transfer_id: u64, reason: &str) {
-        warn!(peer = %self.peer, transfer = transfer_id, "GPU copy failed: {reason}");
-        m::gpu_copy_failures().increment(1);
-        self.with_session(|s, now| {
-            s.fail(
-                transfer_id,
-                ErrorCode::Internal,
-                &format!("GPU copy failed: {reason}"),
-                now,
-            )
-        });
-    }
+pub(super) fn device_copy_failed(link: &impl ConnOwner, transfer_id: u64, reason: &str) {
+    warn!(peer = %link.peer(), transfer = transfer_id, "GPU copy failed: {reason}");
+    m::gpu_copy_failures().increment(1);
+    link.with_session(|s, now| {
+        s.fail(
+            transfer_id,
+            ErrorCode::Internal,
+            &format!("GPU copy failed: {reason}"),
+            now,
+        )
+    });
 }
 
 /// Why a staged slice is refused if the device's staging share is closed
@@ -153,7 +167,7 @@ const STAGING_CLOSED: &str = "GPU staging is shut down";
 /// Drops a staged slice's payload off the connection and fails its
 /// placement with `reason` (the connection goes on).
 async fn refuse(
-    link: &Arc<PeerLink>,
+    link: &impl ConnOwner,
     conn: ConnId,
     header: kvrail_core::wire::SliceHeader,
     payload_len: u32,
@@ -168,8 +182,8 @@ async fn refuse(
 /// Reads a GPU region's slice into a pinned buffer and hands it to the
 /// host-to-device queue; the slice is placed when that copy is done, while this
 /// connection already reads the next one.
-pub(super) async fn receive_staged(
-    link: &Arc<PeerLink>,
+pub(super) async fn receive_staged<L: ConnOwner>(
+    link: &Arc<L>,
     conn: ConnId,
     header: kvrail_core::wire::SliceHeader,
     payload_len: u32,
@@ -190,7 +204,7 @@ pub(super) async fn receive_staged(
         .await
     else {
         // Never closed; were it, the slice is refused like a failed copy.
-        return refuse(link, conn, header, payload_len, reader, STAGING_CLOSED).await;
+        return refuse(&**link, conn, header, payload_len, reader, STAGING_CLOSED).await;
     };
     let taking = crate::trace_points::Stopwatch::start();
     // A peer may cut larger staged slices than ours (`gpu_slice_bytes`):
@@ -200,7 +214,7 @@ pub(super) async fn receive_staged(
     taking.account(crate::trace_points::SUM_READER_POOL_TAKE);
     let mut buffer = match taken {
         Ok(b) => b,
-        Err(e) => return refuse(link, conn, header, payload_len, reader, &e.to_string()).await,
+        Err(e) => return refuse(&**link, conn, header, payload_len, reader, &e.to_string()).await,
     };
     let need = gpu::receive_staging_permits(buffer.len());
     if need > in_flight.num_permits() as u32 {
@@ -212,7 +226,7 @@ pub(super) async fn receive_staged(
             Ok(p) => p,
             Err(_) => {
                 g.device.pool.give(buffer);
-                return refuse(link, conn, header, payload_len, reader, STAGING_CLOSED).await;
+                return refuse(&**link, conn, header, payload_len, reader, STAGING_CLOSED).await;
             }
         };
     }
@@ -254,14 +268,14 @@ pub(super) async fn receive_staged(
                 match outcome {
                     Ok(()) => {
                         let rail = link.rail_of(conn);
-                        m::bytes_received(&link.peer, rail, link.transport)
+                        m::bytes_received(link.peer(), rail, link.transport())
                             .increment(u64::from(payload_len));
-                        m::slices_received(&link.peer, rail, link.transport).increment(1);
+                        m::slices_received(link.peer(), rail, link.transport()).increment(1);
                         m::gpu_staged_bytes("to_device").increment(u64::from(payload_len));
                         link.with_session(|s, now| s.slice_placed(conn, header, payload_len, now));
                     }
                     Err(reason) => {
-                        warn!(peer = %link.peer, transfer = header.transfer_id, "GPU copy failed: {reason}");
+                        warn!(peer = %link.peer(), transfer = header.transfer_id, "GPU copy failed: {reason}");
                         m::gpu_copy_failures().increment(1);
                         link.with_session(|s, now| s.placement_failed(conn, header, &reason, now));
                     }

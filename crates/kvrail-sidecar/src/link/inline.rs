@@ -20,10 +20,12 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use kvrail_transport::InlineWrite;
+use tokio::sync::mpsc;
 
-use super::*;
+use super::frames::{io_slices, Outgoing};
 use crate::metrics as m;
 
 /// Largest batch (frame headers and payload) written inline: larger
@@ -103,7 +105,7 @@ impl StreamSink {
         if !inline_size_fits(&frames) {
             return self.queue_all(frames);
         }
-        let Ok(bufs) = super::writer::io_slices(&frames) else {
+        let Ok(bufs) = io_slices(&frames) else {
             // The writer task fails what cannot be gathered.
             return self.queue_all(frames);
         };

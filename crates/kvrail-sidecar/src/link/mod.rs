@@ -1,111 +1,68 @@
-//! The link to one peer: the I/O shell around one core [`Session`]: a reader and a writer task per
-//! connection, a timer task (deadlines, and probes that rebuild down rails on the
-//! dialing side), and the pump that turns the session's transmits into socket
-//! writes, its rail changes into closed connections and metrics, and its transfer
-//! events into worker notifications.
+//! The link to one peer: the I/O shell around one core [`Session`]. `PeerLink`
+//! composes the rooms below it and is the only type with methods here:
+//!
+//! - `conns`: the connections it holds (tasks, way in, slot and generation);
+//! - `frames`: what a writer puts on the wire, and how a batch is written;
+//! - `reader`, `writer`: a stream connection's two tasks;
+//! - `gpu_staging`: GPU regions' slices through pinned host buffers;
+//! - `queue_pairs`: an RDMA queue pair's task;
+//! - `inline`: small frames written by the thread that made them;
+//! - `timer`: the deadlines' wake-up, re-armed in one place;
+//! - `owner`: what those tasks need from the link (`ConnOwner`), and `env`:
+//!   what the link needs from the daemon (`LinkEnv`).
+//!
+//! The pump turns the session's transmits into socket writes, its rail
+//! changes into closed connections and metrics, and its transfer events into
+//! worker notifications. None of the rooms imports this file.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::IoSlice;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
-
-use kvrail_core::wire::{
-    self, encode_control, encode_data_header, pb, Body, ErrorCode, FRAME_HEADER_LEN,
-    SLICE_HEADER_LEN,
-};
-use kvrail_core::{
-    ConnId, Event, RailChange, RailHealth, RailId, Session, SliceDisposition, Transmit,
-};
-use kvrail_transport::{read_frame, Connection, Frame, FrameReader, FrameWriter, TransportError};
+use kvrail_core::wire::{self, encode_control, encode_data_header, pb, Body, ErrorCode};
+use kvrail_core::{ConnId, Event, RailChange, RailHealth, RailId, Session, Transmit};
+use kvrail_transport::Connection;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tracing::{debug, info, warn};
 
-use crate::config::PeerConfig;
-use crate::gpu;
-use crate::held::{HeldPayload, ViewToken};
+use crate::held::HeldPayload;
 use crate::metrics as m;
-use crate::rdma::{self, OneSidedWork};
-use crate::regions::{Region, RegionMemory};
-use kvrail_cuda::CopyDone;
+use crate::rdma;
+use crate::rdma::OneSidedWork;
 
+mod conns;
 mod env;
+mod frames;
 mod gpu_staging;
 mod inline;
+mod owner;
 mod queue_pairs;
 mod reader;
 mod timer;
 mod writer;
 
-pub use env::{LinkEnv, ProbeFuture};
-use gpu_staging::Queued;
+pub use conns::ConnKey;
+use conns::{conn_bit, ConnHandle, Sink};
+pub use env::{DialInfo, LinkEnv, ProbeFuture};
+use frames::Outgoing;
 pub use inline::set_inline_writes_on_this_thread;
 use inline::StreamSink;
+use owner::ConnOwner;
+use queue_pairs::qp_task;
+pub use queue_pairs::RdmaSetupError;
 use reader::reader_task;
 use timer::{Deadlines, Locked, Timer};
 use writer::writer_task;
+
+/// The daemon, as the links it owns see it.
+pub type Env = dyn LinkEnv<Link = PeerLink>;
 
 /// Frames a connection's writer may have queued and not written before its
 /// peer counts as not reading (see `cut_unread_connections`). Twice what the
 /// largest window lets a working connection queue (128 MiB of 4 KiB
 /// slices), with their opens and acknowledgements.
 const MAX_UNWRITTEN_FRAMES: u64 = 1 << 16;
-
-/// A connection's bit in a set of at most 64 (a session's connections);
-/// ids past 63, if there ever were any, share the last bit.
-fn conn_bit(conn: ConnId) -> u64 {
-    1u64 << conn.min(63)
-}
-
-/// What a writer task puts on its connection.
-enum Outgoing {
-    Control(Vec<u8>),
-    Slice {
-        header: [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
-        transfer_id: u64,
-        region: Arc<Region>,
-        pieces: Vec<(u64, u64)>,
-        len: u64,
-        /// Held until the writer is done with the payload (see `held`).
-        hold: ViewToken,
-    },
-}
-
-/// Where a connection's task takes its work from.
-enum Sink {
-    Stream(StreamSink),
-    QueuePair(mpsc::UnboundedSender<OneSidedWork>),
-}
-
-struct ConnHandle {
-    writer: Option<Sink>,
-    reader: Option<AbortHandle>,
-    /// The transfer (plus one; 0: none) whose payload the reader is reading
-    /// now (stream connections).
-    reading: Option<Arc<std::sync::atomic::AtomicU64>>,
-    writer_task: Option<AbortHandle>,
-    rail: RailId,
-    /// Tells a dead connection's late reports from those of the one reusing its slot.
-    generation: u64,
-}
-
-impl ConnHandle {
-    /// Stops both tasks (dropping the socket); false if it was already stopped.
-    fn stop(&mut self) -> bool {
-        if self.writer.take().is_none() {
-            return false;
-        }
-        for task in [self.reader.take(), self.writer_task.take()]
-            .into_iter()
-            .flatten()
-        {
-            task.abort();
-        }
-        true
-    }
-}
 
 struct LinkState {
     session: Session,
@@ -146,16 +103,6 @@ impl Deadlines for LinkState {
     }
 }
 
-/// How an outbound session rebuilds its rails.
-#[derive(Clone)]
-pub struct DialInfo {
-    pub peer: PeerConfig,
-    pub session_id: u64,
-    /// The acceptor's incarnation seen at this session's first handshake (0:
-    /// none yet).
-    pub peer_incarnation: Arc<std::sync::atomic::AtomicU64>,
-}
-
 /// One session with a peer: the connections we dialed (outbound) or accepted (inbound).
 pub struct PeerLink {
     pub peer: String,
@@ -166,7 +113,7 @@ pub struct PeerLink {
     pub dial: Option<DialInfo>,
     state: Mutex<LinkState>,
     timer: Timer,
-    env: Weak<dyn LinkEnv>,
+    env: Weak<Env>,
     me: Weak<PeerLink>,
     /// Payload of this link's sending transfers still queued or held by a writer.
     held: HeldPayload,
@@ -183,6 +130,52 @@ pub struct PeerLink {
     payload_deadline: Duration,
 }
 
+impl ConnOwner for PeerLink {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn transport(&self) -> &'static str {
+        self.transport
+    }
+
+    fn env(&self) -> Option<Arc<Env>> {
+        self.env.upgrade()
+    }
+
+    fn payload_deadline(&self) -> Duration {
+        self.payload_deadline
+    }
+
+    fn with_session<R>(&self, f: impl FnOnce(&mut Session, Instant) -> R) -> R {
+        PeerLink::with_session(self, f)
+    }
+
+    fn with_session_from<R>(
+        &self,
+        key: ConnKey,
+        f: impl FnOnce(&mut Session, Option<ConnId>, Instant) -> R,
+    ) -> R {
+        PeerLink::with_session_from(self, key, f)
+    }
+
+    fn connection_failed(&self, key: ConnKey, reason: &str) {
+        PeerLink::connection_failed(self, key, reason)
+    }
+
+    fn rail_of(&self, conn: ConnId) -> RailId {
+        PeerLink::rail_of(self, conn)
+    }
+
+    fn on_rdma_connect(self: &Arc<Self>, conn: ConnId, req: pb::RdmaConnect) {
+        PeerLink::on_rdma_connect(self, conn, req)
+    }
+
+    fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
+        PeerLink::on_rdma_accept(self, accept)
+    }
+}
+
 /// How often the estimated-throughput gauges are refreshed.
 const GAUGE_PERIOD: Duration = Duration::from_millis(250);
 
@@ -190,7 +183,7 @@ impl PeerLink {
     pub fn new(
         peer: &str,
         transport: &'static str,
-        env: Weak<dyn LinkEnv>,
+        env: Weak<Env>,
         session: kvrail_core::SessionConfig,
         dial: Option<DialInfo>,
     ) -> Arc<Self> {
@@ -390,7 +383,7 @@ impl PeerLink {
 
     /// Hands a transfer's end to the daemon; a sending transfer's completion
     /// waits until its writers let go of its payload (see `held`).
-    fn deliver(&self, env: &Arc<dyn LinkEnv>, ev: Event) {
+    fn deliver(&self, env: &Arc<Env>, ev: Event) {
         let held = match &ev {
             Event::Done {
                 transfer_id, kind, ..
@@ -433,10 +426,21 @@ impl PeerLink {
         r
     }
 
+    /// Sends what the session queued and reports its events (after every
+    /// call into the session, in its lock).
     fn pump(&self, st: &mut LinkState) {
         let Some(env) = self.env.upgrade() else {
             return;
         };
+        // A pass that cut connections moves what they held to the others.
+        while self.transmit(&env, st) {}
+        self.deliver_events(&env, st);
+        self.refresh_gauges(st);
+    }
+
+    /// One pass of the session's transmits onto the connections; true if it
+    /// cut connections whose peer does not read (another pass is due).
+    fn transmit(&self, env: &Arc<Env>, st: &mut LinkState) -> bool {
         let now = Instant::now();
         if st.closed && st.session.active_transfers() > 0 {
             // A closed link runs no timers and carries nothing: whatever is on
@@ -449,7 +453,7 @@ impl PeerLink {
         }
         // Ends first: a receiver's worker hears of its data before the
         // acknowledgement to the sender is written.
-        self.deliver_events(&env, st);
+        self.deliver_events(env, st);
         // A connection's frames are gathered to go out inline in one write
         // (see `inline`): everything from a ring's thread, control frames
         // alone from a runtime task.
@@ -543,12 +547,12 @@ impl PeerLink {
                 }
             }
         }
-        if queued_to != 0 && self.cut_unread_connections(st, queued_to, now) {
-            // What they held moves to the other connections.
-            return self.pump(st);
-        }
-        self.deliver_events(&env, st);
-        // Refresh periodically, and at once when a rail appears.
+        queued_to != 0 && self.cut_unread_connections(st, queued_to, now)
+    }
+
+    /// The per-rail gauges: periodically, and at once when a rail appears.
+    fn refresh_gauges(&self, st: &mut LinkState) {
+        let now = Instant::now();
         let rails = st.session.rail_count();
         if rails != st.gauged_rails
             || st
@@ -565,7 +569,7 @@ impl PeerLink {
         }
     }
 
-    fn deliver_events(&self, env: &Arc<dyn LinkEnv>, st: &mut LinkState) {
+    fn deliver_events(&self, env: &Arc<Env>, st: &mut LinkState) {
         while let Some(ev) = st.session.poll_event() {
             match ev {
                 Event::Rail(change) => self.on_rail_change(st, change),
@@ -841,13 +845,6 @@ impl PeerLink {
     }
 }
 
-/// Most frames, and payload bytes, one vectored write gathers from the queue.
-const WRITE_BATCH_FRAMES: usize = 64;
-const WRITE_BATCH_BYTES: u64 = 4 << 20;
-
-/// A connection's slot and generation.
-pub type ConnKey = (ConnId, u64);
-
 /// Longest a transfer's end waits for its payload to be let go: quinn keeps
 /// views until they are acknowledged or its connection is dropped, which the
 /// rail-stall timers bound well below this.
@@ -887,4 +884,267 @@ async fn probe_rail(link: Arc<PeerLink>, rail: RailId) {
     if let Err(e) = env.probe_rail(link.clone(), dial, rail).await {
         link.probe_failed(rail, &e);
     }
+}
+
+// Queue pairs: set up over a rail's stream connection (RdmaConnect /
+// RdmaAccept), and rebuilt after they failed.
+
+impl PeerLink {
+    /// Rebuilds `rail`'s queue pairs in the background (dialer side).
+    pub fn spawn_rdma_rebuild(&self, rail: RailId) {
+        if let Some(me) = self.me.upgrade() {
+            tokio::spawn(rebuild_queue_pairs(me, rail));
+        }
+    }
+
+    /// The registration of a local region on a rail's RDMA device.
+    pub fn rdma_mr(&self, region_id: u64, rail: RailId) -> Option<Arc<kvrail_verbs::MemoryRegion>> {
+        self.env.upgrade()?.rdma().mr(region_id, rail)
+    }
+
+    /// Queues a driver-level control message on one connection. A peer that
+    /// keeps asking (queue-pair requests are answered on the connection they
+    /// came on) without reading the answers has that connection cut, by the
+    /// same rule as what the session queues (`cut_unread_connections`).
+    pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
+        let mut st = self.lock();
+        let queued = match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
+            Some(Sink::Stream(sink)) => {
+                sink.queue(Outgoing::Control(encode_control(&wire::message(body))))
+            }
+            _ => false,
+        };
+        if self.cut_unread_connections(&mut st, conn_bit(conn), Instant::now()) {
+            self.pump(&mut st);
+            return false;
+        }
+        queued
+    }
+
+    /// Adds a connected queue pair on `rail` as a one-sided connection.
+    pub fn attach_qp(
+        self: &Arc<Self>,
+        qp: kvrail_verbs::QueuePair,
+        rail: RailId,
+    ) -> Option<ConnId> {
+        let busy_poll = self.env.upgrade()?.rdma().busy_poll;
+        self.install(rail, true, |key| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = tokio::spawn(qp_task(self.clone(), key, rail, qp, rx, busy_poll));
+            (Sink::QueuePair(tx), None, task.abort_handle())
+        })
+    }
+
+    /// Dialer: sets up `qps_per_rail` queue pairs on `rail` over its stream
+    /// connection `conn`. Ok(n) with the number attached.
+    pub async fn setup_rdma(
+        self: &Arc<Self>,
+        rail: RailId,
+        conn: ConnId,
+    ) -> Result<usize, RdmaSetupError> {
+        let env = self.env.upgrade().ok_or("daemon is shutting down")?;
+        {
+            let mut st = self.lock();
+            st.qp_setups.begin(rail)?;
+        }
+        let _claim = RailClaim {
+            link: self,
+            rail,
+            give_back: |st, rail| st.qp_setups.end(rail),
+        };
+        let generation = self
+            .live_generation(conn)
+            .ok_or("the rail's connection closed before setup")?;
+        let count = env.rdma().qps_per_rail;
+        let mut qps = rdma::create_qps(env.rdma(), rail, count)?;
+        let endpoints = qps
+            .iter()
+            .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let nonce: u64 = rand::random();
+        let (tx, rx) = oneshot::channel();
+        let request = {
+            let mut st = self.lock();
+            if st.closed {
+                // Its timer is gone: nothing would end the wait.
+                return Err("the link closed before setup".into());
+            }
+            st.qp_waiters.insert(nonce, tx);
+            st.qp_setups.start(rail, nonce, endpoints, Instant::now())
+        };
+        if !self.send_control(conn, Body::RdmaConnect(request)) {
+            let mut st = self.lock();
+            st.qp_setups.abandon(nonce);
+            st.qp_waiters.remove(&nonce);
+            return Err("the rail's connection closed before setup".into());
+        }
+        // The link's timer ends the setup at its deadline (QpSetups), so this
+        // always gets an outcome unless the link itself goes away.
+        let outcome = rx
+            .await
+            .map_err(|_| "the link closed during setup".to_string())?;
+        let accept_qps = outcome.result?;
+        // A rail retired meanwhile took the acceptor's side of these queue
+        // pairs with it: attaching ours would revive the rail with queue
+        // pairs that reach nothing.
+        if self.live_generation(conn) != Some(generation) {
+            return Err("the rail's connection closed during setup".into());
+        }
+        for (qp, remote) in qps.iter_mut().zip(&accept_qps) {
+            qp.connect(&rdma::endpoint_of(remote)?)
+                .map_err(|e| e.to_string())?;
+        }
+        let mut attached = 0;
+        for qp in qps {
+            if self.attach_qp(qp, rail).is_some() {
+                attached += 1;
+            }
+        }
+        Ok(attached)
+    }
+
+    /// Acceptor: the dialer asks for queue pairs on the rail of connection `conn`.
+    pub(super) fn on_rdma_connect(self: &Arc<Self>, conn: ConnId, req: pb::RdmaConnect) {
+        let Some(env) = self.env.upgrade() else {
+            return;
+        };
+        let checked = {
+            let mut st = self.lock();
+            let rail = st.session.connection_rail(conn);
+            st.qp_acceptor.take(&req, rail).map_err(|e| e.to_string())
+        };
+        // The rail's request is answered however this ends.
+        let _taken = checked.is_ok().then_some(RailClaim {
+            link: self,
+            rail: req.rail_index,
+            give_back: |st, rail| st.qp_acceptor.done(rail),
+        });
+        if checked.is_ok() {
+            // The dialer replaces its queue pairs on this rail: ours are stale.
+            // (Only a request the check accepted, for the rail it came on.)
+            let mut st = self.lock();
+            let stale = st.session.retire_one_sided_connections(req.rail_index);
+            self.stop_connections(&mut st, stale);
+            self.pump(&mut st);
+        }
+        let result = checked.and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
+        let outcome = result.and_then(|qps| {
+            let endpoints = qps
+                .iter()
+                .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            let asked = qps.len();
+            let attached = qps
+                .into_iter()
+                .filter_map(|qp| self.attach_qp(qp, req.rail_index))
+                .count();
+            if attached < asked {
+                // The dialer drops its side on our refusal: the ones we kept
+                // would reach nothing.
+                let mut st = self.lock();
+                let kept = st.session.retire_one_sided_connections(req.rail_index);
+                self.stop_connections(&mut st, kept);
+                self.pump(&mut st);
+                return Err(format!(
+                    "only {attached} of {asked} queue pairs could be attached (session closed or full)"
+                ));
+            }
+            info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
+            Ok(endpoints)
+        });
+        if let Err(e) = &outcome {
+            // The peer decides how often this happens: rate limited.
+            if let Some(suppressed) = QP_DECLINE_LOG.admit() {
+                info!(peer = %self.peer, rail = req.rail_index, suppressed, "declined RDMA queue pairs: {e}");
+            }
+        }
+        let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
+        self.send_control(conn, Body::RdmaAccept(answer));
+    }
+
+    /// Whether a queue-pair setup of `rail` is under way (dialer).
+    pub fn rdma_setup_under_way(&self, rail: RailId) -> bool {
+        self.lock().qp_setups.is_busy(rail)
+    }
+
+    pub(super) fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
+        let mut st = self.lock();
+        // An answer to no setup of ours (late or made up) is ignored.
+        if let Some(outcome) = st.qp_setups.on_accept(accept) {
+            if let Some(tx) = st.qp_waiters.remove(&outcome.nonce) {
+                let _ = tx.send(outcome);
+            }
+        }
+    }
+
+    /// Ends the setups whose answer did not come in time.
+    pub(super) fn qp_setups_timed_out(&self) {
+        let mut st = self.lock();
+        for outcome in st.qp_setups.handle_timeout(Instant::now()) {
+            if let Some(tx) = st.qp_waiters.remove(&outcome.nonce) {
+                let _ = tx.send(outcome);
+            }
+        }
+    }
+}
+
+/// Declined queue-pair requests logged, at most a few a second.
+static QP_DECLINE_LOG: std::sync::LazyLock<kvrail_transport::ratelog::RateLimitedLog> =
+    std::sync::LazyLock::new(|| kvrail_transport::ratelog::RateLimitedLog::new(5));
+
+/// A rail's claim for one queue-pair setup, given back however the setup
+/// ends: the dialer's (`QpSetups::begin`/`end`) or the acceptor's
+/// (`QpAcceptor::take`/`done`).
+struct RailClaim<'a> {
+    link: &'a PeerLink,
+    rail: RailId,
+    give_back: fn(&mut LinkState, RailId),
+}
+
+impl Drop for RailClaim<'_> {
+    fn drop(&mut self) {
+        (self.give_back)(&mut self.link.lock(), self.rail);
+    }
+}
+
+/// Dialer: rebuilds the queue pairs of `rail` after they failed, with backoff,
+/// for as long as the rail's stream connections live and none is rebuilt.
+pub(super) async fn rebuild_queue_pairs(link: Arc<PeerLink>, rail: RailId) {
+    {
+        let mut st = link.lock();
+        if !st.rdma_building.insert(rail) {
+            return;
+        }
+    }
+    let mut backoff = rdma::QP_RETRY_INITIAL;
+    loop {
+        tokio::time::sleep(backoff).await;
+        let (closed, qps, stream) = {
+            let st = link.lock();
+            let conns = st.session.rail_connections(rail);
+            let stream = conns.into_iter().find(|&c| {
+                matches!(
+                    st.conns.get(c).and_then(|h| h.writer.as_ref()),
+                    Some(Sink::Stream(_))
+                )
+            });
+            (st.closed, st.session.one_sided_connections(rail), stream)
+        };
+        // Done: closed, rebuilt, or the rail itself is down (its rebuild redoes RDMA).
+        let Some(stream) = stream.filter(|_| !closed && qps == 0) else {
+            break;
+        };
+        match link.setup_rdma(rail, stream).await {
+            Ok(n) if n > 0 => {
+                info!(peer = %link.peer, rail, qps = n, "RDMA queue pairs rebuilt");
+                break;
+            }
+            Ok(_) => break,
+            Err(e) => debug!(peer = %link.peer, rail, "RDMA queue pairs not rebuilt yet: {e}"),
+        }
+        backoff = (backoff * 2).min(rdma::QP_RETRY_MAX);
+    }
+    link.lock().rdma_building.remove(&rail);
 }

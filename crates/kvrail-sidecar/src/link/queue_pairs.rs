@@ -1,14 +1,21 @@
-//! RDMA queue pairs of a link: setting them up over a stream connection
-//! (RdmaConnect / RdmaAccept), rebuilding a rail's after they failed, and the
-//! task that drives each one (posts, completions, trailers).
+//! An RDMA queue pair of a link: the task that drives it (posts what the
+//! session schedules on it, reaps completions, reports trailers), and why a
+//! rail's queue pairs could not be set up. (Setting them up is the link's:
+//! it takes the link's connections and state.)
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kvrail_core::wire::SliceHeader;
-use kvrail_core::OneSidedOp;
+use kvrail_core::wire::{self, ErrorCode, SliceHeader};
+use kvrail_core::{OneSidedOp, RailId};
 use kvrail_verbs::{gather, Completion, Opcode, QueuePair, Sge, WorkRequest};
+use tokio::sync::mpsc;
+use tracing::warn;
 
-use super::*;
+use super::conns::ConnKey;
+use super::owner::ConnOwner;
+use crate::metrics as m;
 use crate::rdma::OneSidedWork;
 
 /// Why a rail's queue pairs were not set up.
@@ -46,266 +53,6 @@ impl From<&str> for RdmaSetupError {
     }
 }
 
-impl PeerLink {
-    /// Rebuilds `rail`'s queue pairs in the background (dialer side).
-    pub fn spawn_rdma_rebuild(&self, rail: RailId) {
-        if let Some(me) = self.me.upgrade() {
-            tokio::spawn(rebuild_queue_pairs(me, rail));
-        }
-    }
-
-    /// The registration of a local region on a rail's RDMA device.
-    pub fn rdma_mr(&self, region_id: u64, rail: RailId) -> Option<Arc<kvrail_verbs::MemoryRegion>> {
-        self.env.upgrade()?.rdma().mr(region_id, rail)
-    }
-
-    /// Queues a driver-level control message on one connection. A peer that
-    /// keeps asking (queue-pair requests are answered on the connection they
-    /// came on) without reading the answers has that connection cut, by the
-    /// same rule as what the session queues (`cut_unread_connections`).
-    pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
-        let mut st = self.lock();
-        let queued = match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-            Some(Sink::Stream(sink)) => {
-                sink.queue(Outgoing::Control(encode_control(&wire::message(body))))
-            }
-            _ => false,
-        };
-        if self.cut_unread_connections(&mut st, conn_bit(conn), Instant::now()) {
-            self.pump(&mut st);
-            return false;
-        }
-        queued
-    }
-
-    /// Adds a connected queue pair on `rail` as a one-sided connection.
-    pub fn attach_qp(
-        self: &Arc<Self>,
-        qp: kvrail_verbs::QueuePair,
-        rail: RailId,
-    ) -> Option<ConnId> {
-        let busy_poll = self.env.upgrade()?.rdma().busy_poll;
-        self.install(rail, true, |key| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let task = tokio::spawn(qp_task(self.clone(), key, rail, qp, rx, busy_poll));
-            (Sink::QueuePair(tx), None, task.abort_handle())
-        })
-    }
-
-    /// Dialer: sets up `qps_per_rail` queue pairs on `rail` over its stream
-    /// connection `conn`. Ok(n) with the number attached.
-    pub async fn setup_rdma(
-        self: &Arc<Self>,
-        rail: RailId,
-        conn: ConnId,
-    ) -> Result<usize, RdmaSetupError> {
-        let env = self.env.upgrade().ok_or("daemon is shutting down")?;
-        {
-            let mut st = self.lock();
-            st.qp_setups.begin(rail)?;
-        }
-        let _claim = RailClaim {
-            link: self,
-            rail,
-            give_back: |st, rail| st.qp_setups.end(rail),
-        };
-        let generation = self
-            .live_generation(conn)
-            .ok_or("the rail's connection closed before setup")?;
-        let count = env.rdma().qps_per_rail;
-        let mut qps = rdma::create_qps(env.rdma(), rail, count)?;
-        let endpoints = qps
-            .iter()
-            .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        let nonce: u64 = rand::random();
-        let (tx, rx) = oneshot::channel();
-        let request = {
-            let mut st = self.lock();
-            if st.closed {
-                // Its timer is gone: nothing would end the wait.
-                return Err("the link closed before setup".into());
-            }
-            st.qp_waiters.insert(nonce, tx);
-            st.qp_setups.start(rail, nonce, endpoints, Instant::now())
-        };
-        if !self.send_control(conn, Body::RdmaConnect(request)) {
-            let mut st = self.lock();
-            st.qp_setups.abandon(nonce);
-            st.qp_waiters.remove(&nonce);
-            return Err("the rail's connection closed before setup".into());
-        }
-        // The link's timer ends the setup at its deadline (QpSetups), so this
-        // always gets an outcome unless the link itself goes away.
-        let outcome = rx
-            .await
-            .map_err(|_| "the link closed during setup".to_string())?;
-        let accept_qps = outcome.result?;
-        // A rail retired meanwhile took the acceptor's side of these queue
-        // pairs with it: attaching ours would revive the rail with queue
-        // pairs that reach nothing.
-        if self.live_generation(conn) != Some(generation) {
-            return Err("the rail's connection closed during setup".into());
-        }
-        for (qp, remote) in qps.iter_mut().zip(&accept_qps) {
-            qp.connect(&rdma::endpoint_of(remote)?)
-                .map_err(|e| e.to_string())?;
-        }
-        let mut attached = 0;
-        for qp in qps {
-            if self.attach_qp(qp, rail).is_some() {
-                attached += 1;
-            }
-        }
-        Ok(attached)
-    }
-
-    /// Acceptor: the dialer asks for queue pairs on the rail of connection `conn`.
-    pub(super) fn on_rdma_connect(self: &Arc<Self>, conn: ConnId, req: pb::RdmaConnect) {
-        let Some(env) = self.env.upgrade() else {
-            return;
-        };
-        let checked = {
-            let mut st = self.lock();
-            let rail = st.session.connection_rail(conn);
-            st.qp_acceptor.take(&req, rail).map_err(|e| e.to_string())
-        };
-        // The rail's request is answered however this ends.
-        let _taken = checked.is_ok().then_some(RailClaim {
-            link: self,
-            rail: req.rail_index,
-            give_back: |st, rail| st.qp_acceptor.done(rail),
-        });
-        if checked.is_ok() {
-            // The dialer replaces its queue pairs on this rail: ours are stale.
-            // (Only a request the check accepted, for the rail it came on.)
-            let mut st = self.lock();
-            let stale = st.session.retire_one_sided_connections(req.rail_index);
-            self.stop_connections(&mut st, stale);
-            self.pump(&mut st);
-        }
-        let result = checked.and_then(|()| rdma::accept_qps(env.rdma(), req.rail_index, &req));
-        let outcome = result.and_then(|qps| {
-            let endpoints = qps
-                .iter()
-                .map(|q| q.endpoint().map(|e| rdma::endpoint_msg(&e)))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| e.to_string())?;
-            let asked = qps.len();
-            let attached = qps
-                .into_iter()
-                .filter_map(|qp| self.attach_qp(qp, req.rail_index))
-                .count();
-            if attached < asked {
-                // The dialer drops its side on our refusal: the ones we kept
-                // would reach nothing.
-                let mut st = self.lock();
-                let kept = st.session.retire_one_sided_connections(req.rail_index);
-                self.stop_connections(&mut st, kept);
-                self.pump(&mut st);
-                return Err(format!(
-                    "only {attached} of {asked} queue pairs could be attached (session closed or full)"
-                ));
-            }
-            info!(peer = %self.peer, rail = req.rail_index, qps = endpoints.len(), "RDMA queue pairs connected");
-            Ok(endpoints)
-        });
-        if let Err(e) = &outcome {
-            // The peer decides how often this happens: rate limited.
-            if let Some(suppressed) = QP_DECLINE_LOG.admit() {
-                info!(peer = %self.peer, rail = req.rail_index, suppressed, "declined RDMA queue pairs: {e}");
-            }
-        }
-        let answer = kvrail_core::qp_setup::answer(req.nonce, outcome);
-        self.send_control(conn, Body::RdmaAccept(answer));
-    }
-
-    /// Whether a queue-pair setup of `rail` is under way (dialer).
-    pub fn rdma_setup_under_way(&self, rail: RailId) -> bool {
-        self.lock().qp_setups.is_busy(rail)
-    }
-
-    pub(super) fn on_rdma_accept(&self, accept: pb::RdmaAccept) {
-        let mut st = self.lock();
-        // An answer to no setup of ours (late or made up) is ignored.
-        if let Some(outcome) = st.qp_setups.on_accept(accept) {
-            if let Some(tx) = st.qp_waiters.remove(&outcome.nonce) {
-                let _ = tx.send(outcome);
-            }
-        }
-    }
-
-    /// Ends the setups whose answer did not come in time.
-    pub(super) fn qp_setups_timed_out(&self) {
-        let mut st = self.lock();
-        for outcome in st.qp_setups.handle_timeout(Instant::now()) {
-            if let Some(tx) = st.qp_waiters.remove(&outcome.nonce) {
-                let _ = tx.send(outcome);
-            }
-        }
-    }
-}
-
-/// Declined queue-pair requests logged, at most a few a second.
-static QP_DECLINE_LOG: std::sync::LazyLock<kvrail_transport::ratelog::RateLimitedLog> =
-    std::sync::LazyLock::new(|| kvrail_transport::ratelog::RateLimitedLog::new(5));
-
-/// A rail's claim for one queue-pair setup, given back however the setup
-/// ends: the dialer's (`QpSetups::begin`/`end`) or the acceptor's
-/// (`QpAcceptor::take`/`done`).
-struct RailClaim<'a> {
-    link: &'a PeerLink,
-    rail: RailId,
-    give_back: fn(&mut LinkState, RailId),
-}
-
-impl Drop for RailClaim<'_> {
-    fn drop(&mut self) {
-        (self.give_back)(&mut self.link.lock(), self.rail);
-    }
-}
-
-/// Dialer: rebuilds the queue pairs of `rail` after they failed, with backoff,
-/// for as long as the rail's stream connections live and none is rebuilt.
-pub(super) async fn rebuild_queue_pairs(link: Arc<PeerLink>, rail: RailId) {
-    {
-        let mut st = link.lock();
-        if !st.rdma_building.insert(rail) {
-            return;
-        }
-    }
-    let mut backoff = rdma::QP_RETRY_INITIAL;
-    loop {
-        tokio::time::sleep(backoff).await;
-        let (closed, qps, stream) = {
-            let st = link.lock();
-            let conns = st.session.rail_connections(rail);
-            let stream = conns.into_iter().find(|&c| {
-                matches!(
-                    st.conns.get(c).and_then(|h| h.writer.as_ref()),
-                    Some(Sink::Stream(_))
-                )
-            });
-            (st.closed, st.session.one_sided_connections(rail), stream)
-        };
-        // Done: closed, rebuilt, or the rail itself is down (its rebuild redoes RDMA).
-        let Some(stream) = stream.filter(|_| !closed && qps == 0) else {
-            break;
-        };
-        match link.setup_rdma(rail, stream).await {
-            Ok(n) if n > 0 => {
-                info!(peer = %link.peer, rail, qps = n, "RDMA queue pairs rebuilt");
-                break;
-            }
-            Ok(_) => break,
-            Err(e) => debug!(peer = %link.peer, rail, "RDMA queue pairs not rebuilt yet: {e}"),
-        }
-        backoff = (backoff * 2).min(rdma::QP_RETRY_MAX);
-    }
-    link.lock().rdma_building.remove(&rail);
-}
-
 /// A slice posted and not yet completed.
 pub(super) struct Posted {
     header: SliceHeader,
@@ -322,8 +69,8 @@ pub(super) enum PostError {
 
 /// Drives one queue pair: posts what the session schedules on it, reaps its
 /// completions, and reports trailers (receiver) and completions (initiator).
-pub async fn qp_task(
-    link: Arc<PeerLink>,
+pub(super) async fn qp_task<L: ConnOwner>(
+    link: Arc<L>,
     key: ConnKey,
     rail: RailId,
     mut qp: QueuePair,
@@ -334,8 +81,8 @@ pub async fn qp_task(
     link.connection_failed(key, &reason);
 }
 
-pub(super) async fn run_qp(
-    link: &Arc<PeerLink>,
+pub(super) async fn run_qp<L: ConnOwner>(
+    link: &Arc<L>,
     key: ConnKey,
     rail: RailId,
     qp: &mut QueuePair,
@@ -343,7 +90,7 @@ pub(super) async fn run_qp(
     busy_poll: Duration,
 ) -> String {
     let conn = key.0;
-    let counters = m::RdmaCounters::new(&link.peer, rail);
+    let counters = m::RdmaCounters::new(link.peer(), rail);
     let max_sge = qp.device().limits().max_sge.clamp(1, 30) as usize;
     let mut free_slots = qp.send_depth();
     let mut posted: HashMap<u64, Posted> = HashMap::new();
@@ -360,7 +107,7 @@ pub(super) async fn run_qp(
             match build(link, rail, &work, token, max_sge, &mut wrs) {
                 Ok(()) => {}
                 Err(PostError::Slice(code, msg)) => {
-                    warn!(peer = %link.peer, rail, transfer = work.header.transfer_id, "{msg}");
+                    warn!(peer = %link.peer(), rail, transfer = work.header.transfer_id, "{msg}");
                     link.with_session(|s, now| s.fail(work.header.transfer_id, code, &msg, now));
                     continue;
                 }
@@ -469,8 +216,8 @@ pub(super) async fn run_qp(
 
 /// Builds the work requests of one slice into `wrs`, checking every local range
 /// against our registration and every remote one against the peer's grant.
-pub(super) fn build(
-    link: &Arc<PeerLink>,
+pub(super) fn build<L: ConnOwner>(
+    link: &Arc<L>,
     rail: RailId,
     work: &OneSidedWork,
     token: u64,
@@ -479,15 +226,18 @@ pub(super) fn build(
 ) -> Result<(), PostError> {
     wrs.clear();
     let id = work.header.transfer_id;
-    let mr = link.rdma_mr(work.region.id, rail).ok_or_else(|| {
-        PostError::Slice(
-            ErrorCode::RegionGone,
-            format!(
-                "region {} is not registered for RDMA on rail {rail}",
-                work.region.id
-            ),
-        )
-    })?;
+    let mr = link
+        .env()
+        .and_then(|env| env.rdma().mr(work.region.id, rail))
+        .ok_or_else(|| {
+            PostError::Slice(
+                ErrorCode::RegionGone,
+                format!(
+                    "region {} is not registered for RDMA on rail {rail}",
+                    work.region.id
+                ),
+            )
+        })?;
     let key = &work.remote.key;
     let mut local = Vec::with_capacity(work.pieces.len());
     for &(off, len) in &work.pieces {

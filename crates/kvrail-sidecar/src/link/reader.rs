@@ -8,12 +8,21 @@
 //! (so nothing it holds back can stall a sender that waits for it).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::task::Poll;
 
-use kvrail_core::{Admission, Admitted, ConnPlacer};
+use kvrail_core::wire::{self, Body, ErrorCode};
+use kvrail_core::{Admission, Admitted, ConnId, ConnPlacer, SliceDisposition};
+use kvrail_transport::{read_frame, Frame, FrameReader, TransportError};
+use tracing::debug;
 
+use super::conns::ConnKey;
+use super::env::LinkEnv;
 use super::gpu_staging::receive_staged;
-use super::*;
+use super::inline;
+use super::owner::ConnOwner;
+use crate::metrics as m;
+use crate::regions::RegionMemory;
 
 /// Control messages read back to back that go into the session in one lock...
 const CONTROL_BATCH: usize = 64;
@@ -21,8 +30,8 @@ const CONTROL_BATCH: usize = 64;
 /// counts twice: eight bytes decoded against an id's four).
 const CONTROL_BATCH_BLOCKS: usize = 1 << 16;
 
-pub(super) async fn reader_task(
-    link: Arc<PeerLink>,
+pub(super) async fn reader_task<L: ConnOwner>(
+    link: Arc<L>,
     key: ConnKey,
     counters: m::ConnCounters,
     mut reader: Box<dyn FrameReader>,
@@ -66,8 +75,8 @@ pub(super) fn wire_reason(e: &wire::WireError) -> &'static str {
 /// gates, the one being read, control messages read back to back. Settled in
 /// one lock; also when the reader's task is stopped (dropped) mid-read, so
 /// that no transfer waits for ever on a slice its gate counted.
-struct Held {
-    link: Arc<PeerLink>,
+struct Held<L: ConnOwner> {
+    link: Arc<L>,
     /// The connection's slot and generation: a task dropped late must not
     /// credit its slices to the connection that took the slot since.
     key: ConnKey,
@@ -79,8 +88,8 @@ struct Held {
     control_blocks: usize,
 }
 
-impl Held {
-    fn new(link: Arc<PeerLink>, key: ConnKey) -> Self {
+impl<L: ConnOwner> Held<L> {
+    fn new(link: Arc<L>, key: ConnKey) -> Self {
         Self {
             link,
             key,
@@ -119,7 +128,7 @@ impl Held {
         let reading = self.reading.take();
         let controls = std::mem::take(&mut self.controls);
         self.control_blocks = 0;
-        let env = self.link.env.upgrade();
+        let env = self.link.env();
         let dir = env.as_ref().map(|env| env.directory());
         inline::with_inline_control(last, || {
             self.link.with_session_from(self.key, |s, conn, now| {
@@ -146,7 +155,7 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl<L: ConnOwner> Drop for Held<L> {
     fn drop(&mut self) {
         // The task was stopped between two polls (never inside the link's
         // lock: a stopped task is dropped by the runtime, later). Outside a
@@ -162,16 +171,16 @@ async fn ready_now<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
 }
 
-async fn read_loop(
-    link: &Arc<PeerLink>,
+async fn read_loop<L: ConnOwner>(
+    link: &Arc<L>,
     conn: ConnId,
     counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
-    held: &mut Held,
+    held: &mut Held<L>,
     reading: &std::sync::atomic::AtomicU64,
 ) -> Result<(), TransportError> {
     loop {
-        let Some(env) = link.env.upgrade() else {
+        let Some(env) = link.env() else {
             return Ok(());
         };
         let may_spin = reader.can_spin() && env.reader_spin_on();
@@ -281,7 +290,7 @@ async fn read_loop(
                 // node's own staging buffers).
                 let mut timed = PayloadDeadline {
                     inner: reader,
-                    limit: link.payload_deadline,
+                    limit: link.payload_deadline(),
                     transfer: id,
                     reading,
                 };
@@ -408,11 +417,11 @@ fn truncation(host: &kvrail_shm::SharedRegion, pieces: &[(u64, u64)]) -> Option<
 
 /// Reads a slice its gate admitted into its host region; the session hears of
 /// it with the next batch.
-async fn place_admitted(
-    env: &Arc<dyn LinkEnv>,
+async fn place_admitted<L: ConnOwner>(
+    env: &Arc<dyn LinkEnv<Link = L>>,
     counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
-    held: &mut Held,
+    held: &mut Held<L>,
     slice: Admitted,
 ) -> Result<(), TransportError> {
     let payload_len = slice.len;
@@ -473,9 +482,9 @@ async fn place_admitted(
 
 /// A slice the session places itself: of a GPU region, of a transfer this
 /// connection has no open gate for, or one the gate could not admit.
-async fn place_by_session(
-    link: &Arc<PeerLink>,
-    env: &Arc<dyn LinkEnv>,
+async fn place_by_session<L: ConnOwner>(
+    link: &Arc<L>,
+    env: &Arc<dyn LinkEnv<Link = L>>,
     conn: ConnId,
     counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
@@ -518,7 +527,7 @@ async fn place_by_session(
             });
         }
         SliceDisposition::Discard => {
-            debug!(peer = %link.peer, transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
+            debug!(peer = %link.peer(), transfer = header.transfer_id, "discarding slice of an unknown or finished transfer");
             reader.discard(u64::from(payload_len)).await?;
         }
     }

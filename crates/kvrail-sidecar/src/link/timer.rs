@@ -98,9 +98,10 @@ impl<S: Deadlines> Drop for Locked<'_, S> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{Deadlines, Locked, Timer};
     use std::sync::Mutex;
     use std::time::Duration;
+    use std::time::Instant;
 
     #[derive(Default)]
     struct State {

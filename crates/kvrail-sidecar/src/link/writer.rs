@@ -1,10 +1,21 @@
 //! A connection's writer task: frames in order, whatever is queued gathered
 //! into one vectored write (or handed to a zero-copy writer as views).
 
-use super::*;
+use std::collections::VecDeque;
+use std::sync::Arc;
 
-pub(super) async fn writer_task(
-    link: Arc<PeerLink>,
+use kvrail_core::wire::ErrorCode;
+use kvrail_transport::FrameWriter;
+use tokio::sync::mpsc;
+
+use super::conns::ConnKey;
+use super::frames::{write_batch, Outgoing, WRITE_BATCH_BYTES, WRITE_BATCH_FRAMES};
+use super::gpu_staging::{admit, send_staged, Queued};
+use super::owner::ConnOwner;
+use crate::metrics as m;
+
+pub(super) async fn writer_task<L: ConnOwner>(
+    link: Arc<L>,
     key: ConnKey,
     counters: m::ConnCounters,
     mut writer: Box<dyn FrameWriter>,
@@ -16,8 +27,7 @@ pub(super) async fn writer_task(
     let mut staging = 0usize;
     let mut batch: Vec<Outgoing> = Vec::with_capacity(WRITE_BATCH_FRAMES);
     let (stage_depth, counts_traffic) = link
-        .env
-        .upgrade()
+        .env()
         .map_or((1, false), |e| (e.gpu_stage_depth(), e.counts_traffic()));
     // Frames taken off the channel and not yet written (or dropped): those
     // in `queue` between iterations.
@@ -33,7 +43,7 @@ pub(super) async fn writer_task(
             idle.account(crate::trace_points::SUM_WRITER_IDLE);
             crate::trace_points::mark(crate::trace_points::WRITER_WOKE);
             taken += 1;
-            staging += link.admit(first, &mut queue);
+            staging += admit(&*link, first, &mut queue);
         }
         // Whatever else is already queued goes out in the same system call, and
         // the next GPU slices start their copies while this one is sent.
@@ -41,7 +51,7 @@ pub(super) async fn writer_task(
             match rx.try_recv() {
                 Ok(o) => {
                     taken += 1;
-                    staging += link.admit(o, &mut queue);
+                    staging += admit(&*link, o, &mut queue);
                 }
                 Err(_) => break,
             }
@@ -77,7 +87,7 @@ pub(super) async fn writer_task(
                     }
                 }
                 let writing = crate::trace_points::Stopwatch::start();
-                let sent = link.send_staged(writer.as_mut(), staged, &device).await;
+                let sent = send_staged(&*link, writer.as_mut(), staged, &device).await;
                 writing.account(crate::trace_points::SUM_WRITER_STAGED_WRITE);
                 if let Ok(bytes) = &sent {
                     if bytes.slices > 0 {
@@ -126,7 +136,7 @@ pub(super) async fn writer_task(
                     counters.bytes_sent.increment(payload);
                     counters.slices_sent.increment(slices);
                     if counts_traffic {
-                        if let Some(env) = link.env.upgrade() {
+                        if let Some(env) = link.env() {
                             env.on_traffic(payload);
                         }
                     }
@@ -150,123 +160,4 @@ pub(super) async fn writer_task(
             taken -= finished;
         }
     }
-}
-
-impl Outgoing {
-    /// A slice of a transfer that failed since it was queued.
-    pub(super) fn abandoned(&self) -> bool {
-        matches!(self, Outgoing::Slice { hold, .. } if hold.abandoned())
-    }
-
-    pub(super) fn payload_len(&self) -> u64 {
-        match self {
-            Outgoing::Control(_) => 0,
-            Outgoing::Slice { len, .. } => *len,
-        }
-    }
-
-    /// A host slice whose region's file no longer backs its bytes: the
-    /// transfer and why.
-    pub(super) fn truncated_source(&self) -> Option<(u64, String)> {
-        let Outgoing::Slice {
-            transfer_id,
-            region,
-            pieces,
-            ..
-        } = self
-        else {
-            return None;
-        };
-        let host = region.memory.host()?;
-        let end = pieces.iter().map(|(o, l)| o + l).max()?;
-        host.check_intact(0, end)
-            .err()
-            .map(|e| (*transfer_id, e.to_string()))
-    }
-}
-
-/// Payload pieces at least this long go to a zero-copy writer by reference;
-/// shorter ones (and frame headers) are cheaper to copy into one shared chunk.
-pub(super) const ZERO_COPY_MIN: u64 = 16 << 10;
-
-pub(super) async fn write_batch(
-    writer: &mut dyn FrameWriter,
-    batch: &[Outgoing],
-) -> std::io::Result<()> {
-    if writer.takes_owned_payload() {
-        return writer.write_chunks(owned_chunks(batch)?).await;
-    }
-    let mut bufs = io_slices(batch)?;
-    writer.write_all_vectored(&mut bufs).await
-}
-
-/// The batch's bytes in order, as I/O slices: frame headers and control
-/// frames, payload straight from its mapped region.
-pub(super) fn io_slices(batch: &[Outgoing]) -> std::io::Result<Vec<IoSlice<'_>>> {
-    let mut bufs = Vec::with_capacity(batch.len() * 2);
-    for out in batch {
-        match out {
-            Outgoing::Control(bytes) => bufs.push(IoSlice::new(bytes)),
-            Outgoing::Slice {
-                header,
-                region,
-                pieces,
-                ..
-            } => {
-                let host = staged_host(region)?;
-                bufs.push(IoSlice::new(header));
-                bufs.extend(host.io_slices(pieces).map_err(std::io::Error::other)?);
-            }
-        }
-    }
-    Ok(bufs)
-}
-
-/// The host memory a ready slice is sent from (GPU slices go through staging).
-pub(super) fn staged_host(region: &Region) -> std::io::Result<&Arc<kvrail_shm::SharedRegion>> {
-    region
-        .memory
-        .shared_host()
-        .ok_or_else(|| std::io::Error::other("a GPU slice was not staged"))
-}
-
-/// The batch as chunks a zero-copy writer may keep: large payload pieces as
-/// views of their mapped region, everything between them copied together.
-pub(super) fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
-    let mut chunks = Vec::new();
-    let mut small = BytesMut::new();
-    for out in batch {
-        match out {
-            Outgoing::Control(bytes) => small.extend_from_slice(bytes),
-            Outgoing::Slice {
-                header,
-                region,
-                pieces,
-                hold,
-                ..
-            } => {
-                let host = staged_host(region)?;
-                small.extend_from_slice(header);
-                for &(offset, len) in pieces {
-                    if len >= ZERO_COPY_MIN {
-                        if !small.is_empty() {
-                            chunks.push(small.split().freeze());
-                        }
-                        chunks.push(
-                            host.shared_bytes(offset, len, hold.clone())
-                                .map_err(std::io::Error::other)?,
-                        );
-                    } else {
-                        small.extend_from_slice(
-                            host.slice(offset, len).map_err(std::io::Error::other)?,
-                        );
-                    }
-                }
-            }
-        }
-    }
-    if !small.is_empty() {
-        chunks.push(small.freeze());
-    }
-    Ok(chunks)
 }
