@@ -437,6 +437,18 @@ pub struct LocalTransfer {
     pub staged: bool,
 }
 
+impl LocalTransfer {
+    /// The plan of our side: `Access::Read` for a push, `Write` for a pull.
+    pub fn plan(&self, access: Access) -> Result<Plan, PlanError> {
+        Plan::build_for(
+            &self.local_layout,
+            self.local_geometry.as_deref(),
+            &self.local,
+            access,
+        )
+    }
+}
+
 /// One peer session.
 #[derive(Debug)]
 pub struct Session {
@@ -876,12 +888,19 @@ impl Session {
 
     /// Starts a push: our `local` blocks go into the peer's `remote` blocks.
     pub fn start_push(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
-        let plan = Plan::build_for(
-            &req.local_layout,
-            req.local_geometry.as_deref(),
-            &req.local,
-            Access::Read,
-        )?;
+        let plan = req.plan(Access::Read)?;
+        self.start_push_planned(req, plan, now)
+    }
+
+    /// As [`Session::start_push`], with the plan the caller already built
+    /// from `req` ([`LocalTransfer::plan`]) while checking the request: a
+    /// transfer's plan is built once.
+    pub fn start_push_planned(
+        &mut self,
+        req: LocalTransfer,
+        plan: Plan,
+        now: Instant,
+    ) -> Result<u64, PlanError> {
         let one_sided = self.goes_one_sided(&req, plan.total_bytes());
         let bytes = transfer_bytes(
             &[&req.local],
@@ -915,12 +934,17 @@ impl Session {
 
     /// Starts a pull: the peer's `remote` blocks come into our `local` blocks.
     pub fn start_pull(&mut self, req: LocalTransfer, now: Instant) -> Result<u64, PlanError> {
-        let plan = Plan::build_for(
-            &req.local_layout,
-            req.local_geometry.as_deref(),
-            &req.local,
-            Access::Write,
-        )?;
+        let plan = req.plan(Access::Write)?;
+        self.start_pull_planned(req, plan, now)
+    }
+
+    /// As [`Session::start_pull`], with the plan already built from `req`.
+    pub fn start_pull_planned(
+        &mut self,
+        req: LocalTransfer,
+        plan: Plan,
+        now: Instant,
+    ) -> Result<u64, PlanError> {
         let total = plan.total_bytes();
         let one_sided = self.goes_one_sided(&req, total);
         let bytes = transfer_bytes(

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvrail_core::{Access, BlockSelection, LocalTransfer, Plan, PlanError};
+use kvrail_core::{Access, BlockSelection, LocalTransfer, PlanError};
 use kvrail_proto::{Failure, FailureSide, TransferAccepted, TransferState, TransferStatus};
 use tonic::Status;
 
@@ -139,30 +139,34 @@ pub async fn start_transfer(
     })?;
     let access = if push { Access::Read } else { Access::Write };
     let (local_sel, remote_sel) = share_slice(local_sel, remote_sel)?;
-    let plan = Plan::build_for(
-        &region.layout,
-        region.geometry.as_deref(),
-        &local_sel,
-        access,
-    )
-    .map_err(|e| match e {
+    let req = LocalTransfer {
+        transfer_id: 0, // numbered once the request is recorded
+        request_id: request_id.to_string(),
+        local: local_sel,
+        local_layout: region.layout,
+        remote: remote_sel,
+        staged: region.memory.is_staged(),
+        local_geometry: region.geometry.clone(),
+    };
+    // Built once: checked here, then handed to the session.
+    let plan = req.plan(access).map_err(|e| match e {
         PlanError::NoGeometry | PlanError::Slice(_) | PlanError::Incompatible(_) => {
             Status::failed_precondition(e.to_string())
         }
         e => Status::invalid_argument(e.to_string()),
     })?;
-    if local_sel.slice.is_some() {
+    if req.local.slice.is_some() {
         // The stream's length is compared by the peer when it plans its side.
         let remote_access = if push { Access::Write } else { Access::Read };
-        remote_sel
+        req.remote
             .check_shape(remote_access)
             .map_err(|e| Status::invalid_argument(format!("peer-side selection: {e}")))?;
     } else {
         check_remote(
-            &remote_sel,
+            &req.remote,
             push,
-            local_sel.block_ids.len(),
-            local_sel.layer_count,
+            req.local.block_ids.len(),
+            req.local.layer_count,
         )?;
     }
 
@@ -201,6 +205,7 @@ pub async fn start_transfer(
     }
     crate::trace_points::mark(crate::trace_points::START_LINK_FOUND);
     let total = plan.total_bytes();
+    let segments = plan.segments().len() as u64;
     let status = TransferStatus {
         transfer_id: id,
         request_id: request_id.to_string(),
@@ -220,12 +225,7 @@ pub async fn start_transfer(
     crate::trace_points::mark(crate::trace_points::START_RECORDED);
     let req = LocalTransfer {
         transfer_id: id,
-        request_id: request_id.to_string(),
-        local: local_sel,
-        local_layout: region.layout,
-        remote: remote_sel,
-        staged: region.memory.is_staged(),
-        local_geometry: region.geometry.clone(),
+        ..req
     };
     let kind = if push {
         kvrail_core::TransferKind::Push
@@ -244,9 +244,9 @@ pub async fn start_transfer(
             )
         })?;
         let r = if push {
-            s.start_push(req, now)
+            s.start_push_planned(req, plan, now)
         } else {
-            s.start_pull(req, now)
+            s.start_pull_planned(req, plan, now)
         };
         crate::trace_points::mark(crate::trace_points::START_SESSION_DONE);
         r.map_err(|e| match e {
@@ -282,6 +282,6 @@ pub async fn start_transfer(
     Ok(TransferAccepted {
         transfer_id: id,
         total_bytes: total,
-        segments: plan.segments().len() as u64,
+        segments,
     })
 }
