@@ -17,6 +17,7 @@ pub mod placement;
 pub mod plan;
 pub mod qp_setup;
 pub mod rail;
+pub mod rail_setup;
 pub mod rangeset;
 pub mod ring;
 pub mod session;

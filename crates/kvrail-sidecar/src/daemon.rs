@@ -12,6 +12,7 @@ use kvrail_core::handshake::{
     admit_session, Acceptor, AcceptorConfig, AcceptorStep, Credentials, HandshakeError,
     HeldSession, SessionAdmission,
 };
+use kvrail_core::rail_setup::{self, RdmaStep, SetupVerdict};
 use kvrail_core::wire::{self, pb, Body, ErrorCode, PROTOCOL_VERSION};
 use kvrail_core::{Event, RailId, SessionConfig, TransferKind};
 use kvrail_proto::{Failure, FailureSide, Notification, NotificationKind, TransferState};
@@ -516,15 +517,10 @@ impl Shared {
                 }
             }
         }
-        // A slot retired meanwhile may have been reused by a later connection:
-        // a repeated id counts as lost too.
-        let unique: std::collections::HashSet<_> = attached.iter().copied().collect();
-        let lost =
-            attached.len() - unique.len() + unique.iter().filter(|&&id| !link.is_live(id)).count();
-        if probing && lost > 0 {
-            // The peer reported the rail's old connections down while we rebuilt it,
-            // and that took some new ones with it: start the rail over rather than
-            // leave it short of connections for good.
+        let lost = probing
+            .then(|| rail_setup::lost_while_rebuilt(&attached, |id| link.is_live(id)))
+            .flatten();
+        if let Some(lost) = lost {
             let reason = format!(
                 "{lost} of {} new connections closed while the rail was rebuilt",
                 attached.len()
@@ -534,40 +530,49 @@ impl Shared {
             return Err(unreachable(reason));
         }
         let stream = link.transport;
-        let rdma_first = self.config.rank("rdma") < self.config.rank(stream);
-        let note = match (first, self.rdma.device(rail)) {
-            _ if !rdma_first => None,
-            (_, Err(why)) => Some(format!("rail {rail}: no RDMA here ({why})")),
-            (Some(_), Ok(_)) if !peer_offers.iter().any(|t| t == "rdma") => {
-                Some(format!("rail {rail}: peer offers {peer_offers:?}, no rdma"))
-            }
-            (None, Ok(_)) => None,
-            // An earlier setup of this rail goes on; a second one at once
-            // would leave the two sides with different queue pairs. Should
-            // that one fail for good, the rebuild (one per rail) sets the
-            // rail up once it is free, and ends as soon as queue pairs exist.
-            (Some(_), Ok(_)) if link.rdma_setup_under_way(rail) => {
+        let device = self
+            .rdma
+            .device(rail)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        let on_rail = rail_setup::RdmaOnRail {
+            rail,
+            rdma_first: self.config.rank("rdma") < self.config.rank(stream),
+            device: device.as_ref().map(|_| ()).map_err(String::as_str),
+            first,
+            peer_offers: &peer_offers,
+            setup_under_way: link.rdma_setup_under_way(rail),
+        };
+        let note = match on_rail.step() {
+            RdmaStep::Skip => None,
+            RdmaStep::StreamsOnly(why) => Some(why),
+            RdmaStep::AwaitEarlierSetup(why) => {
+                // Should that setup fail for good, the rebuild sets the rail up.
                 link.spawn_rdma_rebuild(rail);
-                Some(format!(
-                    "rail {rail}: queue pairs being set up by an earlier attempt"
-                ))
+                Some(why)
             }
-            (Some(first), Ok(_)) => {
-                // Queue pairs ride on the rail's first connection; the stream transport
-                // carries on without them.
-                Some(match link.setup_rdma(rail, first).await {
-                    Ok(n) => {
-                        info!(peer = %peer.name, rail, qps = n, "RDMA queue pairs connected");
-                        format!("rdma on rail {rail}: {n} queue pairs")
+            RdmaStep::SetUp(first) => {
+                // Queue pairs ride on the rail's first connection; the stream
+                // transport carries on without them.
+                let outcome = link.setup_rdma(rail, first).await;
+                let qps = outcome.as_ref().map_or(0, |n| *n);
+                let verdict = rail_setup::judge_setup(
+                    rail,
+                    outcome.map_err(|e| (e.to_string(), e.declined_by_peer())),
+                );
+                Some(match verdict {
+                    SetupVerdict::Connected(note) => {
+                        info!(peer = %peer.name, rail, qps, "RDMA queue pairs connected");
+                        note
                     }
-                    Err(e) if e.declined_by_peer() => {
-                        info!(peer = %peer.name, rail, "RDMA not used on this rail, {stream} only: {e}");
-                        format!("rail {rail}: {e}")
+                    SetupVerdict::Declined(note) => {
+                        info!(peer = %peer.name, rail, "RDMA not used on this rail, {stream} only: {note}");
+                        note
                     }
-                    Err(e) => {
-                        warn!(peer = %peer.name, rail, "RDMA setup failed, {stream} until it is rebuilt: {e}");
+                    SetupVerdict::Rebuild(note) => {
+                        warn!(peer = %peer.name, rail, "{stream} until the queue pairs are rebuilt: {note}");
                         link.spawn_rdma_rebuild(rail);
-                        format!("rail {rail}: RDMA setup failed ({e}), rebuilding")
+                        note
                     }
                 })
             }

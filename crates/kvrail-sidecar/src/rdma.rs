@@ -272,6 +272,3 @@ pub struct OneSidedWork {
     pub pieces: Vec<(u64, u64)>,
     pub remote: RemoteSlice,
 }
-/// Backoff between attempts to rebuild a rail's queue pairs.
-pub const QP_RETRY_INITIAL: Duration = Duration::from_millis(250);
-pub const QP_RETRY_MAX: Duration = Duration::from_secs(2);
