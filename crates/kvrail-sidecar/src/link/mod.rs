@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tracing::{debug, info, warn};
 
-use crate::held::{HeldPayload, HeldViews};
+use crate::held::HeldPayload;
 use crate::metrics as m;
 use crate::rdma;
 use crate::rdma::OneSidedWork;
@@ -85,61 +85,6 @@ struct LinkState {
     rdma_building: HashSet<RailId>,
     /// The deadline the timer task sleeps until (None: until nudged).
     timer_armed: Option<Instant>,
-    /// Transfer ends the session reported, for the daemon once the lock is
-    /// released (see `LinkGuard`), with the payload views a sending
-    /// transfer's end waits for.
-    outbox: Vec<(Event, Option<Arc<HeldViews>>)>,
-}
-
-/// The link's state, locked (see `PeerLink::lock`).
-struct LinkGuard<'a> {
-    link: &'a PeerLink,
-    /// Some until the guard is dropped.
-    locked: Option<Locked<'a, LinkState>>,
-}
-
-impl std::ops::Deref for LinkGuard<'_> {
-    type Target = LinkState;
-    fn deref(&self) -> &LinkState {
-        self.locked.as_deref().expect("locked until dropped")
-    }
-}
-
-impl std::ops::DerefMut for LinkGuard<'_> {
-    fn deref_mut(&mut self) -> &mut LinkState {
-        self.locked.as_deref_mut().expect("locked until dropped")
-    }
-}
-
-impl Drop for LinkGuard<'_> {
-    /// Releases the lock (re-arming the timer if a change needs it), then
-    /// hands the transfer ends the session reported meanwhile to the daemon:
-    /// the daemon's handling (notifications, groups, metrics) never runs
-    /// under the link's lock.
-    fn drop(&mut self) {
-        let Some(mut locked) = self.locked.take() else {
-            return;
-        };
-        if locked.outbox.is_empty() {
-            return;
-        }
-        let events = std::mem::take(&mut locked.outbox);
-        // Taken before the link's lock is let go: the next holder's events
-        // wait for these.
-        let in_order = self
-            .link
-            .delivering
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        drop(locked);
-        let Some(env) = self.link.env.upgrade() else {
-            return;
-        };
-        for (ev, held) in events {
-            self.link.deliver(&env, ev, held);
-        }
-        drop(in_order);
-    }
 }
 
 impl Deadlines for LinkState {
@@ -169,10 +114,6 @@ pub struct PeerLink {
     pub dial: Option<DialInfo>,
     state: Mutex<LinkState>,
     timer: Timer,
-    /// Held while a lock's events go to the daemon: taken before the link's
-    /// lock is released, so that events reach the daemon in the order the
-    /// session reported them.
-    delivering: Mutex<()>,
     env: Weak<Env>,
     me: Weak<PeerLink>,
     /// Payload of this link's sending transfers still queued or held by a writer.
@@ -267,11 +208,9 @@ impl PeerLink {
                 qp_waiters: HashMap::new(),
                 rdma_building: HashSet::new(),
                 timer_armed: None,
-                outbox: Vec::new(),
             }),
             dial,
             timer: Timer::default(),
-            delivering: Mutex::new(()),
             env,
             me: me.clone(),
             held: HeldPayload::default(),
@@ -280,18 +219,16 @@ impl PeerLink {
         link
     }
 
-    /// The link's state, locked; releasing it re-arms the timer where a
-    /// change needs it (see `timer`) and then hands the transfer ends the
-    /// session reported to the daemon, outside the lock.
-    fn lock(&self) -> LinkGuard<'_> {
+    /// The link's state, locked; releasing it after a change re-arms the
+    /// timer where the change needs it (see `timer`).
+    fn lock(&self) -> Locked<'_, LinkState> {
         #[cfg(feature = "profile")]
         let _wait = crate::profile::LockWait::start();
         // A panic while holding the lock is a bug; keep serving with the state as is.
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        LinkGuard {
-            link: self,
-            locked: Some(Locked::new(state, &self.timer)),
-        }
+        Locked::new(
+            self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            &self.timer,
+        )
     }
 
     /// Whether the link is still in service (its rails may be down for now).
@@ -445,11 +382,9 @@ impl PeerLink {
         self.lock().conns.get(conn).map_or(0, |c| c.rail)
     }
 
-    /// A transfer's end, in the lock: a failed sending transfer's payload
-    /// not yet on the wire stays off it from now on, and a completed one's
-    /// end waits for the views its writers still hold (see `held`). It goes
-    /// to the daemon when the lock is released.
-    fn post(&self, st: &mut LinkState, ev: Event) {
+    /// Hands a transfer's end to the daemon; a sending transfer's completion
+    /// waits until its writers let go of its payload (see `held`).
+    fn deliver(&self, env: &Arc<Env>, ev: Event) {
         let held = match &ev {
             Event::Done {
                 transfer_id, kind, ..
@@ -462,13 +397,6 @@ impl PeerLink {
             }
             _ => None,
         };
-        st.outbox.push((ev, held));
-    }
-
-    /// Hands a transfer's end to the daemon (outside the link's lock); a
-    /// sending transfer's completion waits until its writers let go of its
-    /// payload.
-    fn deliver(&self, env: &Arc<Env>, ev: Event, held: Option<Arc<HeldViews>>) {
         let Some(views) = held else {
             env.on_event(&self.peer, ev);
             return;
@@ -507,7 +435,7 @@ impl PeerLink {
         };
         // A pass that cut connections moves what they held to the others.
         while self.transmit(&env, st) {}
-        self.deliver_events(st);
+        self.deliver_events(&env, st);
         self.refresh_gauges(st);
     }
 
@@ -524,9 +452,11 @@ impl PeerLink {
                 message,
             });
         }
-        // Ends first: a failed sending transfer's payload still queued stays
-        // off the wire (its views are marked before the writers see them).
-        self.deliver_events(st);
+        // Ends first: a receiver's worker hears of its data before the
+        // acknowledgement to the sender is written (an inline write of it
+        // is a system call: handing the ends to the daemon after the lock
+        // instead cost 4 KiB ring pushes 6-7 us at p50, see benchmarks.md).
+        self.deliver_events(env, st);
         // A connection's frames are gathered to go out inline in one write
         // (see `inline`): everything from a ring's thread, control frames
         // alone from a runtime task.
@@ -642,11 +572,11 @@ impl PeerLink {
         }
     }
 
-    fn deliver_events(&self, st: &mut LinkState) {
+    fn deliver_events(&self, env: &Arc<Env>, st: &mut LinkState) {
         while let Some(ev) = st.session.poll_event() {
             match ev {
                 Event::Rail(change) => self.on_rail_change(st, change),
-                ev => self.post(st, ev),
+                ev => self.deliver(env, ev),
             }
         }
     }
