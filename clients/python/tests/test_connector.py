@@ -338,7 +338,17 @@ def test_a_prefill_without_its_sidecar_tells_the_decode_to_recompute(pair):
 def test_malformed_remote_generations_fail_the_load(pair):
     p, d = engines(pair, "pull", timeout_s=30)
     params = p.prefill(Request("req-16", list(range(SHORT)), {"do_remote_decode": True}), seed=3)
-    for bad in ({"1": [1]}, {"1": ["x"] * 40}, {"x": [1] * 40}, {"1": [-1] * 40}):
+    for bad in (
+        {"1": [1]},
+        {"1": ["x"] * 40},
+        {"x": [1] * 40},
+        {"1": [-1] * 40},
+        {"1": 5},
+        {"1": None},
+        {"1": {}},
+        [1, 2],
+        "gens",
+    ):
         req = Request("req-16", list(range(SHORT)), dict(params, remote_generations=bad))
         blocks = d.admit_remote(req)
         d.step()
@@ -346,6 +356,29 @@ def test_malformed_remote_generations_fail_the_load(pair):
         assert d.worker.get_block_ids_with_load_errors() == set(blocks), bad
         d.finished_recving.clear()
         d.finish(req)
+
+
+def test_malformed_remote_block_params_fail_the_load_and_the_engine_goes_on(pair):
+    p, d = engines(pair, "pull", timeout_s=30)
+    params = p.prefill(Request("req-17", list(range(SHORT)), {"do_remote_decode": True}), seed=3)
+    for bad in (
+        {k: v for k, v in params.items() if k != "remote_node"},
+        dict(params, remote_block_ids=5),
+        dict(params, remote_ranks=[{"regions": 5}]),
+    ):
+        req = Request("req-17", list(range(SHORT)), bad)
+        blocks = d.admit_remote(req)
+        d.step()
+        assert "req-17" in d.finished_recving, bad
+        assert d.worker.get_block_ids_with_load_errors() == set(blocks), bad
+        d.finished_recving.clear()
+        d.finish(req)
+    # The same engine still loads a well-formed request.
+    req = Request("req-17", list(range(SHORT)), dict(params))
+    blocks = d.admit_remote(req)
+    d.run_until(lambda: "req-17" in d.finished_recving)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert mismatched_layers(d.kv, blocks, seed=3) == []
 
 
 def test_a_restarted_prefill_sidecar_frees_what_it_held_and_serves_the_next(pair):

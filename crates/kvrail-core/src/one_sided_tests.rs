@@ -816,3 +816,25 @@ fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
     assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
     assert_eq!(f.out_of_bounds, 0);
 }
+
+#[test]
+fn a_pull_cancelled_while_its_reads_are_posted_ends_once_they_complete() {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    // The grant arrives and the READs are posted; none has completed.
+    f.exchange_control();
+    assert!(f.posted.iter().any(|q| !q.is_empty()), "READs posted");
+    assert!(f.sides[0].session.cancel(9, f.now));
+    assert!(
+        f.sides[0].session.still_placing(&[9]),
+        "the READs still write into our blocks: the pull waits for them"
+    );
+    // They complete while it fails: its lifecycle stays in the table (the
+    // fabric's sides assert no refused transition when dropped).
+    f.run();
+    assert!(f.failure(0, 9).is_some(), "the cancelled pull ends failed");
+    assert!(!f.sides[0].session.still_placing(&[9]));
+}

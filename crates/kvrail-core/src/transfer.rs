@@ -56,12 +56,19 @@ pub const TRANSITIONS: &[(TransferState, TransferEvent, TransferState)] = &[
     (ServedByGrant, GrantWithdrawn, Queued),
     (Queued, SliceMoved, InFlight),
     (InFlight, SliceMoved, InFlight),
+    // A peer that declines a one-sided pull sends two-sided slices, which
+    // may arrive on another connection before its answer does.
+    (AwaitingGrant, SliceMoved, AwaitingGrant),
+    (AwaitingGrant, AllPlaced, Done),
     (InFlight, AllPlaced, Done),
     // A pull served by granting ends with the reader's Complete.
     (ServedByGrant, AllPlaced, Done),
     (Queued, FailWhilePlacing, Failing),
+    (AwaitingGrant, FailWhilePlacing, Failing),
     (InFlight, FailWhilePlacing, Failing),
     (Failing, FailWhilePlacing, Failing),
+    // One-sided READs posted before the failure complete while it waits.
+    (Failing, SliceMoved, Failing),
     (Queued, Abort, Failed),
     (AwaitingGrant, Abort, Failed),
     (ServedByGrant, Abort, Failed),
@@ -125,13 +132,13 @@ mod tests {
                 event: AllPlaced
             })
         );
-        // Nothing moves while a grant is awaited; a failing transfer only ends.
-        assert!(AwaitingGrant.on(SliceMoved).is_err());
+        // A failing transfer only ends; one served by grant moves no slice.
         assert!(Failing.on(AllPlaced).is_err());
         assert_eq!(
-            Failing.on(SliceMoved).unwrap_err().to_string(),
-            "transfer cannot go from Failing on SliceMoved"
+            ServedByGrant.on(SliceMoved).unwrap_err().to_string(),
+            "transfer cannot go from ServedByGrant on SliceMoved"
         );
+        assert_eq!(AwaitingGrant.on(SliceMoved), Ok(AwaitingGrant));
         assert!(Failed.is_final() && Done.is_final() && !InFlight.is_final());
     }
 

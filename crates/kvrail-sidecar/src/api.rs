@@ -273,7 +273,12 @@ impl Api {
             if let Some(link) = rec.link.upgrade() {
                 if let Some((state, done, _)) = link.inspect(|sess| sess.progress(rec.id)) {
                     s.bytes_done = done;
-                    if state != kvrail_core::TransferState::Queued {
+                    // Waiting for the peer's grant, nothing has moved yet.
+                    if !matches!(
+                        state,
+                        kvrail_core::TransferState::Queued
+                            | kvrail_core::TransferState::AwaitingGrant
+                    ) {
                         s.state = TransferState::InFlight as i32;
                     }
                 }

@@ -161,7 +161,7 @@ class RemoteBlocks:
             params["remote_node"],
             [tuple(r) for r in params["remote_regions"]],  # type: ignore[misc]
             params["remote_request_id"],
-            dict(params.get("remote_generations") or {}),
+            _generations_map(params.get("remote_generations")),
             failure=str(params.get("remote_failure") or ""),
             remote_ranks=list(params.get("remote_ranks") or []),
         )
@@ -284,6 +284,16 @@ def scheduler_id(worker_id: str) -> str:
 
 def _uint(x: Any, bits: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << bits)
+
+
+def _generations_map(value: Any) -> dict[str, list[int]]:
+    """``remote_generations`` as sent: a map of region id (text) to a list of
+    generations; ValueError for anything else."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(g, list) for g in value.values()):
+        raise ValueError("remote_generations must map region ids to lists of generations")
+    return {str(r): list(g) for r, g in value.items()}
 
 
 def _parse_grant(payload: bytes, peer: str, num_layers: int) -> dict[str, Any] | None:
@@ -841,20 +851,32 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
                 self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid, failure=failure)
             else:
-                offered = RemoteBlocks.from_params(local, list(params["remote_block_ids"]), params)
-                remote = offered.remote_block_ids
-                start = cached if cached else max(0, len(remote) - len(local))
-                n = max(0, min(len(local), len(remote) - start))
-                spec = offered.window(start, n, local[:n])
-                if not spec.failure:
-                    spec.failure = offered.generations_problem()
-                self._sched.loading[rid] = spec
+                self._sched.loading[rid] = self._remote_spec(rid, local, cached, params)
             self._sched.new_loads[rid] = self._sched.loading[rid]
             params["do_remote_prefill"] = False  # once
         elif self.mode == "push" and params.get("push_to"):
             self._sched.pushing[rid] = params["push_to"]
             self._sched.prefill_blocks[rid] = list(blocks.get_block_ids()[0])
             self._sched.prompt_tokens[rid] = len(request.prompt_token_ids)
+
+    @staticmethod
+    def _remote_spec(rid: str, local: list[int], cached: int, params: dict[str, Any]) -> RemoteBlocks:
+        """Pull mode, decode side: what to load of the prefill's blocks that
+        ``params`` (from the router: anyone's input) name; a load that fails
+        at once, saying why, when they are malformed."""
+        try:
+            offered = RemoteBlocks.from_params(local, list(params["remote_block_ids"]), params)
+            problem = offered.generations_problem()
+            remote = offered.remote_block_ids
+            start = cached if cached else max(0, len(remote) - len(local))
+            n = max(0, min(len(local), len(remote) - start))
+            if problem:
+                return replace(offered, local_block_ids=local[:n], remote_block_ids=[], remote_generations={}, failure=problem)
+            return offered.window(start, n, local[:n])
+        except (KeyError, TypeError, ValueError) as e:
+            why = f"malformed kv_transfer_params: {type(e).__name__}: {e}"
+            log.error("kvrail: %s: %s", rid, why)
+            return RemoteBlocks(list(local), [], "", [], rid, failure=why)
 
     def _send_grant(self, rid: str, ticket: str, to: Any, target: dict[str, Any]) -> str:
         """Decode side: grants this request's blocks to the prefill engine named

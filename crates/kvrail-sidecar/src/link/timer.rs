@@ -1,7 +1,9 @@
 //! The link's timer, re-armed in one place. Everything that changes a link's
-//! state goes through [`Locked`]; releasing it wakes the timer task when the
-//! next deadline moved earlier than the one the task sleeps until (or the
-//! link closed). Callers never re-arm the timer themselves.
+//! state goes through [`Locked`]; as it is released it wakes the timer task
+//! when the next deadline moved earlier than the one the task sleeps until
+//! (or the link closed). Callers never re-arm the timer themselves. (The
+//! wake is a `Notify` permit given while the lock is still held: the task
+//! runs later and never waits on it holding the lock, so none is lost.)
 
 use std::ops::{Deref, DerefMut};
 use std::sync::MutexGuard;
