@@ -327,11 +327,16 @@ def test_a_prefill_without_its_sidecar_tells_the_decode_to_recompute(pair):
     # fails without a pull (recomputed), not after a timeout.
     assert params is not None and "sidecar" in params["remote_failure"]
     assert "req-15" not in p.held and len(p.free) == NUM_BLOCKS
-    req = Request("req-15", list(range(SHORT)), params)
+    load_fails_at_once(d, Request("req-15", list(range(SHORT)), params))
+
+
+def load_fails_at_once(d, req) -> None:
+    """``req``'s load ends in the step that starts it, failed on every block."""
     blocks = d.admit_remote(req)
     d.step()
-    assert "req-15" in d.finished_recving
-    assert d.worker.get_block_ids_with_load_errors() == set(blocks)
+    assert req.request_id in d.finished_recving, req.kv_transfer_params
+    assert d.worker.get_block_ids_with_load_errors() == set(blocks), req.kv_transfer_params
+    d.finished_recving.clear()
     d.finish(req)
 
 
@@ -349,13 +354,7 @@ def test_malformed_remote_generations_fail_the_load(pair):
         [1, 2],
         "gens",
     ):
-        req = Request("req-16", list(range(SHORT)), dict(params, remote_generations=bad))
-        blocks = d.admit_remote(req)
-        d.step()
-        assert "req-16" in d.finished_recving, bad
-        assert d.worker.get_block_ids_with_load_errors() == set(blocks), bad
-        d.finished_recving.clear()
-        d.finish(req)
+        load_fails_at_once(d, Request("req-16", list(range(SHORT)), dict(params, remote_generations=bad)))
 
 
 def test_malformed_remote_block_params_fail_the_load_and_the_engine_goes_on(pair):
@@ -366,13 +365,7 @@ def test_malformed_remote_block_params_fail_the_load_and_the_engine_goes_on(pair
         dict(params, remote_block_ids=5),
         dict(params, remote_ranks=[{"regions": 5}]),
     ):
-        req = Request("req-17", list(range(SHORT)), bad)
-        blocks = d.admit_remote(req)
-        d.step()
-        assert "req-17" in d.finished_recving, bad
-        assert d.worker.get_block_ids_with_load_errors() == set(blocks), bad
-        d.finished_recving.clear()
-        d.finish(req)
+        load_fails_at_once(d, Request("req-17", list(range(SHORT)), bad))
     # The same engine still loads a well-formed request.
     req = Request("req-17", list(range(SHORT)), dict(params))
     blocks = d.admit_remote(req)

@@ -20,16 +20,8 @@ struct Side {
 }
 
 impl Drop for Side {
-    /// Every test that drives a session checks its lifecycle: no transition
-    /// the table refuses was attempted.
     fn drop(&mut self) {
-        if !std::thread::panicking() {
-            assert_eq!(
-                self.session.invalid_transitions(),
-                0,
-                "the session attempted a transition its lifecycle table refuses"
-            );
-        }
+        crate::testkit::assert_lifecycle_kept(&self.session);
     }
 }
 
@@ -314,6 +306,17 @@ fn setup(f: &mut Fabric, src: usize) {
 
 /// As `setup(f, 0)`, and source region 3 on side 1 with destination 4 on
 /// side 0 (for pulls by side 0), both granting both rails.
+/// Two rails with queue pairs; side 0 has started pull 9 of side 1's region 1
+/// into its region 2 (source and destination blocks returned).
+fn started_pull() -> (Fabric, Vec<u32>, Vec<u32>) {
+    let mut f = Fabric::new(2, true);
+    setup(&mut f, 1);
+    let (sb, db) = blocks();
+    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
+    f.sides[0].session.start_pull(req, f.now).unwrap();
+    (f, sb, db)
+}
+
 fn setup_both_ways(f: &mut Fabric) {
     setup(f, 0);
     f.sides[1].regions.add(3, layout(), true, true);
@@ -439,12 +442,7 @@ fn staged_memory_moves_two_sided_over_rdma_rails() {
 
 #[test]
 fn pull_is_read_one_sided_and_the_server_only_grants() {
-    let mut f = Fabric::new(2, true);
-    setup(&mut f, 1);
-    let (sb, db) = blocks();
-    // Side 0 pulls side 1's region 1 into its region 2.
-    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
-    f.sides[0].session.start_pull(req, f.now).unwrap();
+    let (mut f, sb, db) = started_pull();
     f.run();
     assert!(f.done(0, 9) && f.done(1, 9));
     assert_eq!(f.counts, (0, 0, f.counts.2));
@@ -676,11 +674,7 @@ fn repeated_opens_get_a_bounded_number_of_grants() {
 /// asks for the same, and the pull completes over the surviving stream.
 #[test]
 fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
-    let mut f = Fabric::new(2, true);
-    setup(&mut f, 1);
-    let (sb, db) = blocks();
-    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
-    f.sides[0].session.start_pull(req, f.now).unwrap();
+    let (mut f, sb, db) = started_pull();
     f.exchange_control();
     f.kill_qp(0);
     f.kill_qp(1);
@@ -704,11 +698,7 @@ fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
 /// or a broken peer's) changes nothing, and the pull still finishes.
 #[test]
 fn a_peer_acknowledging_a_pulls_own_reads_cannot_stall_it() {
-    let mut f = Fabric::new(2, true);
-    setup(&mut f, 1);
-    let (sb, db) = blocks();
-    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
-    f.sides[0].session.start_pull(req, f.now).unwrap();
+    let (mut f, sb, db) = started_pull();
     f.exchange_control();
     let reads: Vec<(u64, u32)> = f
         .posted
@@ -738,11 +728,7 @@ fn a_peer_acknowledging_a_pulls_own_reads_cannot_stall_it() {
 /// keep the serve, and the region it pins, forever.
 #[test]
 fn a_granted_pull_whose_reader_never_completes_expires() {
-    let mut f = Fabric::new(2, true);
-    setup(&mut f, 1);
-    let (sb, db) = blocks();
-    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
-    f.sides[0].session.start_pull(req, f.now).unwrap();
+    let (mut f, _, _) = started_pull();
     f.exchange_control();
     assert!(f.grants >= 1, "the server granted");
     // The reader goes silent: nothing it posted runs, nothing more arrives.
@@ -819,11 +805,7 @@ fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
 
 #[test]
 fn a_pull_cancelled_while_its_reads_are_posted_ends_once_they_complete() {
-    let mut f = Fabric::new(2, true);
-    setup(&mut f, 1);
-    let (sb, db) = blocks();
-    let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
-    f.sides[0].session.start_pull(req, f.now).unwrap();
+    let (mut f, _, _) = started_pull();
     // The grant arrives and the READs are posted; none has completed.
     f.exchange_control();
     assert!(f.posted.iter().any(|q| !q.is_empty()), "READs posted");

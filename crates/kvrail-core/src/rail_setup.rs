@@ -23,13 +23,13 @@ pub fn lost_while_rebuilt(attached: &[ConnId], is_live: impl Fn(ConnId) -> bool)
 }
 
 /// What the dialer knows of RDMA on a rail once its stream connections are up.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RdmaOnRail<'a> {
     pub rail: RailId,
     /// The configuration ranks RDMA above the stream transport.
     pub rdma_first: bool,
     /// This node's device for the rail, or why there is none.
-    pub device: Result<(), &'a str>,
+    pub device: Result<(), String>,
     /// The rail's first stream connection (None: none attached).
     pub first: Option<ConnId>,
     /// The transports the peer's handshake answer offered.
@@ -59,7 +59,7 @@ impl RdmaOnRail<'_> {
         if !self.rdma_first {
             return RdmaStep::Skip;
         }
-        if let Err(why) = self.device {
+        if let Err(why) = &self.device {
             return RdmaStep::StreamsOnly(format!("rail {rail}: no RDMA here ({why})"));
         }
         let Some(first) = self.first else {
@@ -202,7 +202,7 @@ mod tests {
         };
         assert_eq!(not_preferred.step(), RdmaStep::Skip);
         let no_device = RdmaOnRail {
-            device: Err("no device has 10.0.0.1"),
+            device: Err("no device has 10.0.0.1".into()),
             ..rail(&both)
         };
         assert_eq!(

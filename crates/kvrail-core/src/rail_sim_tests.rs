@@ -67,16 +67,8 @@ struct Side {
 }
 
 impl Drop for Side {
-    /// Every test that drives a session checks its lifecycle: no transition
-    /// the table refuses was attempted.
     fn drop(&mut self) {
-        if !std::thread::panicking() {
-            assert_eq!(
-                self.session.invalid_transitions(),
-                0,
-                "the session attempted a transition its lifecycle table refuses"
-            );
-        }
+        crate::testkit::assert_lifecycle_kept(&self.session);
     }
 }
 

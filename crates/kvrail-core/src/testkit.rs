@@ -375,3 +375,16 @@ pub fn run_handshake(
         acceptor_sent,
     }
 }
+
+/// Every test that drives a session checks its lifecycle when its side is
+/// dropped: no transition the table refuses was attempted (skipped while a
+/// test is already failing).
+pub fn assert_lifecycle_kept(session: &Session) {
+    if !std::thread::panicking() {
+        assert_eq!(
+            session.invalid_transitions(),
+            0,
+            "the session attempted a transition its lifecycle table refuses"
+        );
+    }
+}

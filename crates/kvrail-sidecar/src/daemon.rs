@@ -530,15 +530,14 @@ impl Shared {
             return Err(unreachable(reason));
         }
         let stream = link.transport;
-        let device = self
-            .rdma
-            .device(rail)
-            .map(|_| ())
-            .map_err(|e| e.to_string());
         let on_rail = rail_setup::RdmaOnRail {
             rail,
             rdma_first: self.config.rank("rdma") < self.config.rank(stream),
-            device: device.as_ref().map(|_| ()).map_err(String::as_str),
+            device: self
+                .rdma
+                .device(rail)
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
             first,
             peer_offers: &peer_offers,
             setup_under_way: link.rdma_setup_under_way(rail),

@@ -18,39 +18,32 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// `crate::NAME` references in `text`, NAME being a top-level module.
-fn references(text: &str) -> BTreeSet<String> {
-    let mut found = BTreeSet::new();
-    let mut rest = text;
-    while let Some(at) = rest.find("crate::") {
-        rest = &rest[at + "crate::".len()..];
-        let name: String = rest
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect();
-        if name.chars().next().is_some_and(|c| c.is_ascii_lowercase()) {
-            found.insert(name);
-        }
-    }
-    found
+/// The word after each `prefix` in `text` ("" where none follows, as in
+/// `super::{...}` or `super::*`).
+fn words_after(text: &str, prefix: &str) -> BTreeSet<String> {
+    text.split(prefix)
+        .skip(1)
+        .map(|rest| {
+            rest.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        })
+        .collect()
 }
 
-/// What each `super::` reference in a directory module's file names: the
-/// word after it ("" for `super::{...}` or `super::*`), its tests left out
-/// (there `super` is the file itself).
+/// `crate::NAME` references in `text`, NAME being a top-level module.
+fn references(text: &str) -> BTreeSet<String> {
+    words_after(text, "crate::")
+        .into_iter()
+        .filter(|name| name.chars().next().is_some_and(|c| c.is_ascii_lowercase()))
+        .collect()
+}
+
+/// What each `super::` reference in a directory module's file names, its
+/// tests left out (there `super` is the file itself).
 fn super_references(text: &str) -> BTreeSet<String> {
     let code = text.split("#[cfg(test)]").next().unwrap_or(text);
-    let mut found = BTreeSet::new();
-    let mut rest = code;
-    while let Some(at) = rest.find("super::") {
-        rest = &rest[at + "super::".len()..];
-        let name: String = rest
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect();
-        found.insert(name);
-    }
-    found
+    words_after(code, "super::")
 }
 
 /// `mod NAME;` declarations.

@@ -178,7 +178,8 @@ class RemoteBlocks:
         """Why the generations do not fit the block ids ("" when they do)."""
         n = len(self.remote_block_ids)
         for region, gens in self.remote_generations.items():
-            if not str(region).isdigit() or not isinstance(gens, list) or len(gens) != n:
+            # A map of lists (``_generations_map``): the ids and lengths are checked here.
+            if not str(region).isdigit() or len(gens) != n:
                 return f"remote_generations of region {region!r} do not give one generation per block ({n} blocks)"
             if not all(_uint(g, 64) for g in gens):
                 return f"remote_generations of region {region!r} are not unsigned 64-bit integers"
@@ -1689,13 +1690,8 @@ class _WorkerState:
         # stay at their generation until that one's reads end too.
         shared = {b for other in self.serve_blocks.values() for b in other}
         blocks = [b for b in mine if b not in shared]
-        if client is None or not blocks:
-            return  # no sidecar: nobody reads through it; a new one knows no old regions
-        for region, _, _ in self.regions:
-            try:
-                client.release_blocks(region, blocks)
-            except KvrailError as e:
-                log.warning("kvrail: releasing the served blocks of %s: %s", rid, e)
+        # No sidecar: nobody reads through it; a new one knows no old regions.
+        self._release(client, rid, blocks)
 
     def release_pushed(self, client: Client | None, rid: str) -> None:
         """Push mode, decode side: gives up on a request's pushed layers. The
@@ -1704,13 +1700,18 @@ class _WorkerState:
         the blocks can then be freed at once. (A sidecar that restarted since
         the grant knows neither the regions nor the generations it named: its
         pushes are refused anyway.)"""
-        blocks = self.local_blocks.get(rid, [])
-        if client is not None:
-            for region, _, _ in self.regions:
-                try:
-                    client.release_blocks(region, blocks)
-                except KvrailError as e:
-                    log.warning("kvrail: releasing blocks of %s: %s", rid, e)
+        self._release(client, rid, self.local_blocks.get(rid, []))
+
+    def _release(self, client: Client | None, rid: str, blocks: list[int]) -> None:
+        """Moves ``blocks`` of every region of this rank to their next
+        generation (nothing without a sidecar or blocks); a failure is logged."""
+        if client is None or not blocks:
+            return
+        for region, _, _ in self.regions:
+            try:
+                client.release_blocks(region, blocks)
+            except KvrailError as e:
+                log.warning("kvrail: releasing blocks of %s: %s", rid, e)
 
     def cancel(self, client: Client, rid: str) -> None:
         """Stops a load vLLM aborted; it is reported finished once its
