@@ -442,6 +442,7 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
             block_ids: vec![4],
             generations: Vec::new(),
             slice: None,
+            first_token: 0,
         }),
         block_bytes: 4096,
         total_bytes: 8192,

@@ -83,6 +83,7 @@ fn open(id: u64, region: u64, blocks: u32, generations: usize) -> Vec<u8> {
             block_ids: (0..blocks).collect(),
             generations: vec![0; generations],
             slice: None,
+            first_token: 0,
         }),
         block_bytes: 64,
         total_bytes: 64 * u64::from(blocks),

@@ -58,6 +58,7 @@ fn selection(s: &Side, slice: HeadSlice) -> BlockSelection {
         block_ids: s.ids.clone(),
         generations: Vec::new(),
         slice: Some(slice),
+        first_token: 0,
     }
 }
 

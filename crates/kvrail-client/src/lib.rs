@@ -140,6 +140,7 @@ pub fn blocks(region_id: u64, layers: std::ops::Range<u32>, block_ids: Vec<u32>)
         block_ids,
         generations: Vec::new(),
         slice: None,
+        first_token: 0,
     }
 }
 

@@ -77,11 +77,17 @@ impl Rank {
         (self.layout.block_offset(layer, plane, block) + inner + e) as usize
     }
 
-    fn each_byte(&self, mut f: impl FnMut(usize, u8)) {
+    fn each_byte(&self, f: impl FnMut(usize, u8)) {
+        self.each_byte_of(0..TOKENS, self.g.head_range(), f)
+    }
+
+    /// Each byte of the model's KV for `tokens` and `heads`, at its place in
+    /// this rank.
+    fn each_byte_of(&self, tokens: Range<u64>, heads: Range<u32>, mut f: impl FnMut(usize, u8)) {
         for layer in 0..LAYERS {
             for plane in 0..PLANES {
-                for token in 0..TOKENS {
-                    for head in self.g.head_range() {
+                for token in tokens.clone() {
+                    for head in heads.clone() {
                         for e in 0..self.g.token_head_bytes() {
                             let at = self.offset(layer, plane, token, head, e);
                             f(at, kv_byte(layer, plane, token, head, e));
@@ -100,6 +106,19 @@ impl Rank {
             block_ids: self.ids.clone(),
             generations: Vec::new(),
             slice: Some(slice),
+            first_token: 0,
+        }
+    }
+
+    /// The blocks holding model tokens `[start, start + slice.tokens)`,
+    /// the stream starting `start % tokens_per_block` into the first.
+    fn window(&self, slice: HeadSlice, start: u64) -> BlockSelection {
+        let tpb = u64::from(self.g.tokens_per_block);
+        let (first, end) = (start / tpb, (start + slice.tokens).div_ceil(tpb));
+        BlockSelection {
+            block_ids: self.ids[first as usize..end as usize].to_vec(),
+            first_token: (start % tpb) as u32,
+            ..self.selection(slice)
         }
     }
 }
@@ -115,20 +134,17 @@ fn kv_byte(layer: u32, plane: u32, token: u64, head: u32, e: u64) -> u8 {
 /// Moves the stream of `slice` from `src` into `dst` through both plans;
 /// the bytes moved.
 fn transfer(src: &Rank, dst: &mut Rank, slice: HeadSlice) -> u64 {
-    let from = Plan::build_for(
-        &src.layout,
-        Some(&src.g),
-        &src.selection(slice),
-        Access::Read,
-    )
-    .unwrap();
-    let to = Plan::build_for(
-        &dst.layout,
-        Some(&dst.g),
-        &dst.selection(slice),
-        Access::Write,
-    )
-    .unwrap();
+    transfer_between(src, src.selection(slice), dst, dst.selection(slice))
+}
+
+fn transfer_between(
+    src: &Rank,
+    src_sel: BlockSelection,
+    dst: &mut Rank,
+    dst_sel: BlockSelection,
+) -> u64 {
+    let from = Plan::build_for(&src.layout, Some(&src.g), &src_sel, Access::Read).unwrap();
+    let to = Plan::build_for(&dst.layout, Some(&dst.g), &dst_sel, Access::Write).unwrap();
     assert_eq!(from.total_bytes(), to.total_bytes());
     assert_eq!(from.block_bytes(), to.block_bytes());
     for seg in from.segments() {
@@ -204,6 +220,98 @@ fn every_tp_pair_block_size_and_order_matches_the_reference_reshaping() {
     assert_eq!(cases, 2 * 4 * 15 * 5 * 4);
 }
 
+/// A decode whose prefix cache already holds the first blocks loads the
+/// rest: the window starts where its blocks do, which with other block
+/// sizes is inside a prefill block (and, named the other way, inside a
+/// decode block). Every byte of the window lands where the reference puts
+/// it, and nothing outside it is written.
+#[test]
+fn windows_starting_inside_a_block_match_the_reference() {
+    use BlockInterior::*;
+    let mut cases = 0;
+    for (p_tpb, d_tpb) in [(64u32, 16u32), (16, 64), (128, 32), (32, 128), (16, 16)] {
+        for (p_order, d_order) in [(Nhd, Nhd), (Hnd, Hnd), (Nhd, Hnd), (Hnd, Nhd)] {
+            for (p_tp, d_tp) in [(1u32, 1u32), (2, 1), (1, 2)] {
+                for start in [16u64, 48, 96, 112, 160, 199] {
+                    let mut src = Rank::new(geometry(8, p_tp, 0, p_tpb, p_order));
+                    let mut bytes = std::mem::take(&mut src.bytes);
+                    src.each_byte(|at, v| bytes[at] = v);
+                    src.bytes = bytes;
+                    let mut dst = Rank::new(geometry(8, d_tp, 0, d_tpb, d_order));
+                    let heads = head_sources(dst.g.head_range(), &[src.g.head_range()]);
+                    let (_, heads) = heads[0].clone();
+                    let slice = HeadSlice {
+                        head_start: heads.start,
+                        head_count: heads.end - heads.start,
+                        tokens: TOKENS - start,
+                        chunk_tokens: chunk_tokens(&src.g, &dst.g),
+                    };
+                    let dst_window = dst.window(slice, start);
+                    let moved =
+                        transfer_between(&src, src.window(slice, start), &mut dst, dst_window);
+                    assert_eq!(
+                        moved,
+                        u64::from(LAYERS * PLANES)
+                            * slice.tokens
+                            * u64::from(slice.head_count)
+                            * src.g.token_head_bytes()
+                    );
+                    let mut expected = vec![0u8; dst.bytes.len()];
+                    dst.each_byte_of(start..TOKENS, heads.clone(), |at, v| expected[at] = v);
+                    assert!(
+                        dst.bytes == expected,
+                        "TP {p_tp} tpb {p_tpb} {p_order:?} -> TP {d_tp} tpb {d_tpb} {d_order:?}, \
+                         from token {start}"
+                    );
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 5 * 4 * 3 * 6);
+}
+
+/// A first token outside its block, a window longer than its blocks, an
+/// offset into opaque blocks, and an offset on whole blocks are refused.
+#[test]
+fn bad_first_tokens_are_refused() {
+    let rank = Rank::new(geometry(8, 1, 0, 16, BlockInterior::Nhd));
+    let slice = HeadSlice {
+        head_start: 0,
+        head_count: 8,
+        tokens: 40,
+        chunk_tokens: 1,
+    };
+    let build =
+        |sel: &BlockSelection| Plan::build_for(&rank.layout, Some(&rank.g), sel, Access::Read);
+    // 40 tokens from token 8: blocks 0..3 (8 + 40 = 48 = 3 blocks).
+    assert!(build(&rank.window(slice, 8)).is_ok());
+    let outside = BlockSelection {
+        first_token: 16,
+        ..rank.window(slice, 8)
+    };
+    let e = build(&outside).unwrap_err().to_string();
+    assert!(
+        e.contains("first token 16 is not inside a block of 16"),
+        "{e}"
+    );
+    let short = BlockSelection {
+        first_token: 9,
+        ..rank.window(slice, 8)
+    };
+    let e = build(&short).unwrap_err().to_string();
+    assert!(e.contains("from token 9"), "{e}");
+    let whole = BlockSelection {
+        slice: None,
+        first_token: 3,
+        ..rank.window(slice, 8)
+    };
+    let e = Plan::build(&rank.layout, &whole, Access::Read)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("without a head slice"), "{e}");
+}
+
 /// Both sides HND with the same block size: one run per layer, plane and
 /// block on the side whose heads the slice covers, one per head and block
 /// on the other (NixlConnector posts one per layer, block and head).
@@ -254,6 +362,7 @@ fn head_opaque_blocks_slice_heads_and_refuse_other_block_sizes() {
             tokens,
             chunk_tokens: chunk,
         }),
+        first_token: 0,
     };
     let plan = Plan::build_for(&layout, Some(&g), &sel(32, 64), Access::Read).unwrap();
     let head = 2 * 32 * 8;

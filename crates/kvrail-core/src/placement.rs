@@ -244,6 +244,7 @@ mod tests {
             block_ids: (0..blocks).collect(),
             generations: Vec::new(),
             slice: None,
+            first_token: 0,
         };
         let plan = Plan::build(&layout, &selection, Access::Write).unwrap();
         let gate = Arc::new(PlacementGate::new(7, 3, Arc::new(plan)));

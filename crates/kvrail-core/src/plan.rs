@@ -31,6 +31,10 @@ pub struct BlockSelection {
     /// Move only these heads of these tokens (the region's geometry says
     /// where they are); `None`: whole blocks.
     pub slice: Option<HeadSlice>,
+    /// With a slice: the stream's first token is this token of the first
+    /// listed block (engines with other block sizes meet mid-block). Each
+    /// side has its own; 0 without a slice.
+    pub first_token: u32,
 }
 
 impl BlockSelection {
@@ -43,6 +47,12 @@ impl BlockSelection {
         }
         if self.block_ids.is_empty() {
             return Err(PlanError::NoBlocks);
+        }
+        if self.slice.is_none() && self.first_token != 0 {
+            return Err(PlanError::Slice(format!(
+                "first token {} without a head slice (whole blocks start at their first token)",
+                self.first_token
+            )));
         }
         if self.block_ids.len() > MAX_BLOCKS_PER_TRANSFER {
             return Err(PlanError::TooManyBlocks(self.block_ids.len()));
@@ -278,19 +288,25 @@ fn build_sliced(
     if slice.tokens == 0 || chunk == 0 {
         return Err(PlanError::Slice("no tokens, or chunks of none".into()));
     }
-    let blocks_needed = slice.tokens.div_ceil(tpb);
+    let first = u64::from(selection.first_token);
+    if first >= tpb {
+        return Err(PlanError::Slice(format!(
+            "first token {first} is not inside a block of {tpb} tokens"
+        )));
+    }
+    let blocks_needed = (first + slice.tokens).div_ceil(tpb);
     if blocks_needed != selection.block_ids.len() as u64 {
         return Err(PlanError::Slice(format!(
-            "{} tokens at {tpb} per block are {blocks_needed} blocks, {} listed",
+            "{} tokens from token {first} at {tpb} per block are {blocks_needed} blocks, {} listed",
             slice.tokens,
             selection.block_ids.len()
         )));
     }
     let opaque = g.interior == BlockInterior::HeadOpaque;
-    if opaque && (chunk != tpb || !slice.tokens.is_multiple_of(tpb)) {
+    if opaque && (chunk != tpb || first != 0 || !slice.tokens.is_multiple_of(tpb)) {
         return Err(PlanError::Slice(format!(
             "this region's blocks hold heads in an opaque order: the stream must move whole \
-             blocks of {tpb} tokens (chunks of {chunk}, {} tokens)",
+             blocks of {tpb} tokens (chunks of {chunk}, {} tokens from token {first})",
             slice.tokens
         )));
     }
@@ -345,8 +361,9 @@ fn build_sliced(
     let held_heads = u64::from(g.heads);
     for layer in selection.layer_start..layer_end {
         for plane in 0..layout.planes_per_layer {
+            // Stream token t is token t + first of the listed blocks.
             let block_at = |t: u64| {
-                let id = selection.block_ids[(t / tpb) as usize];
+                let id = selection.block_ids[((t + first) / tpb) as usize];
                 layout.block_offset(layer, plane, id)
             };
             for c in 0..chunks {
@@ -358,7 +375,7 @@ fn build_sliced(
                         BlockInterior::Hnd => {
                             let mut t = t0;
                             while t < t1 {
-                                let in_block = t % tpb;
+                                let in_block = (t + first) % tpb;
                                 let run = (t1 - t).min(tpb - in_block);
                                 let offset = block_at(t) + (local * tpb + in_block) * unit;
                                 emit(offset, run * unit)?;
@@ -367,7 +384,8 @@ fn build_sliced(
                         }
                         BlockInterior::Nhd => {
                             for t in t0..t1 {
-                                let offset = block_at(t) + ((t % tpb) * held_heads + local) * unit;
+                                let offset =
+                                    block_at(t) + (((t + first) % tpb) * held_heads + local) * unit;
                                 emit(offset, unit)?;
                             }
                         }
@@ -426,6 +444,7 @@ mod tests {
             block_ids: vec![0; 1_000_000],
             generations: Vec::new(),
             slice: None,
+            first_token: 0,
         };
         assert!(matches!(
             hostile.check_shape(Access::Read),
@@ -442,6 +461,7 @@ mod tests {
             block_ids: (0..1 << 20).collect(),
             generations: Vec::new(),
             slice: None,
+            first_token: 0,
         };
         // 2^20 pieces of one plane are fine; with 8 planes the plan is refused.
         assert!(Plan::build(&tiny, &all, Access::Read).is_ok());
@@ -460,6 +480,7 @@ mod tests {
             block_ids: blocks.to_vec(),
             generations: Vec::new(),
             slice: None,
+            first_token: 0,
         }
     }
 

@@ -2608,6 +2608,7 @@ fn into_block_set(sel: BlockSelection) -> pb::BlockSet {
         block_ids: sel.block_ids,
         generations: sel.generations,
         slice: sel.slice.map(HeadSlice::to_wire),
+        first_token: sel.first_token,
     }
 }
 
@@ -2642,6 +2643,7 @@ fn selection_of(set: Option<&pb::BlockSet>) -> BlockSelection {
         block_ids: s.block_ids.clone(),
         generations: s.generations.clone(),
         slice: s.slice.as_ref().map(HeadSlice::from_wire),
+        first_token: s.first_token,
     })
     .unwrap_or_default()
 }

@@ -163,6 +163,8 @@ fn selection(c: &mut Cursor<'_>) -> BlockSelection {
         // Mostly none, sometimes one per block, now and then a wrong count.
         generations: (0..c.small(n + 1).min(4096)).map(|_| c.small(3)).collect(),
         slice: None,
+        // Now and then an offset a whole-block selection must refuse.
+        first_token: c.small(2) as u32,
     }
 }
 
@@ -300,6 +302,7 @@ pub fn session(data: &[u8]) {
                     block_ids: (0..(c.u8() % 5 + 1) as u32).collect(),
                     generations: Vec::new(),
                     slice: None,
+                    first_token: 0,
                 };
                 let req = LocalTransfer {
                     transfer_id: next_id,
@@ -360,6 +363,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             block_ids: vec![0, 1],
             generations: Vec::new(),
             slice: None,
+            first_token: 0,
         }),
         block_bytes: 512,
         total_bytes: 2048,

@@ -172,6 +172,7 @@ fn selection_of(b: &BlockRange) -> BlockSelection {
         block_ids: b.block_ids.clone(),
         generations: b.generations.clone(),
         slice: b.slice.as_ref().map(kvrail_core::HeadSlice::from),
+        first_token: b.first_token,
     }
 }
 

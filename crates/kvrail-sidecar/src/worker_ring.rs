@@ -232,6 +232,7 @@ fn selection(b: RingBlocks) -> BlockSelection {
         block_ids: b.block_ids(),
         generations: b.generations,
         slice: None,
+        first_token: 0,
     }
 }
 

@@ -60,6 +60,9 @@ class Blocks:
     #: Move only these heads of these tokens (both regions registered with
     #: their :class:`KvGeometry`); None: whole blocks.
     slice: HeadSlice | None = None
+    #: With a slice: the stream starts at this token of the first listed
+    #: block (engines with other block sizes meet mid-block).
+    first_token: int = 0
 
     def to_proto(self) -> pb.BlockRange:
         r = pb.BlockRange(
@@ -68,6 +71,7 @@ class Blocks:
             layer_count=self.layer_count,
             block_ids=list(self.block_ids),
             generations=list(self.generations),
+            first_token=self.first_token,
         )
         if self.slice is not None:
             r.slice.CopyFrom(self.slice.to_proto())
@@ -504,7 +508,7 @@ class Client:
     ) -> Transfer:
         # Ring slots carry whole-block selections and no group: head slices
         # and grouped transfers go by gRPC.
-        sliced = source.slice is not None or destination.slice is not None
+        sliced = any(b.slice is not None or b.first_token for b in (source, destination))
         if self.submit_path == "ring" and not sliced and group is None:
             t = self._ring_transfer(push, request_id, peer, source, destination)
             if t is not None:

@@ -41,6 +41,10 @@ pub struct BlockSet {
     /// their KV geometry); unset: whole blocks.
     #[prost(message, optional, tag = "6")]
     pub slice: ::core::option::Option<HeadSlice>,
+    /// With a slice: the stream starts at this token of the first listed block
+    /// (this side's own offset; below its tokens per block). 0 without one.
+    #[prost(uint32, tag = "7")]
+    pub first_token: u32,
 }
 /// A head-sliced stream: for each layer, plane, chunk of chunk_tokens tokens,
 /// head in \[head_start, head_start + head_count), token in the chunk: one head

@@ -134,6 +134,11 @@ pub struct BlockRange {
     /// heads of these tokens; both regions must carry their geometry.
     #[prost(message, optional, tag = "6")]
     pub slice: ::core::option::Option<HeadSlice>,
+    /// With a slice: the stream's first token is this token of the first listed
+    /// block (below the region's tokens per block), so that engines with other
+    /// block sizes can start mid-block; each side names its own. 0 without one.
+    #[prost(uint32, tag = "7")]
+    pub first_token: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct BlockGenerationsRequest {

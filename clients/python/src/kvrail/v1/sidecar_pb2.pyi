@@ -159,20 +159,22 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockRange(_message.Message):
-    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids", "generations", "slice")
+    __slots__ = ("region_id", "layer_start", "layer_count", "block_ids", "generations", "slice", "first_token")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     region_id: int
     layer_start: int
     layer_count: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     generations: _containers.RepeatedScalarFieldContainer[int]
     slice: HeadSlice
-    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., slice: _Optional[_Union[HeadSlice, _Mapping]] = ...) -> None: ...
+    first_token: int
+    def __init__(self, region_id: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., slice: _Optional[_Union[HeadSlice, _Mapping]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class BlockGenerationsRequest(_message.Message):
     __slots__ = ("region_id", "block_ids")
