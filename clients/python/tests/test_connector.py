@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 import kvrail
 from kvrail.connector import KVConnectorRole, KvrailConnector
-from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, read_blocks, vllm_config
+from kvrail.engine_sim import MiniEngine, Request, mismatched_layers, read_blocks, tokens_of, vllm_config
 
 from conftest import Pair
 
@@ -474,3 +475,92 @@ def test_the_reconnecting_thread_survives_a_failed_set_up(pair):
     wait_for(lambda: link.get() is not None, timeout=10)
     assert len(attempts) == 3
     link.close()
+
+
+# Engines with other block sizes (and orders inside a block): vLLM's logical
+# [2, blocks, tokens, heads, head_size] caches, the geometry derived from
+# them and a model config, as on GPU backends.
+SHAPED_LAYERS, SHAPED_HEADS, SHAPED_HEAD_SIZE, SHAPED_BLOCKS = 4, 8, 64, 64
+#: Not a multiple of either block size: the last blocks are partial.
+SHAPED_PROMPT = 300
+
+
+def shaped_engine(pair, side, name: str, role: str, mode: str, block_size: int, interior: str) -> MiniEngine:
+    if interior == "nhd":
+        shape = (block_size, SHAPED_HEADS, SHAPED_HEAD_SIZE)
+    else:  # memory holds heads outside tokens; vLLM sees them through a permuted view
+        shape = (SHAPED_HEADS, block_size, SHAPED_HEAD_SIZE)
+    kv = kvrail.HostKvCache(pair.shm(name), SHAPED_LAYERS, SHAPED_BLOCKS, shape, np.float16)
+    layers = kv.layers if interior == "nhd" else [a.transpose(0, 1, 3, 2, 4) for a in kv.layers]
+    return MiniEngine(
+        side.socket,
+        mode,
+        name,
+        role,
+        kv,
+        block_size=block_size,
+        model=("test/shaped", SHAPED_HEADS),
+        layers=layers,
+        region_table=str(pair.shm(f"{name}-regions.json")),
+    )
+
+
+def hand_off_tokens(pair, mode: str, p_shape: tuple[int, str], d_shape: tuple[int, str], computed: int, tag: str):
+    """One request from a prefill engine of ``p_shape`` (block size, order) to a
+    decode of ``d_shape`` whose prefix cache holds ``computed`` tokens: the
+    decode's blocks and the prefill's, compared token by token."""
+    p = shaped_engine(pair, pair.prefill, f"p{tag}", "kv_producer", mode, *p_shape)
+    d = shaped_engine(pair, pair.decode, f"d{tag}", "kv_consumer", mode, *d_shape)
+    prompt = list(range(SHAPED_PROMPT))
+    rid = f"req-{tag}"
+    if mode == "pull":
+        params = p.prefill(Request(rid, prompt, {"do_remote_decode": True}), seed=5)
+        assert params is not None
+        blocks = d.admit_remote(Request(rid, prompt, params), computed)
+        d.run_until(lambda: rid in d.finished_recving)
+        p.run_until(lambda: rid in p.finished_sending)
+        source = p.blocks_of_last
+    else:
+        blocks = d.admit_remote(Request(rid, prompt, {"do_remote_prefill": True}), computed)
+        target = d.scheduler.push_target(rid)
+        assert target is not None
+        p.prefill(Request(f"{rid}p", prompt, target), seed=5)
+        p.run_until(lambda: f"{rid}p" in p.finished_sending)
+        d.run_until(lambda: rid in d.finished_recving)
+        source = p.blocks_of_last
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    loaded = range(computed, SHAPED_PROMPT)
+    for layer in range(SHAPED_LAYERS):
+        want = tokens_of(p.layers[layer], source, p.block_size, loaded)
+        got = tokens_of(d.layers[layer], blocks, d.block_size, range(0, len(loaded)))
+        # As bits: the random pattern holds NaNs.
+        assert np.array_equal(want.view(np.uint16), got.view(np.uint16)), f"layer {layer}: {mode} {p_shape} -> {d_shape} from token {computed}"
+    # Both engines' blocks are free again.
+    assert len(p.free) == SHAPED_BLOCKS
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(
+    "p_shape,d_shape",
+    [((16, "nhd"), (64, "nhd")), ((64, "hnd"), (16, "hnd")), ((32, "nhd"), (128, "hnd")), ((16, "hnd"), (16, "nhd"))],
+)
+def test_engines_with_other_block_sizes_hand_over_every_token(pair, mode, p_shape, d_shape):
+    hand_off_tokens(pair, mode, p_shape, d_shape, 0, "a")
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_decode_prefix_cache_ending_inside_a_prefill_block_loads_the_rest(pair, mode):
+    """The decode holds the first 48 tokens (three of its 16-token blocks):
+    the load starts 48 tokens into the prefill's first 64-token block."""
+    hand_off_tokens(pair, mode, (64, "nhd"), (16, "hnd"), 48, "b")
+
+
+def test_head_opaque_engines_with_other_block_sizes_are_refused_naming_both():
+    from kvrail.connector import _geometry_mismatch
+    from kvrail.geometry import KvGeometry
+
+    g = KvGeometry("m", "bfloat16", 2, 64, 8, 0, 8, 16, "head_opaque")
+    assert "tokens per block is 16 here and 32" in _geometry_mismatch(g, replace(g, tokens_per_block=32))
+    assert "interior is head_opaque here and nhd" in _geometry_mismatch(g, replace(g, interior="nhd"))
+    nhd = replace(g, interior="nhd")
+    assert _geometry_mismatch(nhd, replace(nhd, tokens_per_block=64, interior="hnd")) == ""

@@ -50,6 +50,7 @@ from .client import (
 )
 from .errors import KvrailError, SidecarUnavailable
 from .geometry import HeadSlice, KvGeometry, chunk_tokens, head_sources, rank_heads
+from .layout import TensorView
 from .memory import AdoptedMemory, adopt_tensor, describe, shm_dir, sweep_adopted_files
 
 log = logging.getLogger("kvrail.connector")
@@ -148,6 +149,12 @@ class RemoteBlocks:
     #: "geometry"} (empty from an engine that does not publish them: rank 0's
     #: regions are ``remote_regions``).
     remote_ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: Engines with other block sizes move tokens, not blocks: the tokens
+    #: moved (0: whole blocks, as listed), and where the stream starts in
+    #: each side's first listed block.
+    tokens: int = 0
+    local_first_token: int = 0
+    remote_first_token: int = 0
 
     @classmethod
     def from_params(
@@ -164,6 +171,7 @@ class RemoteBlocks:
             _generations_map(params.get("remote_generations")),
             failure=str(params.get("remote_failure") or ""),
             remote_ranks=list(params.get("remote_ranks") or []),
+            tokens=_count(params.get("tokens", 0)),
         )
 
     def window(self, start: int, count: int, local: list[int]) -> "RemoteBlocks":
@@ -283,6 +291,13 @@ def scheduler_id(worker_id: str) -> str:
     return f"{worker_id}.scheduler"
 
 
+def _count(x: Any) -> int:
+    """A token count another engine sent, checked (ValueError if it is none)."""
+    if not _uint(x, 32):
+        raise ValueError(f"a token count must be a 32-bit unsigned integer, not {x!r}")
+    return int(x)
+
+
 def _uint(x: Any, bits: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << bits)
 
@@ -400,35 +415,49 @@ def _rank_path(path: Path, rank: int, size: int) -> Path:
 
 
 def _kv_geometry(vllm_config: Any, tensor: Any, rank: int, size: int, model: str | None) -> KvGeometry | None:
-    """What this rank's blocks hold, from vLLM 0.32's 4-D per-layer cache
-    ``[blocks, heads, tokens, K and V]`` (in its stride order) and the model
-    config; None for caches of another shape (MLA, older vLLM)."""
-    shape = tuple(int(x) for x in getattr(tensor, "shape", ()))
+    """What this rank's blocks hold, from the per-layer cache and the model
+    config: vLLM 0.32's 4-D ``[blocks, heads, tokens, K and V]`` (in its
+    stride order; the CPU backend's blocks are head-opaque), or the 5-D
+    ``[2, blocks, tokens, heads, head_size]`` (FlashAttention) and
+    ``[blocks, 2, tokens, heads, head_size]`` (FlashInfer) caches, NHD or, by
+    their stride order, HND. None for other shapes (MLA)."""
     mc = getattr(vllm_config, "model_config", None)
-    if len(shape) != 4 or mc is None:
+    if mc is None or not hasattr(tensor, "shape"):
+        return None
+    view = TensorView.of(tensor)
+    shape, strides = view.shape, view.strides
+    if len(shape) == 4:
+        heads_dim, tokens_dim, head_size = 1, 2, shape[3]
+        interior = "head_opaque" if view.device == "cpu" and _is_torch(tensor) else None
+    elif len(shape) == 5 and 2 in (shape[0], shape[1]):
+        heads_dim, tokens_dim, head_size = 3, 2, shape[4]
+        interior = None
+    else:
         return None
     total = int(mc.get_total_num_kv_heads())
     heads = rank_heads(total, size, rank)
-    if len(heads) != shape[1]:
-        log.warning("kvrail: %d KV heads in the cache, %d expected for rank %d of %d", shape[1], len(heads), rank, size)
+    if len(heads) != shape[heads_dim]:
+        log.warning("kvrail: %d KV heads in the cache, %d expected for rank %d of %d", shape[heads_dim], len(heads), rank, size)
         return None
-    strides = tuple(int(x) for x in tensor.stride())
-    if tensor.device.type == "cpu":
-        # The CPU backend packs each head's K (transposed, per ISA) and V.
-        interior = "head_opaque"
-    else:
-        interior = "hnd" if strides[1] > strides[2] else "nhd"
+    if interior is None:
+        interior = "hnd" if strides[heads_dim] > strides[tokens_dim] else "nhd"
+    dtype = getattr(tensor, "dtype", "")
     return KvGeometry(
         model=model or str(getattr(mc, "model", "")),
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        element_bytes=int(tensor.element_size()),
-        head_size=shape[3],
+        dtype=str(dtype).removeprefix("torch."),
+        element_bytes=view.itemsize,
+        head_size=head_size,
         model_kv_heads=total,
         head_start=heads.start,
         heads=len(heads),
-        tokens_per_block=shape[2],
+        tokens_per_block=shape[tokens_dim],
         interior=interior,  # type: ignore[arg-type]
     )
+
+
+def _is_torch(tensor: Any) -> bool:
+    """A torch tensor (vLLM's own caches), not a numpy array."""
+    return hasattr(tensor, "data_ptr") and hasattr(tensor, "element_size")
 
 
 def _ranks_of(ranks: Any) -> list[tuple[RegionTable, KvGeometry | None]]:
@@ -457,17 +486,38 @@ def _geometry_mismatch(mine: KvGeometry, theirs: KvGeometry) -> str:
         a, b = getattr(mine, name), getattr(theirs, name)
         if a != b:
             return f"{name} is {a} here and {b} on the prefill engine"
-    if "head_opaque" in (mine.interior, theirs.interior) and mine.tokens_per_block != theirs.tokens_per_block:
-        return (
-            f"tokens per block is {mine.tokens_per_block} here and {theirs.tokens_per_block} on the "
-            "prefill engine (its blocks cannot be re-cut by token)"
-        )
-    if mine.tokens_per_block != theirs.tokens_per_block:
-        return (
-            f"tokens per block is {mine.tokens_per_block} here and {theirs.tokens_per_block} on the "
-            "prefill engine (the connector pairs blocks one for one)"
-        )
+    if "head_opaque" in (mine.interior, theirs.interior):
+        if mine.interior != theirs.interior:
+            return f"the block interior is {mine.interior} here and {theirs.interior} on the prefill engine"
+        if mine.tokens_per_block != theirs.tokens_per_block:
+            return (
+                f"tokens per block is {mine.tokens_per_block} here and {theirs.tokens_per_block} on the "
+                "prefill engine (head-opaque blocks cannot be re-cut by token)"
+            )
     return ""
+
+
+def _block_tokens(ranks: Any) -> int | None:
+    """Tokens per block of an engine, from its ranks' published geometry
+    (None where it publishes none)."""
+    try:
+        g = ranks[0]["geometry"] if ranks else None
+        n = g["tokens_per_block"] if g else None
+        interior = g["interior"] if g else None
+    except (KeyError, TypeError, IndexError):
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 < n < 1 << 32 or interior == "head_opaque":
+        return None  # head-opaque blocks move whole: no token window
+    return n
+
+
+def _token_window(first: int, tokens: int, block_tokens: int, blocks: int) -> tuple[int, int, int]:
+    """Of an engine's request blocks (``blocks`` of ``block_tokens``), the ones
+    holding tokens ``[first, first + tokens)``: (first block, block count,
+    token offset in the first); the tokens are cut to what the blocks hold."""
+    start, offset = divmod(first, block_tokens)
+    count = min(blocks - start, (offset + tokens + block_tokens - 1) // block_tokens)
+    return start, max(0, count), offset
 
 
 try:  # pragma: no cover - vLLM 0.32 and newer
@@ -818,6 +868,9 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             # Blocks the local prefix cache already holds are neither read nor
             # written again.
             local, cached = _blocks_to_load(blocks)
+            # Where the load starts in the prompt (what the local prefix cache
+            # holds): engines with other block sizes meet there mid-block.
+            first = max(0, len(getattr(request, "prompt_token_ids", None) or ()) - num_external_tokens)
             if self.mode == "push":
                 # Decode first: the prefill engine will write into these blocks.
                 failure = ""
@@ -836,6 +889,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                         "remote_block_ids": local,
                         "remote_request_id": rid,
                         "skip_blocks": cached,
+                        # Tokens, for a prefill engine whose blocks are cut
+                        # otherwise: it pushes these, from this one.
+                        "tokens": num_external_tokens,
+                        "first_token": first,
                         # A push naming these generations fails once this side
                         # releases the blocks (abort, timeout): none lands late.
                         "remote_generations": self._scheduler_call(generations),
@@ -850,9 +907,14 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     failure = self._send_grant(rid, str(ticket), params.get("push_grant_to"), target)
                 elif target is not None:
                     self._sched.push_targets[rid] = {"do_remote_decode": True, "push_to": target}
-                self._sched.loading[rid] = RemoteBlocks(local, local, "", [], rid, failure=failure)
+                self._sched.loading[rid] = RemoteBlocks(
+                    local, local, "", [], rid, failure=failure, tokens=num_external_tokens
+                )
             else:
-                self._sched.loading[rid] = self._remote_spec(rid, local, cached, params)
+                # The own block size matters only beside a token-cut prefill.
+                mine = self._own_block_tokens() if _block_tokens(params.get("remote_ranks")) else None
+                window = (first, num_external_tokens, mine)
+                self._sched.loading[rid] = self._remote_spec(rid, local, cached, params, window)
             self._sched.new_loads[rid] = self._sched.loading[rid]
             params["do_remote_prefill"] = False  # once
         elif self.mode == "push" and params.get("push_to"):
@@ -860,15 +922,38 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched.prefill_blocks[rid] = list(blocks.get_block_ids()[0])
             self._sched.prompt_tokens[rid] = len(request.prompt_token_ids)
 
+    def _own_block_tokens(self) -> int | None:
+        """Tokens per block of this engine's KV caches (None when its ranks
+        publish no token-cut geometry)."""
+        try:
+            return _block_tokens(self._rank_tables())
+        except KvrailError:
+            return None
+
     @staticmethod
-    def _remote_spec(rid: str, local: list[int], cached: int, params: dict[str, Any]) -> RemoteBlocks:
+    def _remote_spec(
+        rid: str, local: list[int], cached: int, params: dict[str, Any], window: tuple[int, int, int | None] = (0, 0, None)
+    ) -> RemoteBlocks:
         """Pull mode, decode side: what to load of the prefill's blocks that
         ``params`` (from the router: anyone's input) name; a load that fails
-        at once, saying why, when they are malformed."""
+        at once, saying why, when they are malformed. ``window``: (first
+        token, tokens, this engine's tokens per block): engines with other
+        block sizes load these tokens, not blocks one for one."""
         try:
             offered = RemoteBlocks.from_params(local, list(params["remote_block_ids"]), params)
             problem = offered.generations_problem()
             remote = offered.remote_block_ids
+            first, tokens, mine = window
+            theirs = _block_tokens(params.get("remote_ranks"))
+            if mine and theirs and mine != theirs and tokens > 0:
+                tokens = min(tokens, len(local) * mine)
+                start, n, offset = _token_window(first, tokens, theirs, len(remote))
+                tokens = min(tokens, n * theirs - offset)
+                ours = local[: -(-tokens // mine)] if tokens > 0 else []
+                if problem or not ours:
+                    why = problem or f"the prefill engine's blocks do not hold tokens {first}..{first + tokens}"
+                    return replace(offered, local_block_ids=ours, remote_block_ids=[], remote_generations={}, failure=why)
+                return replace(offered.window(start, n, ours), tokens=tokens, remote_first_token=offset)
             start = cached if cached else max(0, len(remote) - len(local))
             n = max(0, min(len(local), len(remote) - start))
             if problem:
@@ -1033,16 +1118,41 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     continue
                 # Push once, in the step that computes the prompt's last token.
                 if computed.get(rid, 0) + scheduled >= s.prompt_tokens.get(rid, 0):
-                    # Blocks the decode's prefix cache already holds are skipped.
-                    local = s.prefill_blocks[rid][int(target.get("skip_blocks", 0)) :]
-                    remote = list(target["remote_block_ids"])
-                    n = min(len(local), len(remote))
-                    meta.save[rid] = RemoteBlocks.from_params(local[:n], remote[:n], target)
-                    log.debug("%s: pushing %d blocks in this step", rid, n)
+                    meta.save[rid] = self._push_spec(rid, s.prefill_blocks[rid], target)
                     del s.pushing[rid]
                     s.prompt_tokens.pop(rid, None)
                     s.pushed.add(rid)
         return meta
+
+    def _push_spec(self, rid: str, blocks: list[int], target: dict[str, Any]) -> RemoteBlocks:
+        """Push mode, prefill side: which of this request's ``blocks`` go to
+        the decode's granted blocks. Blocks the decode's prefix cache already
+        holds are skipped; a decode whose blocks are cut into tokens (it
+        publishes such a geometry) takes the tokens it asked for, from the
+        token it asked, whatever the two engines' block sizes."""
+        remote = list(target["remote_block_ids"])
+        theirs = _block_tokens(target.get("remote_ranks"))
+        mine = self._own_block_tokens()
+        try:
+            tokens, first = _count(target.get("tokens", 0)), _count(target.get("first_token", 0))
+        except ValueError as e:
+            log.error("kvrail: %s: the grant's %s", rid, e)
+            tokens = first = 0
+        if theirs and tokens and not mine:
+            # The decode counts tokens' bytes; blocks of an unknown size
+            # cannot be cut to them. Nothing is pushed: it recomputes.
+            log.error("kvrail: %s: the decode engine takes tokens and this engine's block size is unknown", rid)
+            return RemoteBlocks.from_params([], [], target)
+        if theirs and mine and tokens:
+            start, n, offset = _token_window(first, tokens, mine, len(blocks))
+            tokens = min(tokens, n * mine - offset)
+            spec = RemoteBlocks.from_params(blocks[start : start + n], remote[: -(-tokens // theirs)], target)
+            log.debug("%s: pushing %d tokens from token %d in this step", rid, tokens, first)
+            return replace(spec, tokens=max(0, tokens), local_first_token=offset)
+        local = blocks[int(target.get("skip_blocks", 0)) :]
+        n = min(len(local), len(remote))
+        log.debug("%s: pushing %d blocks in this step", rid, n)
+        return RemoteBlocks.from_params(local[:n], remote[:n], target)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads the workers finished (or gave up on) are no longer in flight:
@@ -1295,7 +1405,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     raise KvrailError(f"{rid}: cannot take the prefill engine's KV: {why}")
                 assert heads is not None
                 head_slice = HeadSlice(
-                    heads.start, len(heads), len(spec.local_block_ids) * tpb, chunk_tokens(theirs, mine)
+                    heads.start, len(heads), spec.tokens or len(spec.local_block_ids) * tpb, chunk_tokens(theirs, mine)
                 )
             for j, (src_region, src_layer, dst, dst_layer, count) in enumerate(overlaps[src]):
                 index = mine_first[(src, k)] + j
@@ -1310,6 +1420,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                             count,
                             generations=spec.remote_generations.get(str(src_region), ()),
                             slice=head_slice,
+                            first_token=spec.remote_first_token if head_slice else 0,
                         ),
                         Blocks(dst, spec.local_block_ids, dst_layer, count),
                     )
@@ -1334,7 +1445,13 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             if self.mode == "push":
                 # Bytes, not pushes: at TP > 1 several prefill ranks push
                 # parts of each layer (each head once).
-                w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
+                g = w.geometry
+                if spec.tokens and g is not None and g.interior != "head_opaque":
+                    # Cut into tokens: the prefill engine pushes exactly these.
+                    per_token = g.heads * g.head_size * g.element_bytes
+                    w.push_expected[rid] = len(w.layer_names) * w.planes * per_token * spec.tokens
+                else:
+                    w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
                 log.debug("%s: rank %d waits for %d pushed bytes", rid, self.tp_rank, w.push_expected[rid])
                 continue
@@ -1417,7 +1534,14 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     gens = spec.remote_generations.get(str(dst_region), ())
                     args = (
                         spec.remote_node,
-                        Blocks(src_region, spec.local_block_ids, src_layer, 1, slice=head_slice),
+                        Blocks(
+                            src_region,
+                            spec.local_block_ids,
+                            src_layer,
+                            1,
+                            slice=head_slice,
+                            first_token=spec.local_first_token if head_slice else 0,
+                        ),
                         Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
                     )
                     t = client.push(name, *args)
@@ -1444,6 +1568,10 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             return [("", spec.remote_regions, None)]
         ranks = _ranks_of(spec.remote_ranks)
         geometries = [g for _, g in ranks]
+        cut = [g is not None and g.interior != "head_opaque" for g in geometries]
+        if spec.tokens and any(cut) and mine is None:
+            # It counts tokens' bytes: whole blocks would end its wait early.
+            raise KvrailError("the decode engine takes tokens cut by its geometry, and this engine publishes none")
         if mine is None or any(g is None for g in geometries):
             if len(ranks) != 1 or self.tp_size != 1:
                 raise KvrailError("tensor-parallel engines must both publish their KV geometry")
@@ -1452,22 +1580,23 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         out: list[tuple[str, RegionTable, HeadSlice | None]] = []
         for d, (table, theirs) in enumerate(ranks):
             assert theirs is not None
+            by_token = bool(spec.tokens) and cut[d]
             for src, heads in head_sources(theirs.head_range, held):
                 if src != self.tp_rank:
                     continue
-                if theirs == mine:
+                if theirs == mine and not by_token:
                     out.append((f"/d{d}", table, None))  # type: ignore[arg-type]
                     continue
                 why = _geometry_mismatch(theirs, mine)
                 if why:
                     raise KvrailError(f"cannot push to decode rank {d}: {why.replace('prefill engine', 'decode engine')}")
-                cut = HeadSlice(
+                head_slice = HeadSlice(
                     heads.start,
                     len(heads),
-                    len(spec.local_block_ids) * mine.tokens_per_block,
+                    spec.tokens if by_token else len(spec.local_block_ids) * mine.tokens_per_block,
                     chunk_tokens(mine, theirs),
                 )
-                out.append((f"/d{d}", table, cut))  # type: ignore[arg-type]
+                out.append((f"/d{d}", table, head_slice))  # type: ignore[arg-type]
         return out
 
     @_timed

@@ -94,18 +94,39 @@ class MiniEngine:
     free list, and ``step()`` making the connector calls of one forward pass."""
 
     def __init__(
-        self, socket: str, mode: str, engine_id: str, role: str, kv: HostKvCache, **extra: Any
+        self,
+        socket: str,
+        mode: str,
+        engine_id: str,
+        role: str,
+        kv: HostKvCache,
+        *,
+        block_size: int = 16,
+        model: tuple[str, int] | None = None,
+        layers: list[np.ndarray] | None = None,
+        **extra: Any,
     ) -> None:
+        """``model``: (name, KV heads), given as vLLM's model config gives
+        them, makes the connector derive its KV geometry from ``layers``
+        (vLLM's logical ``[2, blocks, tokens, heads, head_size]`` views of
+        ``kv``, in HND stride order where the memory holds heads outside
+        tokens; default: ``kv.layers``)."""
         cfg = vllm_config(str(socket), mode, engine_id, role, **extra)
+        if model is not None:
+            name, heads = model
+            cfg.model_config = SimpleNamespace(model=name, get_total_num_kv_heads=lambda: heads)
         self.kv = kv
-        self.block_size = 16
+        self.block_size = block_size
+        self.layers = layers if layers is not None else kv.layers
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(len(kv.layers))]
         self.scheduler = KvrailConnector(cfg, KVConnectorRole.SCHEDULER)
         self.worker = KvrailConnector(cfg, KVConnectorRole.WORKER)
-        self.worker.register_kv_caches(dict(zip(self.layer_names, kv.layers)))
+        self.worker.register_kv_caches(dict(zip(self.layer_names, self.layers)))
         self.free = list(range(kv.layout.num_blocks))
         self.held: dict[str, list[int]] = {}  # blocks vLLM keeps until get_finished
         self.blocks: dict[str, list[int]] = {}
+        #: The blocks of the last request prefilled (read back by tests).
+        self.blocks_of_last: list[int] = []
         self._finished: set[str] = set()
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -163,6 +184,7 @@ class MiniEngine:
         assert num == 0
         blocks = self._alloc(len(req.prompt_token_ids))
         self.blocks[req.request_id] = blocks
+        self.blocks_of_last = blocks
         self.scheduler.update_state_after_alloc(req, KVCacheBlocks(blocks), 0)
         req.status = RequestStatus.RUNNING
         layer_bytes = self.kv.layout.planes_per_layer * len(blocks) * self.kv.layout.block_bytes
@@ -190,10 +212,12 @@ class MiniEngine:
 
     # Decode side ---------------------------------------------------------
 
-    def admit_remote(self, req: Request) -> list[int]:
+    def admit_remote(self, req: Request, computed: int = 0) -> list[int]:
         """A request whose KV comes from a prefill engine: blocks allocated and the
-        load announced, as vLLM's scheduler does before WAITING_FOR_REMOTE_KVS."""
-        num, load_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        load announced, as vLLM's scheduler does before WAITING_FOR_REMOTE_KVS.
+        ``computed``: prompt tokens the local prefix cache holds (whole blocks;
+        only the rest is loaded, into new blocks)."""
+        num, load_async = self.scheduler.get_num_new_matched_tokens(req, computed)
         assert num > 0 and load_async, (num, load_async)
         blocks = self._alloc(num)
         self.blocks[req.request_id] = blocks
@@ -217,6 +241,15 @@ def read_blocks(kv: HostKvCache, layer: int, blocks: list[int]) -> np.ndarray:
     return np.concatenate(
         [kv.block(layer, plane, b) for plane in range(kv.layout.planes_per_layer) for b in blocks]
     )
+
+
+def tokens_of(layer: np.ndarray, blocks: list[int], block_size: int, tokens: range) -> np.ndarray:
+    """K and V of ``tokens`` of a request held in ``blocks`` of a layer's
+    logical ``[2, blocks, block_size, heads, head_size]`` view:
+    ``[2, len(tokens), heads, head_size]``, whatever the engine's block size
+    and order inside a block."""
+    t = np.arange(tokens.start, tokens.stop)
+    return layer[:, np.asarray(blocks)[t // block_size], t % block_size]
 
 
 def mismatched_layers(kv: HostKvCache, blocks: list[int], seed: int) -> list[int]:
