@@ -448,6 +448,7 @@ async fn garbled_truncated_and_out_of_range_peer_frames_are_contained() {
         total_bytes: 8192,
         one_sided: false,
         geometry: None,
+        receiver_group: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

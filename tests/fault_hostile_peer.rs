@@ -344,6 +344,7 @@ async fn a_peer_opening_session_after_session_is_capped() {
             total_bytes: 64,
             one_sided: false,
             geometry: None,
+            receiver_group: None,
         };
         // A refused session may be closed already: its answer is read below.
         let _ = sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(push))));
@@ -504,6 +505,7 @@ async fn a_peer_that_stops_mid_payload_is_cut_and_its_transfer_ends() {
         total_bytes: 8192,
         one_sided: false,
         geometry: None,
+        receiver_group: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

@@ -89,6 +89,7 @@ fn open(id: u64, region: u64, blocks: u32, generations: usize) -> Vec<u8> {
         total_bytes: 64 * u64::from(blocks),
         one_sided: false,
         geometry: None,
+        receiver_group: None,
     })))
 }
 

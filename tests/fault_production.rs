@@ -52,6 +52,7 @@ fn busy_session(
         total_bytes: 64,
         one_sided: false,
         geometry: None,
+        receiver_group: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(push))))
         .unwrap();
@@ -193,6 +194,7 @@ async fn a_slice_trickled_into_released_blocks_is_cut() {
         total_bytes: 1 << 20,
         one_sided: false,
         geometry: None,
+        receiver_group: None,
     };
     sock.write_all(&wire::encode_control(&wire::message(Body::PushOpen(open))))
         .unwrap();

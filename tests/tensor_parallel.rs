@@ -565,3 +565,113 @@ async fn a_decode_rank_reading_several_prefill_ranks_completes_once() {
         r.kv.unlink();
     }
 }
+
+/// Four prefill ranks (four workers) pushing their heads into one TP 1
+/// decode rank name the decode's receiver group: its worker gets one
+/// PUSH_RECEIVED for the group (bytes summed) and none per push, with every
+/// head in place; a push naming another member count fails the group once,
+/// and nothing more of it is reported; a malformed group is refused at the
+/// sender's API.
+#[tokio::test(flavor = "multi_thread")]
+async fn several_prefill_ranks_pushing_one_decode_rank_complete_once() {
+    use kvrail_client::proto::{NotificationKind, TransferGroup};
+    let pair = Pair::start(&[]);
+    let mut p = pair.prefill.client().await;
+    let mut d = pair.decode.client().await;
+    let mut prefill = Vec::new();
+    for r in 0..4 {
+        prefill.push(rank(&mut p, &pair, &format!("rp-{r}"), 4, r, 16, true, true).await);
+    }
+    let dest = rank(&mut d, &pair, "rd", 1, 0, 16, false, false).await;
+    let mut notes = d.subscribe(&dest.worker).await.unwrap();
+    let group = |id: &str, members| TransferGroup {
+        id: id.into(),
+        members,
+    };
+    let slice_of = |source: &Rank| HeadSlice {
+        head_start: source.geometry.head_start,
+        head_count: source.geometry.heads,
+        tokens: TOKENS,
+        chunk_tokens: 16,
+    };
+    let mut total = 0;
+    for (i, source) in prefill.iter().enumerate() {
+        let a = p
+            .push_to_receiver_group(
+                &source.worker,
+                &format!("r-{i}"),
+                "decode",
+                source.range(Some(slice_of(source))),
+                dest.range(None),
+                group("req-r", 4),
+            )
+            .await
+            .unwrap();
+        total += a.total_bytes;
+    }
+    let got = notes_until(&mut notes, "req-r").await;
+    assert_eq!(got.len(), 1, "one notification for the group: {got:?}");
+    assert_eq!(
+        got[0].kind,
+        NotificationKind::PushReceived as i32,
+        "{got:?}"
+    );
+    assert_eq!(got[0].bytes, total);
+    check(&dest, "TP 4 -> TP 1 pushed as one receiver group");
+
+    // Members that disagree on the group's size: it fails once.
+    for (i, members) in [2, 3].into_iter().enumerate() {
+        let source = &prefill[i];
+        p.push_to_receiver_group(
+            &source.worker,
+            &format!("m-{i}"),
+            "decode",
+            source.range(Some(slice_of(source))),
+            dest.range(None),
+            group("req-m", members),
+        )
+        .await
+        .unwrap();
+    }
+    let got = notes_until(&mut notes, "req-m").await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].kind, NotificationKind::Failed as i32, "{got:?}");
+    let failure = got[0].failure.as_ref().unwrap();
+    assert_eq!(failure.code, "group_members_differ", "{failure:?}");
+    assert!(
+        failure.message.contains("has 2 members") && failure.message.contains("says 3"),
+        "{failure:?}"
+    );
+    // Nothing more of the failed group: the next notification is a marker's.
+    let source = &prefill[0];
+    p.push(
+        &source.worker,
+        "marker",
+        "decode",
+        source.range(Some(slice_of(source))),
+        dest.range(None),
+    )
+    .await
+    .unwrap();
+    let got = notes_until(&mut notes, "marker").await;
+    assert_eq!(got.len(), 1, "only the marker's: {got:?}");
+
+    let e = p
+        .push_to_receiver_group(
+            &source.worker,
+            "z",
+            "decode",
+            source.range(Some(slice_of(source))),
+            dest.range(None),
+            group("req-z", 0),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("req-z") && e.to_string().contains("has 0 members"),
+        "{e}"
+    );
+    for r in prefill.into_iter().chain([dest]) {
+        r.kv.unlink();
+    }
+}

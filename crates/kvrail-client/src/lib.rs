@@ -229,7 +229,9 @@ impl Client {
     ) -> Result<TransferAccepted, ClientError> {
         // Ring slots carry whole-block selections and no group; head slices
         // and grouped transfers go by gRPC.
-        let sliced = source.slice.is_some() || destination.slice.is_some();
+        let sliced = [&source, &destination]
+            .iter()
+            .any(|b| b.slice.is_some() || b.first_token != 0);
         if self.submit_path == SubmitPath::Ring && !sliced && group.is_none() {
             let rings = self.rings.clone();
             let call = ring_submit::TransferCall {
@@ -254,6 +256,7 @@ impl Client {
                         source: Some(source),
                         destination: Some(destination),
                         group,
+                        receiver_group: None,
                     })
                     .await?
             }
@@ -270,6 +273,34 @@ impl Client {
                     .await?
             }
         };
+        Ok(r.into_inner())
+    }
+
+    /// Pushes `source` into `peer`'s `destination` as a member of the
+    /// receiving worker's `receiver_group`: that worker hears of the group's
+    /// pushes once, whoever sent them (see `PushRequest.receiver_group` in
+    /// sidecar.proto). By gRPC.
+    pub async fn push_to_receiver_group(
+        &mut self,
+        worker_id: &str,
+        request_id: &str,
+        peer: &str,
+        source: BlockRange,
+        destination: BlockRange,
+        receiver_group: TransferGroup,
+    ) -> Result<TransferAccepted, ClientError> {
+        let r = self
+            .inner
+            .push(PushRequest {
+                request_id: request_id.into(),
+                worker_id: worker_id.into(),
+                peer: peer.into(),
+                source: Some(source),
+                destination: Some(destination),
+                group: None,
+                receiver_group: Some(receiver_group),
+            })
+            .await?;
         Ok(r.into_inner())
     }
 

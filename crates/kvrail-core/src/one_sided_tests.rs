@@ -101,6 +101,7 @@ impl Fabric {
             local,
             remote,
             local_geometry: None,
+            receiver_group: None,
         }
     }
 

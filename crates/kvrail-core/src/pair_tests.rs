@@ -115,6 +115,7 @@ impl Pair {
             remote,
             staged,
             local_geometry: None,
+            receiver_group: None,
         }
     }
 
@@ -1421,6 +1422,7 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
             total_bytes: u64::from(blocks),
             one_sided: false,
             geometry: None,
+            receiver_group: None,
         })
     };
     let now = p.now;
@@ -1512,6 +1514,7 @@ fn a_session_holds_a_bounded_number_of_transfers_each_way() {
             total_bytes: 100,
             one_sided: false,
             geometry: None,
+            receiver_group: None,
         });
         b.session.handle_control(0, open, now, &b.regions);
     }
@@ -1574,4 +1577,62 @@ fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
             ..
         }]
     ));
+}
+
+/// A peer naming a receiver group with no id, a too long one, or with no or
+/// too many members, is refused before anything is held.
+#[test]
+fn malformed_receiver_groups_are_refused_before_anything_is_held() {
+    let mut p = Pair::new(1, small_slices(), 5);
+    p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 64), false, false);
+    let open = |id: u64, group: crate::wire::pb::ReceiverGroup| {
+        crate::wire::Body::PushOpen(crate::wire::pb::PushOpen {
+            transfer_id: id,
+            request_id: format!("r{id}"),
+            destination: Some(crate::wire::pb::BlockSet {
+                region_id: 2,
+                layer_start: 0,
+                layer_count: 1,
+                block_ids: vec![id as u32],
+                ..Default::default()
+            }),
+            block_bytes: 64,
+            total_bytes: 64,
+            receiver_group: Some(group),
+            ..Default::default()
+        })
+    };
+    let group = |id: &str, members| crate::wire::pb::ReceiverGroup {
+        id: id.into(),
+        members,
+    };
+    let now = p.now;
+    let b = &mut p.sides[1];
+    for (id, g) in [
+        (1, group("", 2)),
+        (2, group("g", 0)),
+        (
+            3,
+            group("g", crate::session::MAX_RECEIVER_GROUP_MEMBERS + 1),
+        ),
+        (0, group(&"x".repeat(crate::wire::REQUEST_ID_MAX + 1), 1)),
+    ] {
+        b.session.handle_control(0, open(id, g), now, &b.regions);
+    }
+    assert_eq!(b.session.active_transfers(), 0);
+    let refusals: Vec<String> = std::iter::from_fn(|| b.session.poll_transmit(now))
+        .filter_map(|t| match t {
+            Transmit::Control { msg, .. } => match msg.body {
+                Some(crate::wire::Body::Abort(a)) => Some(a.message),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refusals.len(), 4, "{refusals:?}");
+    assert!(
+        refusals.iter().all(|m| m.contains("receiver group")),
+        "{refusals:?}"
+    );
+    assert!(refusals[2].contains("1025 members"), "{refusals:?}");
 }

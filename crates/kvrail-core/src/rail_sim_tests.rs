@@ -200,6 +200,7 @@ impl Sim {
             remote: sel(remote, (0, layout.num_layers), blocks),
             staged: false,
             local_geometry: None,
+            receiver_group: None,
         }
     }
 

@@ -216,6 +216,8 @@ pub enum Event {
         region_id: u64,
         block_ids: Vec<u32>,
         bytes: u64,
+        /// A received push's group, as its sender named it (checked).
+        receiver_group: Option<pb::ReceiverGroup>,
     },
     /// The transfer ended early.
     Failed {
@@ -224,6 +226,8 @@ pub enum Event {
         kind: TransferKind,
         region_id: u64,
         error: TransferError,
+        /// A received push's group, as its sender named it (checked).
+        receiver_group: Option<pb::ReceiverGroup>,
     },
     /// A rail changed state. On `Down` the driver closes the rail's connections.
     Rail(RailChange),
@@ -309,6 +313,8 @@ struct Transfer {
     /// Lifecycle transitions the table refused (a session bug: the state
     /// stays put, the transfer goes on; counted by the session).
     invalid_transitions: u32,
+    /// Receiver side: the group the sender named (`PushOpen.receiver_group`).
+    receiver_group: Option<pb::ReceiverGroup>,
 }
 
 impl Transfer {
@@ -342,6 +348,7 @@ impl Transfer {
             gate: None,
             pending_failure: None,
             invalid_transitions: 0,
+            receiver_group: None,
         }
     }
 
@@ -399,6 +406,7 @@ impl Transfer {
             kind: self.kind,
             region_id: self.selection.region_id,
             block_ids: self.selection.block_ids,
+            receiver_group: self.receiver_group,
         }
     }
 
@@ -435,6 +443,26 @@ pub struct LocalTransfer {
     /// Our blocks go through staging buffers (GPU memory): the transfer is
     /// cut into `SessionConfig::staged_slice_bytes` slices.
     pub staged: bool,
+    /// A push's: the receiving worker hears of it with the group's other
+    /// members ([`check_receiver_group`]).
+    pub receiver_group: Option<pb::ReceiverGroup>,
+}
+
+/// Most members of a receiver group.
+pub const MAX_RECEIVER_GROUP_MEMBERS: u32 = 1024;
+
+/// Whether a receiver group is well formed: an id of 1 to
+/// [`crate::wire::REQUEST_ID_MAX`] bytes and 1 to
+/// [`MAX_RECEIVER_GROUP_MEMBERS`] members.
+pub fn check_receiver_group(g: &pb::ReceiverGroup) -> Result<(), String> {
+    crate::wire::check_request_id(&g.id).map_err(|e| format!("receiver group: {e}"))?;
+    if g.members == 0 || g.members > MAX_RECEIVER_GROUP_MEMBERS {
+        return Err(format!(
+            "receiver group {:?} has {} members (must be 1..={MAX_RECEIVER_GROUP_MEMBERS})",
+            g.id, g.members
+        ));
+    }
+    Ok(())
 }
 
 impl LocalTransfer {
@@ -918,6 +946,7 @@ impl Session {
             total_bytes: plan.total_bytes(),
             one_sided,
             geometry: req.local_geometry.as_deref().map(KvGeometry::to_wire),
+            receiver_group: req.receiver_group,
         }));
         let total = plan.total_bytes();
         let mut t = Transfer::new(req.request_id, TransferKind::Push, req.local, plan, now);
@@ -1160,6 +1189,9 @@ impl Session {
         if let Err(message) = crate::wire::check_request_id(&open.request_id) {
             return self.reject(conn, id, ErrorCode::Protocol, message);
         }
+        if let Some(Err(message)) = open.receiver_group.as_ref().map(check_receiver_group) {
+            return self.reject(conn, id, ErrorCode::Protocol, message);
+        }
         let selection = selection_of(open.destination.as_ref());
         match accept_plan(
             &selection,
@@ -1178,17 +1210,15 @@ impl Session {
                     self.control
                         .push_back((Some(conn), grant_message(id, &region, region.keys.clone())));
                 }
-                self.hold(
-                    id,
-                    Transfer::new(
-                        open.request_id,
-                        TransferKind::PushReceive,
-                        selection,
-                        plan,
-                        now,
-                    ),
-                    bytes,
+                let mut t = Transfer::new(
+                    open.request_id,
+                    TransferKind::PushReceive,
+                    selection,
+                    plan,
+                    now,
                 );
+                t.receiver_group = open.receiver_group;
+                self.hold(id, t, bytes);
             }
             Err((code, message)) => self.reject(conn, id, code, message),
         }
@@ -2170,6 +2200,7 @@ impl Session {
             kind: t.kind,
             region_id: t.selection.region_id,
             error,
+            receiver_group: t.receiver_group,
         });
     }
 

@@ -315,6 +315,7 @@ pub fn session(data: &[u8]) {
                     },
                     staged: c.u8() & 1 == 0,
                     local_geometry: None,
+                    receiver_group: None,
                 };
                 next_id += 1;
                 let _ = if c.u8() & 1 == 0 {
@@ -369,6 +370,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         total_bytes: 2048,
         one_sided: false,
         geometry: None,
+        receiver_group: None,
     }));
     match target {
         "frame" => {

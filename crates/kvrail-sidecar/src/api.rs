@@ -237,6 +237,7 @@ impl Api {
         source: &BlockRange,
         destination: &BlockRange,
         group: Option<&kvrail_proto::TransferGroup>,
+        receiver_group: Option<&kvrail_proto::TransferGroup>,
     ) -> Result<TransferAccepted, Status> {
         let (local, remote) = if push {
             (source, destination)
@@ -253,6 +254,7 @@ impl Api {
                 local: selection_of(local),
                 remote: selection_of(remote),
                 group,
+                receiver_group,
             },
         )
         .await
@@ -468,6 +470,7 @@ impl Sidecar for Api {
             src,
             dst,
             r.group.as_ref(),
+            r.receiver_group.as_ref(),
         )
         .await
         .map(Response::new)
@@ -485,6 +488,7 @@ impl Sidecar for Api {
             src,
             dst,
             r.group.as_ref(),
+            None,
         )
         .await
         .map(Response::new)

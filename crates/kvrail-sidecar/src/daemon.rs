@@ -59,6 +59,8 @@ pub struct Shared {
     pub transfers: TransferTable,
     /// Transfers that complete as one (`TransferGroup`).
     pub groups: crate::groups::Groups<(String, Failure)>,
+    /// Pushes received into a worker's regions it hears of as one.
+    pub receiver_groups: crate::receiver_groups::ReceiverGroups,
     /// Static peers and those membership found (`peer_table`).
     pub peers: PeerTable,
     pub inbound: DashMap<(String, u64), Arc<PeerLink>>,
@@ -881,6 +883,7 @@ impl Shared {
                 request_id,
                 kind,
                 region_id,
+                receiver_group,
                 ..
             } if self.region_truncated(region_id).is_some() => Event::Failed {
                 transfer_id,
@@ -891,6 +894,7 @@ impl Shared {
                     code: ErrorCode::RegionTruncated,
                     message: self.region_truncated(region_id).unwrap_or_default(),
                 },
+                receiver_group,
             },
             other => other,
         };
@@ -932,6 +936,7 @@ impl Shared {
                 region_id,
                 block_ids,
                 bytes,
+                receiver_group,
             } => {
                 m::transfers_done(kind).increment(1);
                 let nkind = match kind {
@@ -977,10 +982,20 @@ impl Shared {
                         (rec.worker_id.clone(), elapsed.as_micros() as u64)
                     }
                     TransferKind::PushReceive | TransferKind::PullServe => {
-                        match self.registry.get(region_id) {
-                            Some(r) => (r.worker_id.clone(), 0),
-                            None => return,
+                        let Some(r) = self.registry.get(region_id) else {
+                            return;
+                        };
+                        if let Some(g) = &receiver_group {
+                            self.receiver_group_member_ended(
+                                &r.worker_id,
+                                g,
+                                peer,
+                                region_id,
+                                Ok(bytes),
+                            );
+                            return;
                         }
+                        (r.worker_id.clone(), 0)
                     }
                 };
                 self.hub.send(
@@ -1009,6 +1024,7 @@ impl Shared {
                 kind,
                 region_id,
                 error,
+                receiver_group,
             } => {
                 m::transfers_failed(kind, error.code()).increment(1);
                 let failure = failure_of(&error);
@@ -1043,10 +1059,20 @@ impl Shared {
                         }
                     }
                     TransferKind::PushReceive | TransferKind::PullServe => {
-                        match self.registry.get(region_id) {
-                            Some(r) => r.worker_id.clone(),
-                            None => return,
+                        let Some(r) = self.registry.get(region_id) else {
+                            return;
+                        };
+                        if let Some(g) = &receiver_group {
+                            self.receiver_group_member_ended(
+                                &r.worker_id,
+                                g,
+                                peer,
+                                region_id,
+                                Err(failure),
+                            );
+                            return;
                         }
+                        r.worker_id.clone()
                     }
                 };
                 self.hub.send(
@@ -1120,6 +1146,63 @@ impl Shared {
         );
     }
 
+    /// A push received into `worker`'s region as a member of receiver group
+    /// `g` ended: the worker hears of the group once (its completion, or its
+    /// first failure).
+    fn receiver_group_member_ended(
+        &self,
+        worker: &str,
+        g: &kvrail_core::wire::pb::ReceiverGroup,
+        peer: &str,
+        region_id: u64,
+        result: Result<u64, Failure>,
+    ) {
+        use crate::receiver_groups::Ended;
+        let failed = |code: &str, message: String| Failure {
+            side: FailureSide::Peer as i32,
+            code: code.into(),
+            message,
+        };
+        let failure =
+            match self
+                .receiver_groups
+                .ended(worker, &g.id, g.members, result, Instant::now())
+            {
+                Ended::Pending => return,
+                Ended::Done { bytes } => {
+                    self.hub.send(
+                        worker,
+                        Notification {
+                            kind: NotificationKind::PushReceived as i32,
+                            request_id: g.id.clone(),
+                            peer: peer.to_string(),
+                            region_id,
+                            bytes,
+                            ..Default::default()
+                        },
+                    );
+                    return;
+                }
+                Ended::Failed(f) => f,
+                Ended::MembersDiffer { members, said } => failed(
+                    "group_members_differ",
+                    format!(
+                        "receiver group {:?} has {members} members; a push from {peer} says {said}",
+                        g.id
+                    ),
+                ),
+                Ended::TooMany => failed(
+                    "too_many_groups",
+                    format!(
+                        "receiver group {:?}: {} groups are live on this sidecar",
+                        g.id,
+                        crate::receiver_groups::MAX_GROUPS
+                    ),
+                ),
+            };
+        self.send_group_failed(worker, &g.id, peer, failure);
+    }
+
     /// Fails the groups whose worker did not start all their members in time.
     pub fn expire_groups(&self, now: Instant) {
         let incomplete = |group: &str, joined: u32, members: u32| {
@@ -1135,6 +1218,20 @@ impl Shared {
         };
         for s in self.groups.expire(now, incomplete) {
             self.act_on_group(&s.worker, &s.group, s.outcome);
+        }
+        for e in self.receiver_groups.expire(now) {
+            let failure = Failure {
+                side: FailureSide::Peer as i32,
+                code: "group_incomplete".into(),
+                message: format!(
+                    "receiver group {:?}: {} of its {} pushes arrived within {:?}",
+                    e.group,
+                    e.ended,
+                    e.members,
+                    crate::receiver_groups::DEADLINE
+                ),
+            };
+            self.send_group_failed(&e.worker, &e.group, "", failure);
         }
     }
 

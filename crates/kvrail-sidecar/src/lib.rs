@@ -25,6 +25,7 @@ pub mod peer_table;
 #[cfg(feature = "profile")]
 pub mod profile;
 pub mod rdma;
+pub mod receiver_groups;
 pub mod regions;
 pub mod stall_watch;
 pub mod startup;

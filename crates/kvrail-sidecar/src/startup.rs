@@ -88,6 +88,7 @@ impl Daemon {
             hub: NotificationHub::new(incarnation),
             transfers: TransferTable::default(),
             groups: crate::groups::Groups::default(),
+            receiver_groups: crate::receiver_groups::ReceiverGroups::default(),
             peers,
             inbound: DashMap::new(),
             transports: transports.clone(),

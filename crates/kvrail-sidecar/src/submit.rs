@@ -25,6 +25,9 @@ pub struct Start<'a> {
     pub remote: BlockSelection,
     /// Completes as one with the other transfers of this group.
     pub group: Option<&'a kvrail_proto::TransferGroup>,
+    /// A push's: the receiving worker hears of it with this group's other
+    /// members.
+    pub receiver_group: Option<&'a kvrail_proto::TransferGroup>,
 }
 
 /// Text fields of the API: 1 to 256 bytes.
@@ -130,9 +133,23 @@ pub async fn start_transfer(
         local: local_sel,
         remote: remote_sel,
         group,
+        receiver_group,
     } = start;
     if let Some(g) = group {
         require_text(&g.id, "group.id")?;
+    }
+    let receiver_group = receiver_group.map(|g| kvrail_core::wire::pb::ReceiverGroup {
+        id: g.id.clone(),
+        members: g.members,
+    });
+    if let Some(g) = &receiver_group {
+        if !push {
+            return Err(Status::invalid_argument(
+                "receiver_group is for pushes: a pull's worker is its receiver (use group)",
+            )
+            .into());
+        }
+        kvrail_core::session::check_receiver_group(g).map_err(Status::invalid_argument)?;
     }
     let region = shared.registry.get(local_sel.region_id).ok_or_else(|| {
         Status::not_found(format!("unknown local region {}", local_sel.region_id))
@@ -147,6 +164,7 @@ pub async fn start_transfer(
         remote: remote_sel,
         staged: region.memory.is_staged(),
         local_geometry: region.geometry.clone(),
+        receiver_group,
     };
     // Built once: checked here, then handed to the session.
     let plan = req.plan(access).map_err(|e| match e {

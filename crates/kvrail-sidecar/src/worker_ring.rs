@@ -334,6 +334,7 @@ impl RingService {
                 remote: selection(remote),
                 // Ring slots carry no group: grouped transfers go by gRPC.
                 group: None,
+                receiver_group: None,
             },
         ));
         match started {

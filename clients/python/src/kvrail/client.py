@@ -480,15 +480,24 @@ class Client:
     # Transfers -----------------------------------------------------------
 
     def push(
-        self, request_id: str, peer: str, source: Blocks, destination: Blocks, group: tuple[str, int] | None = None
+        self,
+        request_id: str,
+        peer: str,
+        source: Blocks,
+        destination: Blocks,
+        group: tuple[str, int] | None = None,
+        receiver_group: tuple[str, int] | None = None,
     ) -> Transfer:
         """Writes local blocks into blocks of a region on ``peer``.
 
         ``group`` = (group id, members): the transfer completes as one with
         the group's other members; this worker is notified once for the group
         (``request_id`` = the group id), when all are done or at the first
-        failure."""
-        return self._transfer(True, request_id, peer, source, destination, group)
+        failure. ``receiver_group`` = (group id, members): the receiving
+        worker hears of this push and the group's other members once,
+        whoever pushes them (one ``PUSH_RECEIVED`` with the bytes summed, or
+        one ``FAILED``)."""
+        return self._transfer(True, request_id, peer, source, destination, group, receiver_group)
 
     def pull(
         self, request_id: str, peer: str, source: Blocks, destination: Blocks, group: tuple[str, int] | None = None
@@ -505,16 +514,20 @@ class Client:
         source: Blocks,
         destination: Blocks,
         group: tuple[str, int] | None = None,
+        receiver_group: tuple[str, int] | None = None,
     ) -> Transfer:
         # Ring slots carry whole-block selections and no group: head slices
         # and grouped transfers go by gRPC.
         sliced = any(b.slice is not None or b.first_token for b in (source, destination))
-        if self.submit_path == "ring" and not sliced and group is None:
+        if self.submit_path == "ring" and not sliced and group is None and receiver_group is None:
             t = self._ring_transfer(push, request_id, peer, source, destination)
             if t is not None:
                 return t
         # PushRequest and PullRequest have the same fields.
         rpc, message = (self._stub.Push, pb.PushRequest) if push else (self._stub.Pull, pb.PullRequest)
+        fields: dict[str, Any] = {}
+        if receiver_group is not None:
+            fields["receiver_group"] = pb.TransferGroup(id=receiver_group[0], members=receiver_group[1])
         r = self._call(
             rpc,
             message(
@@ -524,6 +537,7 @@ class Client:
                 source=source.to_proto(),
                 destination=destination.to_proto(),
                 group=None if group is None else pb.TransferGroup(id=group[0], members=group[1]),
+                **fields,
             ),
         )
         return Transfer(r.transfer_id, request_id, r.total_bytes, r.segments)

@@ -497,6 +497,20 @@ def _geometry_mismatch(mine: KvGeometry, theirs: KvGeometry) -> str:
     return ""
 
 
+#: Push mode: a decode request's pushes form its receiver group
+#: ``<request>/load`` (one notification once every layer of every prefill
+#: rank sending to it arrived).
+LOAD_GROUP = "/load"
+
+
+def _pushed_request(name: str) -> str:
+    """The decode request a pushed transfer (``<request>/L<layer>...``) or its
+    receiver group (``<request>/load``) is for."""
+    if name.endswith(LOAD_GROUP):
+        return name[: -len(LOAD_GROUP)]
+    return name.rsplit("/L", 1)[0]
+
+
 def _block_tokens(ranks: Any) -> int | None:
     """Tokens per block of an engine, from its ranks' published geometry
     (None where it publishes none)."""
@@ -1525,10 +1539,13 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 continue
             if layer == 0:
                 log.debug("%s: rank %d pushes to %d decode ranks", rid, self.tp_rank, len(targets))
-            for suffix, table, head_slice in targets:
+            for suffix, table, head_slice, senders in targets:
                 # "/L<layer>" ends what the decode side counts by; the suffix
                 # tells this worker's pushes to several decode ranks apart.
                 name = f"{spec.remote_request_id}/L{layer}{suffix}"
+                # The decode rank hears of every layer from every prefill
+                # rank sending to it as one: its receiver group.
+                load = (spec.remote_request_id + LOAD_GROUP, len(w.layer_names) * senders)
                 try:
                     dst_region, dst_layer = _layer_region(table, layer)
                     gens = spec.remote_generations.get(str(dst_region), ())
@@ -1543,6 +1560,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                             first_token=spec.local_first_token if head_slice else 0,
                         ),
                         Blocks(dst_region, spec.remote_block_ids, dst_layer, 1, gens[: len(spec.remote_block_ids)]),
+                        None,
+                        load,
                     )
                     t = client.push(name, *args)
                 except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
@@ -1556,16 +1575,16 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 w.transfer_owner[name] = rid
                 w.push_retry[name] = args
 
-    def _push_targets(self, spec: RemoteBlocks) -> list[tuple[str, RegionTable, HeadSlice | None]]:
+    def _push_targets(self, spec: RemoteBlocks) -> list[tuple[str, RegionTable, HeadSlice | None, int]]:
         """Push mode, prefill side: the decode ranks this rank sends heads to,
         each as (name suffix, its region table, the head slice or None for
-        whole blocks). Each decode rank gets each of its heads from one
-        prefill rank (the first holding it, as a pulling decode rank would
-        choose)."""
+        whole blocks, how many prefill ranks push to that decode rank). Each
+        decode rank gets each of its heads from one prefill rank (the first
+        holding it, as a pulling decode rank would choose)."""
         w = self._work
         mine = w.geometry
         if not spec.remote_ranks:
-            return [("", spec.remote_regions, None)]
+            return [("", spec.remote_regions, None, 1)]
         ranks = _ranks_of(spec.remote_ranks)
         geometries = [g for _, g in ranks]
         cut = [g is not None and g.interior != "head_opaque" for g in geometries]
@@ -1575,17 +1594,19 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if mine is None or any(g is None for g in geometries):
             if len(ranks) != 1 or self.tp_size != 1:
                 raise KvrailError("tensor-parallel engines must both publish their KV geometry")
-            return [("", ranks[0][0], None)]
+            return [("", ranks[0][0], None, 1)]
         held = [rank_heads(mine.model_kv_heads, self.tp_size, r) for r in range(self.tp_size)]
-        out: list[tuple[str, RegionTable, HeadSlice | None]] = []
+        out: list[tuple[str, RegionTable, HeadSlice | None, int]] = []
         for d, (table, theirs) in enumerate(ranks):
             assert theirs is not None
             by_token = bool(spec.tokens) and cut[d]
-            for src, heads in head_sources(theirs.head_range, held):
+            sources = head_sources(theirs.head_range, held)
+            senders = len({src for src, _ in sources})
+            for src, heads in sources:
                 if src != self.tp_rank:
                     continue
                 if theirs == mine and not by_token:
-                    out.append((f"/d{d}", table, None))  # type: ignore[arg-type]
+                    out.append((f"/d{d}", table, None, senders))  # type: ignore[arg-type]
                     continue
                 why = _geometry_mismatch(theirs, mine)
                 if why:
@@ -1596,7 +1617,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     spec.tokens if by_token else len(spec.local_block_ids) * mine.tokens_per_block,
                     chunk_tokens(mine, theirs),
                 )
-                out.append((f"/d{d}", table, head_slice))  # type: ignore[arg-type]
+                out.append((f"/d{d}", table, head_slice, senders))  # type: ignore[arg-type]
         return out
 
     @_timed
@@ -1864,7 +1885,7 @@ class _WorkerState:
             # A peer's message is not a transfer's outcome, whatever its topic.
             return
         if n.kind == PUSH_RECEIVED:
-            rid = n.request_id.rsplit("/L", 1)[0]
+            rid = _pushed_request(n.request_id)
             if rid in self.push_expected:
                 self.push_arrived[rid] = self.push_arrived.get(rid, 0) + n.bytes
                 log.debug("%s: %d of %d pushed bytes arrived", rid, self.push_arrived[rid], self.push_expected[rid])
@@ -1885,7 +1906,7 @@ class _WorkerState:
                     return
                 # A peer's push into this worker's blocks failed: the request's
                 # load has failed; the rest of its layers are not waited for.
-                rid = n.request_id.rsplit("/L", 1)[0]
+                rid = _pushed_request(n.request_id)
                 if rid in self.push_expected:
                     self.release_pushed(client, rid)
                     self.fail_load(rid, f"a pushed layer failed: {n.failure}")

@@ -188,6 +188,17 @@ pub struct PushOpen {
     /// the receiver refuses a mismatch with its own before any byte moves.
     #[prost(message, optional, tag = "7")]
     pub geometry: ::core::option::Option<KvGeometry>,
+    /// Optional: the receiving worker hears of this push together with the
+    /// other members of the group (pushed by any worker of any sidecar).
+    #[prost(message, optional, tag = "8")]
+    pub receiver_group: ::core::option::Option<ReceiverGroup>,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ReceiverGroup {
+    #[prost(string, tag = "1")]
+    pub id: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "2")]
+    pub members: u32,
 }
 /// Receiver of the data asks the peer to send `source` in logical order.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

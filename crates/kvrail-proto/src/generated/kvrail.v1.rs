@@ -187,6 +187,15 @@ pub struct PushRequest {
     /// optional: complete as one with other transfers
     #[prost(message, optional, tag = "6")]
     pub group: ::core::option::Option<TransferGroup>,
+    /// Optional: the receiving worker hears of this push and the others naming
+    /// the same group once, whoever pushes them (several prefill ranks, on one
+    /// sidecar or several, pushing one decode rank's heads): one PUSH_RECEIVED
+    /// with `request_id` = the group id once `members` pushes into its regions
+    /// were received (`bytes` summed), or one FAILED at the first that failed
+    /// (later members are not reported). A group not complete within 10
+    /// minutes of its first member fails.
+    #[prost(message, optional, tag = "7")]
+    pub receiver_group: ::core::option::Option<TransferGroup>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PullRequest {

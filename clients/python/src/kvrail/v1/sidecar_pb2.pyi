@@ -207,20 +207,22 @@ class ReleaseBlocksResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[int]] = ..., transfers_failed: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("request_id", "worker_id", "peer", "source", "destination", "group")
+    __slots__ = ("request_id", "worker_id", "peer", "source", "destination", "group", "receiver_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     peer: str
     source: BlockRange
     destination: BlockRange
     group: TransferGroup
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., peer: _Optional[str] = ..., source: _Optional[_Union[BlockRange, _Mapping]] = ..., destination: _Optional[_Union[BlockRange, _Mapping]] = ..., group: _Optional[_Union[TransferGroup, _Mapping]] = ...) -> None: ...
+    receiver_group: TransferGroup
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., peer: _Optional[str] = ..., source: _Optional[_Union[BlockRange, _Mapping]] = ..., destination: _Optional[_Union[BlockRange, _Mapping]] = ..., group: _Optional[_Union[TransferGroup, _Mapping]] = ..., receiver_group: _Optional[_Union[TransferGroup, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("request_id", "worker_id", "peer", "source", "destination", "group")
