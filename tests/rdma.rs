@@ -1191,13 +1191,60 @@ async fn rdma_head_slices_between_ranks_go_one_sided() {
             }
         }
     }
+    // A window starting inside a block (a decode whose prefix cache holds
+    // 24 tokens): tokens 24..64 of rank 0's heads, 8 tokens into its second
+    // listed block, land from token 0 of fresh decode blocks, read one-sided.
+    let window: Vec<u32> = (100..103).collect();
+    let tokens = 40u64;
+    let t = d
+        .pull(
+            "d0",
+            "tp-pull-window",
+            "prefill",
+            BlockRange {
+                slice: Some(HeadSlice {
+                    head_start: 0,
+                    head_count: 4,
+                    tokens,
+                    chunk_tokens: TPB,
+                }),
+                first_token: 8,
+                ..blocks(ranks[0].1, 0..4, ids[1..4].to_vec())
+            },
+            blocks(d_region, 0..4, window.clone()),
+        )
+        .await
+        .unwrap();
+    wait_done(&mut d, &pair, t.transfer_id).await;
+    let tpb = u64::from(TPB);
+    for layer in 0..4 {
+        for plane in 0..2 {
+            for t in 0..tokens {
+                let src = 24 + t;
+                let from = ranks[0]
+                    .0
+                    .read_block(layer, plane, ids[(src / tpb) as usize])
+                    .unwrap();
+                let to = d_kv
+                    .read_block(layer, plane, window[(t / tpb) as usize])
+                    .unwrap();
+                for h in 0..4u64 {
+                    let at = |tok: u64| ((h * tpb + tok % tpb) * HEAD) as usize;
+                    assert!(
+                        to[at(t)..at(t) + HEAD as usize] == from[at(src)..at(src) + HEAD as usize],
+                        "layer {layer} plane {plane} token {t} head {h}"
+                    );
+                }
+            }
+        }
+    }
     let text = scrape(pair.decode.metrics.unwrap());
     let read = metric_sum(
         &text,
         "kvrail_bytes_received_total",
         &["transport=\"rdma\""],
     );
-    let total = 4 * 2 * 48 * 8 * head_block;
+    let total = 4 * 2 * 48 * 8 * head_block + 4 * 2 * tokens * 4 * HEAD;
     assert!(read >= total as f64, "RDMA READ bytes {read} < {total}");
     assert_eq!(
         metric_sum(&text, "kvrail_bytes_received_total", &["transport=\"tcp\""]),
