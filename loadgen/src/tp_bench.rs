@@ -3,9 +3,11 @@
 //! 70B-shaped KV (8 KV heads, head size 128, bf16, HND, blocks of 16 tokens,
 //! 8 layers): TP 1 -> TP 1 whole blocks; TP 2 -> TP 1 (two prefill ranks push
 //! their heads into one decode rank's blocks at once); TP 1 -> TP 2 (one
-//! prefill rank pushes each half of its heads to a decode rank). Rounds
-//! alternate the three; every pattern's bytes are checked against the
-//! reference reshaping once per round.
+//! prefill rank pushes each half of its heads to a decode rank); TP 1 -> TP 1
+//! into NHD blocks and back (each head of each token its own run on the NHD
+//! side); TP 1 -> TP 1 into blocks of 64 tokens. Rounds alternate the patterns;
+//! every pattern's bytes are checked against the reference reshaping, head
+//! by head and token by token, once per round.
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,8 @@ const HEAD_BYTES: u64 = 128 * 2;
 const TOKENS_PER_BLOCK: u32 = 16;
 /// Blocks per request (every other block of a pool twice as large).
 const BLOCKS: u32 = 256;
+/// Tokens per request.
+const TOKENS: u64 = BLOCKS as u64 * TOKENS_PER_BLOCK as u64;
 
 /// The bytes both files must hold for this part.
 pub(crate) const FILE_BYTES: u64 =
@@ -36,16 +40,47 @@ struct Rank {
     region: u64,
     layout: RegionLayout,
     heads: std::ops::Range<u32>,
+    shape: Shape,
+    /// The request's blocks: every other block of the pool.
+    ids: Vec<u32>,
 }
 
-fn layout(heads: u32, base_offset: u64) -> RegionLayout {
-    let block = u64::from(heads) * u64::from(TOKENS_PER_BLOCK) * HEAD_BYTES;
-    let mut l = kvrail_client::dense_layout(LAYERS, 2, 2 * BLOCKS, block);
+/// How a rank's blocks hold tokens and heads.
+#[derive(Clone, Copy)]
+struct Shape {
+    tokens_per_block: u32,
+    interior: BlockInterior,
+}
+
+const HND16: Shape = Shape {
+    tokens_per_block: TOKENS_PER_BLOCK,
+    interior: BlockInterior::Hnd,
+};
+
+impl Rank {
+    /// Where one head of one token of the request lives in the file.
+    fn offset(&self, layer: u32, plane: u32, token: u64, head: u32) -> u64 {
+        let tpb = u64::from(self.shape.tokens_per_block);
+        let block = self.ids[(token / tpb) as usize];
+        let (t, h) = (token % tpb, u64::from(head - self.heads.start));
+        let inner = if self.shape.interior == BlockInterior::Nhd {
+            t * u64::from(self.heads.end - self.heads.start) + h
+        } else {
+            h * tpb + t
+        };
+        kvrail_client::block_offset(&self.layout, layer, plane, block) + inner * HEAD_BYTES
+    }
+}
+
+fn layout(heads: u32, shape: Shape, base_offset: u64) -> RegionLayout {
+    let block = u64::from(heads) * u64::from(shape.tokens_per_block) * HEAD_BYTES;
+    let blocks = (TOKENS / u64::from(shape.tokens_per_block)) as u32;
+    let mut l = kvrail_client::dense_layout(LAYERS, 2, 2 * blocks, block);
     l.base_offset = base_offset;
     l
 }
 
-fn geometry(heads: std::ops::Range<u32>) -> KvGeometry {
+fn geometry(heads: std::ops::Range<u32>, shape: Shape) -> KvGeometry {
     KvGeometry {
         model: "bench/70b-kv".into(),
         dtype: "bfloat16".into(),
@@ -54,57 +89,77 @@ fn geometry(heads: std::ops::Range<u32>) -> KvGeometry {
         model_kv_heads: KV_HEADS,
         head_start: heads.start,
         heads: heads.end - heads.start,
-        tokens_per_block: TOKENS_PER_BLOCK,
-        interior: BlockInterior::Hnd as i32,
+        tokens_per_block: shape.tokens_per_block,
+        interior: shape.interior as i32,
     }
 }
 
 /// The ranks of one side at `tp`: rank r's region sits at r/tp of the file
 /// (the TP 1 rank spans all of it).
-async fn ranks(bench: &mut Bench, prefill: bool, tp: u32) -> anyhow::Result<Vec<Rank>> {
+async fn ranks(
+    bench: &mut Bench,
+    prefill: bool,
+    tp: u32,
+    shape: Shape,
+) -> anyhow::Result<Vec<Rank>> {
     let mut out = Vec::new();
     let share = FILE_BYTES / u64::from(tp);
     for r in 0..tp {
         let per = KV_HEADS / tp;
         let heads = r * per..(r + 1) * per;
-        let l = layout(per, u64::from(r) * share);
+        let l = layout(per, shape, u64::from(r) * share);
         let side = if prefill { "p" } else { "d" };
-        let worker = format!("tp{tp}-{side}{r}");
+        let worker = format!(
+            "tp{tp}-{}{}-{side}{r}",
+            shape.interior.as_str_name(),
+            shape.tokens_per_block
+        );
         let (client, mem) = if prefill {
             (&mut bench.p, &bench.p_mem)
         } else {
             (&mut bench.d, &bench.d_mem)
         };
         let region = client
-            .register_with_geometry(&worker, mem.path(), l, Some(geometry(heads.clone())), true)
+            .register_with_geometry(
+                &worker,
+                mem.path(),
+                l,
+                Some(geometry(heads.clone(), shape)),
+                true,
+            )
             .await?;
+        let blocks = (TOKENS / u64::from(shape.tokens_per_block)) as u32;
         out.push(Rank {
             worker,
             region,
             layout: l,
             heads,
+            shape,
+            ids: (0..blocks).map(|b| 2 * b).collect(),
         });
     }
     Ok(out)
 }
 
-fn ids() -> Vec<u32> {
-    (0..BLOCKS).map(|b| 2 * b).collect()
-}
-
 fn range(rank: &Rank, slice: Option<HeadSlice>) -> BlockRange {
     BlockRange {
         slice,
-        ..blocks(rank.region, 0..LAYERS, ids())
+        ..blocks(rank.region, 0..LAYERS, rank.ids.clone())
     }
 }
 
-fn slice(heads: &std::ops::Range<u32>) -> HeadSlice {
+/// The heads `heads` of every token, between ranks of shapes `a` and `b`.
+fn slice(heads: &std::ops::Range<u32>, a: Shape, b: Shape) -> HeadSlice {
+    let both_nhd = a.interior == BlockInterior::Nhd && b.interior == BlockInterior::Nhd;
     HeadSlice {
         head_start: heads.start,
         head_count: heads.end - heads.start,
-        tokens: u64::from(BLOCKS) * u64::from(TOKENS_PER_BLOCK),
-        chunk_tokens: TOKENS_PER_BLOCK,
+        tokens: TOKENS,
+        chunk_tokens: if both_nhd {
+            1
+        } else {
+            a.tokens_per_block.max(b.tokens_per_block)
+        },
     }
 }
 
@@ -149,28 +204,27 @@ async fn push_all(
 }
 
 /// Whether every decode rank's request blocks hold the source heads, head
-/// by head (HND: a block is its heads one after another).
+/// by head and token by token, wherever each side's shape puts them.
 fn verify(bench: &Bench, sources: &[Rank], dests: &[Rank]) -> anyhow::Result<()> {
-    let head_block = u64::from(TOKENS_PER_BLOCK) * HEAD_BYTES;
-    let mut a = vec![0u8; head_block as usize];
-    let mut b = vec![0u8; head_block as usize];
+    let mut a = vec![0u8; HEAD_BYTES as usize];
+    let mut b = vec![0u8; HEAD_BYTES as usize];
     for dst in dests {
         for layer in 0..LAYERS {
             for plane in 0..2 {
-                for block in ids() {
+                for token in 0..TOKENS {
                     for head in dst.heads.clone() {
                         let src = sources
                             .iter()
                             .find(|s| s.heads.contains(&head))
                             .context("no source holds a head")?;
-                        let at = |r: &Rank| {
-                            kvrail_client::block_offset(&r.layout, layer, plane, block)
-                                + u64::from(head - r.heads.start) * head_block
-                        };
-                        bench.p_mem.read_at(at(src), &mut a)?;
-                        bench.d_mem.read_at(at(dst), &mut b)?;
+                        bench
+                            .p_mem
+                            .read_at(src.offset(layer, plane, token, head), &mut a)?;
+                        bench
+                            .d_mem
+                            .read_at(dst.offset(layer, plane, token, head), &mut b)?;
                         if a != b {
-                            bail!("head {head} of block {block} (layer {layer}, plane {plane}) differs");
+                            bail!("head {head} of token {token} (layer {layer}, plane {plane}) differs");
                         }
                     }
                 }
@@ -181,18 +235,30 @@ fn verify(bench: &Bench, sources: &[Rank], dests: &[Rank]) -> anyhow::Result<()>
 }
 
 pub(crate) async fn run(bench: &mut Bench, rounds: usize) -> anyhow::Result<()> {
-    let p1 = ranks(bench, true, 1).await?;
-    let p2 = ranks(bench, true, 2).await?;
-    let d1 = ranks(bench, false, 1).await?;
-    let d2 = ranks(bench, false, 2).await?;
+    let nhd16 = Shape {
+        tokens_per_block: TOKENS_PER_BLOCK,
+        interior: BlockInterior::Nhd,
+    };
+    let hnd64 = Shape {
+        tokens_per_block: 4 * TOKENS_PER_BLOCK,
+        interior: BlockInterior::Hnd,
+    };
+    let p1 = ranks(bench, true, 1, HND16).await?;
+    let p2 = ranks(bench, true, 2, HND16).await?;
+    let d1 = ranks(bench, false, 1, HND16).await?;
+    let d2 = ranks(bench, false, 2, HND16).await?;
+    let d1_nhd = ranks(bench, false, 1, nhd16).await?;
+    let p1_nhd = ranks(bench, true, 1, nhd16).await?;
+    let d1_64 = ranks(bench, false, 1, hnd64).await?;
     let bytes = u64::from(LAYERS) * 2 * u64::from(BLOCKS) * p1[0].layout.block_bytes;
-    let patterns: [Pattern<'_>; 3] = [
+    let all = 0..KV_HEADS;
+    let patterns: [Pattern<'_>; 6] = [
         ("tp1->tp1", vec![(&p1[0], &d1[0], None)], &p1, &d1),
         (
             "tp2->tp1",
             vec![
-                (&p2[0], &d1[0], Some(slice(&p2[0].heads))),
-                (&p2[1], &d1[0], Some(slice(&p2[1].heads))),
+                (&p2[0], &d1[0], Some(slice(&p2[0].heads, HND16, HND16))),
+                (&p2[1], &d1[0], Some(slice(&p2[1].heads, HND16, HND16))),
             ],
             &p2,
             &d1,
@@ -200,11 +266,29 @@ pub(crate) async fn run(bench: &mut Bench, rounds: usize) -> anyhow::Result<()> 
         (
             "tp1->tp2",
             vec![
-                (&p1[0], &d2[0], Some(slice(&d2[0].heads))),
-                (&p1[0], &d2[1], Some(slice(&d2[1].heads))),
+                (&p1[0], &d2[0], Some(slice(&d2[0].heads, HND16, HND16))),
+                (&p1[0], &d2[1], Some(slice(&d2[1].heads, HND16, HND16))),
             ],
             &p1,
             &d2,
+        ),
+        (
+            "tp1->tp1 hnd->nhd",
+            vec![(&p1[0], &d1_nhd[0], Some(slice(&all, HND16, nhd16)))],
+            &p1,
+            &d1_nhd,
+        ),
+        (
+            "tp1->tp1 nhd->hnd",
+            vec![(&p1_nhd[0], &d1[0], Some(slice(&all, nhd16, HND16)))],
+            &p1_nhd,
+            &d1,
+        ),
+        (
+            "tp1->tp1 16->64 tokens",
+            vec![(&p1[0], &d1_64[0], Some(slice(&all, HND16, hnd64)))],
+            &p1,
+            &d1_64,
         ),
     ];
     // Per pattern: GB/s of each round (each round several pushes' worth).
@@ -251,14 +335,14 @@ pub(crate) async fn run(bench: &mut Bench, rounds: usize) -> anyhow::Result<()> 
             "bytes_per_request": bytes,
             "requests_per_round": per_round,
             "rounds": rounds,
-            "geometry": "8 KV heads, head size 128, bf16, HND, 16 tokens per block, 8 layers, every other block",
+            "geometry": "8 KV heads, head size 128, bf16, HND, 16 tokens per block, 8 layers, every other block (the mixed patterns: NHD on one side; the last: 64 tokens per block on the decode)",
             "cases": cases,
         })
     );
-    for rank in p1.iter().chain(&p2) {
+    for rank in p1.iter().chain(&p2).chain(&p1_nhd) {
         bench.p.unregister_region(rank.region).await?;
     }
-    for rank in d1.iter().chain(&d2) {
+    for rank in d1.iter().chain(&d2).chain(&d1_nhd).chain(&d1_64) {
         bench.d.unregister_region(rank.region).await?;
     }
     Ok(())
