@@ -200,8 +200,14 @@ def test_a_peer_grant_is_checked_before_use():
         enc(dict(good, remote_regions=None)),
         enc(dict(good, remote_generations={"5": ["x"]})),
         enc(dict(good, skip_blocks=-3)),
+        enc(dict(good, tokens=-1)),
+        enc(dict(good, tokens="300")),
+        enc(dict(good, first_token=1 << 40)),
+        enc(dict(good, load_group=7)),
+        enc(dict(good, load_group="x" * 300)),
     ):
         assert _parse_grant(bad, "decode", 2) is None, bad[:40]
+    assert _parse_grant(enc(dict(good, tokens=300, first_token=48, load_group="d-1/load.ab")), "decode", 2)
 
 
 def test_a_request_aborted_after_its_kv_arrived_frees_its_blocks_at_once(pair):
@@ -546,6 +552,22 @@ def hand_off_tokens(pair, mode: str, p_shape: tuple[int, str], d_shape: tuple[in
 )
 def test_engines_with_other_block_sizes_hand_over_every_token(pair, mode, p_shape, d_shape):
     hand_off_tokens(pair, mode, p_shape, d_shape, 0, "a")
+
+
+def test_a_malformed_push_target_pushes_nothing_and_the_prefill_goes_on(pair):
+    """A target whose token fields are not counts: the prefill's scheduler
+    logs it, pushes nothing, frees the request's blocks at once, and serves
+    the next request."""
+    p = shaped_engine(pair, pair.prefill, "pm", "kv_producer", "push", 64, "nhd")
+    d = shaped_engine(pair, pair.decode, "dm", "kv_consumer", "push", 16, "hnd")
+    prompt = list(range(SHAPED_PROMPT))
+    d.admit_remote(Request("req-m", prompt, {"do_remote_prefill": True}))
+    target = d.scheduler.push_target("req-m")
+    assert target is not None
+    target["push_to"]["tokens"] = "many"
+    assert p.prefill(Request("req-mp", prompt, target), seed=3) is None
+    assert len(p.free) == SHAPED_BLOCKS, "freed at once: nothing was pushed"
+    assert "req-mp" not in p.worker._work.sending
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

@@ -301,6 +301,25 @@ fn bad_first_tokens_are_refused() {
     };
     let e = build(&short).unwrap_err().to_string();
     assert!(e.contains("from token 9"), "{e}");
+    // A hostile peer's count that wraps past the offset: refused, not
+    // planned into blocks it does not list.
+    for interior in [BlockInterior::Hnd, BlockInterior::Nhd] {
+        let r = Rank::new(geometry(8, 1, 0, 16, interior));
+        let wraps = BlockSelection {
+            block_ids: r.ids[..1].to_vec(),
+            first_token: 2,
+            slice: Some(HeadSlice {
+                tokens: u64::MAX,
+                chunk_tokens: 1,
+                ..slice
+            }),
+            ..r.window(slice, 0)
+        };
+        let e = Plan::build_for(&r.layout, Some(&r.g), &wraps, Access::Write)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overflow"), "{e}");
+    }
     let whole = BlockSelection {
         slice: None,
         first_token: 3,

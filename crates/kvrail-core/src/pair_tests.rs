@@ -1634,5 +1634,31 @@ fn malformed_receiver_groups_are_refused_before_anything_is_held() {
         refusals.iter().all(|m| m.contains("receiver group")),
         "{refusals:?}"
     );
-    assert!(refusals[2].contains("1025 members"), "{refusals:?}");
+    let too_many = format!("{} members", crate::session::MAX_RECEIVER_GROUP_MEMBERS + 1);
+    assert!(refusals[2].contains(&too_many), "{refusals:?}");
+
+    // A well-formed group's member refused at its open (a block that does
+    // not exist) is reported to the group as failed, once.
+    let mut bad = match open(9, group("g", 2)) {
+        crate::wire::Body::PushOpen(o) => o,
+        _ => unreachable!(),
+    };
+    if let Some(d) = bad.destination.as_mut() {
+        d.block_ids = vec![99];
+    }
+    b.session
+        .handle_control(0, crate::wire::Body::PushOpen(bad.clone()), now, &b.regions);
+    b.session
+        .handle_control(0, crate::wire::Body::PushOpen(bad), now, &b.regions);
+    let failed: Vec<_> = std::iter::from_fn(|| b.session.poll_event())
+        .filter_map(|e| match e {
+            Event::Failed {
+                transfer_id,
+                receiver_group: Some(g),
+                ..
+            } => Some((transfer_id, g.id)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed, vec![(9, "g".to_string())]);
 }

@@ -294,7 +294,14 @@ fn build_sliced(
             "first token {first} is not inside a block of {tpb} tokens"
         )));
     }
-    let blocks_needed = (first + slice.tokens).div_ceil(tpb);
+    // A peer's token count: checked before any arithmetic on it.
+    let span = first.checked_add(slice.tokens).ok_or_else(|| {
+        PlanError::Slice(format!(
+            "{} tokens from token {first} overflow",
+            slice.tokens
+        ))
+    })?;
+    let blocks_needed = span.div_ceil(tpb);
     if blocks_needed != selection.block_ids.len() as u64 {
         return Err(PlanError::Slice(format!(
             "{} tokens from token {first} at {tpb} per block are {blocks_needed} blocks, {} listed",
@@ -316,7 +323,7 @@ fn build_sliced(
     let chunks = slice.tokens.div_ceil(chunk);
     let per_head = match g.interior {
         BlockInterior::Nhd => slice.tokens,
-        BlockInterior::Hnd => chunks + blocks_needed,
+        BlockInterior::Hnd => chunks.saturating_add(blocks_needed),
         BlockInterior::HeadOpaque => chunks,
     };
     let steps = layers

@@ -449,7 +449,9 @@ pub struct LocalTransfer {
 }
 
 /// Most members of a receiver group.
-pub const MAX_RECEIVER_GROUP_MEMBERS: u32 = 1024;
+/// (A group costs the receiver a few counters, whatever its size: 80
+/// layers from 16 ranks are 1,280 members.)
+pub const MAX_RECEIVER_GROUP_MEMBERS: u32 = 1 << 20;
 
 /// Whether a receiver group is well formed: an id of 1 to
 /// [`crate::wire::REQUEST_ID_MAX`] bytes and 1 to
@@ -1204,7 +1206,9 @@ impl Session {
             Ok((plan, region)) => {
                 let bytes = transfer_bytes(&[&selection], &plan, 0, 0, &open.request_id);
                 if let Err(full) = self.admit(&plan, bytes) {
-                    return self.reject(conn, id, full.wire_code(), full.to_string());
+                    let (code, message) = (full.wire_code(), full.to_string());
+                    self.refused_member(id, &open, selection.region_id, code, &message);
+                    return self.reject(conn, id, code, message);
                 }
                 if open.one_sided {
                     self.control
@@ -1220,7 +1224,36 @@ impl Session {
                 t.receiver_group = open.receiver_group;
                 self.hold(id, t, bytes);
             }
-            Err((code, message)) => self.reject(conn, id, code, message),
+            Err((code, message)) => {
+                self.refused_member(id, &open, selection.region_id, code, &message);
+                self.reject(conn, id, code, message)
+            }
+        }
+    }
+
+    /// A push refused at its open that names a receiver group: the group
+    /// hears of it as a failed member (its receiver would otherwise wait for
+    /// a member that never comes).
+    fn refused_member(
+        &mut self,
+        id: u64,
+        open: &pb::PushOpen,
+        region_id: u64,
+        code: ErrorCode,
+        message: &str,
+    ) {
+        if open.receiver_group.is_some() {
+            self.events.push_back(Event::Failed {
+                transfer_id: id,
+                request_id: open.request_id.clone(),
+                kind: TransferKind::PushReceive,
+                region_id,
+                error: TransferError::Local {
+                    code,
+                    message: message.to_string(),
+                },
+                receiver_group: open.receiver_group.clone(),
+            });
         }
     }
 

@@ -1219,6 +1219,12 @@ impl Shared {
         for s in self.groups.expire(now, incomplete) {
             self.act_on_group(&s.worker, &s.group, s.outcome);
         }
+    }
+
+    /// Fails the receiver groups whose members did not all arrive in time
+    /// (called every second: a receiving sidecar starts nothing that would
+    /// sweep them otherwise).
+    pub fn expire_receiver_groups(&self, now: Instant) {
         for e in self.receiver_groups.expire(now) {
             let failure = Failure {
                 side: FailureSide::Peer as i32,

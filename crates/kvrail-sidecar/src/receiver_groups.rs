@@ -17,6 +17,10 @@ use dashmap::DashMap;
 
 pub use crate::groups::MAX_GROUPS;
 
+/// Most live receiver groups of one worker: a peer naming groups for it
+/// cannot take every other worker's room.
+pub const MAX_GROUPS_PER_WORKER: usize = 4096;
+
 /// A group not complete this long after its first member ended fails.
 pub const DEADLINE: Duration = Duration::from_secs(600);
 /// A failed group is remembered this long (so that its later members stay
@@ -37,7 +41,8 @@ pub enum Ended<F> {
     /// This member names another member count than the group's first: the
     /// group fails (one FAILED saying so).
     MembersDiffer { members: u32, said: u32 },
-    /// [`MAX_GROUPS`] groups are live: this group cannot be counted and fails.
+    /// [`MAX_GROUPS`] groups are live, or [`MAX_GROUPS_PER_WORKER`] of this
+    /// worker's: this group cannot be counted and fails.
     TooMany,
 }
 
@@ -53,6 +58,8 @@ struct Received {
 #[derive(Default)]
 pub struct ReceiverGroups {
     live: DashMap<(String, String), Received>,
+    /// Live groups per worker.
+    per_worker: DashMap<String, usize>,
     last_sweep: Mutex<Option<Instant>>,
 }
 
@@ -77,15 +84,21 @@ impl ReceiverGroups {
         now: Instant,
     ) -> Ended<F> {
         let key = (worker.to_string(), group.to_string());
-        if !self.live.contains_key(&key) && self.live.len() >= MAX_GROUPS {
-            return Ended::TooMany;
+        if !self.live.contains_key(&key) {
+            let mine = self.per_worker.get(worker).map_or(0, |n| *n);
+            if self.live.len() >= MAX_GROUPS || mine >= MAX_GROUPS_PER_WORKER {
+                return Ended::TooMany;
+            }
         }
-        let mut g = self.live.entry(key.clone()).or_insert_with(|| Received {
-            members,
-            ended: 0,
-            bytes: 0,
-            failed: false,
-            first: now,
+        let mut g = self.live.entry(key.clone()).or_insert_with(|| {
+            *self.per_worker.entry(worker.to_string()).or_insert(0) += 1;
+            Received {
+                members,
+                ended: 0,
+                bytes: 0,
+                failed: false,
+                first: now,
+            }
         });
         g.ended += 1;
         let outcome = if g.failed {
@@ -114,10 +127,22 @@ impl ReceiverGroups {
         };
         let over = g.ended >= g.members;
         drop(g);
-        if over {
-            self.live.remove(&key);
+        if over && self.live.remove(&key).is_some() {
+            self.forget(worker);
         }
         outcome
+    }
+
+    /// One group of `worker`'s is gone.
+    fn forget(&self, worker: &str) {
+        if let dashmap::mapref::entry::Entry::Occupied(mut n) =
+            self.per_worker.entry(worker.to_string())
+        {
+            *n.get_mut() -= 1;
+            if *n.get() == 0 {
+                n.remove();
+            }
+        }
     }
 
     /// Incomplete groups older than [`DEADLINE`] (removed; the caller
@@ -132,22 +157,30 @@ impl ReceiverGroups {
             *last = Some(now);
         }
         let mut out = Vec::new();
+        let mut gone = Vec::new();
         self.live.retain(|(worker, group), g| {
             let age = now.saturating_duration_since(g.first);
-            if g.failed {
-                return age <= FAILED_KEPT;
+            let keep = if g.failed {
+                age <= FAILED_KEPT
+            } else if age <= DEADLINE {
+                true
+            } else {
+                out.push(Expired {
+                    worker: worker.clone(),
+                    group: group.clone(),
+                    ended: g.ended,
+                    members: g.members,
+                });
+                false
+            };
+            if !keep {
+                gone.push(worker.clone());
             }
-            if age <= DEADLINE {
-                return true;
-            }
-            out.push(Expired {
-                worker: worker.clone(),
-                group: group.clone(),
-                ended: g.ended,
-                members: g.members,
-            });
-            false
+            keep
         });
+        for worker in gone {
+            self.forget(&worker);
+        }
         out
     }
 
@@ -211,6 +244,35 @@ mod tests {
             }
         );
         assert_eq!(g.len(), 0, "two of its two members ended");
+    }
+
+    #[test]
+    fn one_worker_cannot_take_every_group() {
+        let g = ReceiverGroups::default();
+        let now = Instant::now();
+        for i in 0..MAX_GROUPS_PER_WORKER {
+            assert_eq!(
+                g.ended("a", &format!("g{i}"), 2, R::Ok(1), now),
+                Ended::Pending
+            );
+        }
+        assert_eq!(g.ended("a", "one-more", 2, R::Ok(1), now), Ended::TooMany);
+        // Another worker still has room; a group that ends gives its room back.
+        assert_eq!(
+            g.ended("b", "g", 1, R::Ok(1), now),
+            Ended::Done { bytes: 1 }
+        );
+        assert_eq!(
+            g.ended("a", "g0", 2, R::Ok(1), now),
+            Ended::Done { bytes: 2 }
+        );
+        assert_eq!(
+            g.ended("a", "one-more", 1, R::Ok(1), now),
+            Ended::Done { bytes: 1 }
+        );
+        let later = now + DEADLINE + Duration::from_secs(1);
+        assert_eq!(g.expire(later).len(), MAX_GROUPS_PER_WORKER - 1);
+        assert!(g.is_empty() && g.per_worker.is_empty());
     }
 
     #[test]

@@ -261,6 +261,7 @@ async fn report_held_bytes(shared: std::sync::Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
+        shared.expire_receiver_groups(std::time::Instant::now());
         let (retained, queued) = shared.hub.held_bytes();
         let transfers = shared.transfer_budget.held();
         for (kind, bytes) in [

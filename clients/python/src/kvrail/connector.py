@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -155,6 +156,8 @@ class RemoteBlocks:
     tokens: int = 0
     local_first_token: int = 0
     remote_first_token: int = 0
+    #: Push mode: the decode request's receiver group (its grant names it).
+    load_group: str = ""
 
     @classmethod
     def from_params(
@@ -171,7 +174,6 @@ class RemoteBlocks:
             _generations_map(params.get("remote_generations")),
             failure=str(params.get("remote_failure") or ""),
             remote_ranks=list(params.get("remote_ranks") or []),
-            tokens=_count(params.get("tokens", 0)),
         )
 
     def window(self, start: int, count: int, local: list[int]) -> "RemoteBlocks":
@@ -325,6 +327,10 @@ def _parse_grant(payload: bytes, peer: str, num_layers: int) -> dict[str, Any] |
         ok = (
             isinstance(g.get("remote_request_id"), str)
             and _uint(g.get("skip_blocks", 0), 32)
+            and _uint(g.get("tokens", 0), 32)
+            and _uint(g.get("first_token", 0), 32)
+            and isinstance(g.get("load_group", ""), str)
+            and len(g.get("load_group", "")) <= 256
             and isinstance(g.get("remote_block_ids"), list)
             and all(_uint(b, 32) for b in g["remote_block_ids"])
             and isinstance(regions, list)
@@ -428,12 +434,12 @@ def _kv_geometry(vllm_config: Any, tensor: Any, rank: int, size: int, model: str
     shape, strides = view.shape, view.strides
     if len(shape) == 4:
         heads_dim, tokens_dim, head_size = 1, 2, shape[3]
-        interior = "head_opaque" if view.device == "cpu" and _is_torch(tensor) else None
     elif len(shape) == 5 and 2 in (shape[0], shape[1]):
         heads_dim, tokens_dim, head_size = 3, 2, shape[4]
-        interior = None
     else:
         return None
+    # vLLM's own caches on the CPU are its CPU backend's, packed per ISA.
+    interior = "head_opaque" if view.device == "cpu" and _is_torch(tensor) else None
     total = int(mc.get_total_num_kv_heads())
     heads = rank_heads(total, size, rank)
     if len(heads) != shape[heads_dim]:
@@ -497,18 +503,23 @@ def _geometry_mismatch(mine: KvGeometry, theirs: KvGeometry) -> str:
     return ""
 
 
-#: Push mode: a decode request's pushes form its receiver group
-#: ``<request>/load`` (one notification once every layer of every prefill
-#: rank sending to it arrived).
-LOAD_GROUP = "/load"
+#: Push mode: where a decode request's pushes come from more than one
+#: prefill rank, or are cut into tokens, they form its receiver group
+#: ``<request>/load.<nonce>`` (one notification once every member arrived;
+#: the nonce keeps a retried request's group apart from a stale one).
+LOAD_GROUP = "/load."
 
 
 def _pushed_request(name: str) -> str:
     """The decode request a pushed transfer (``<request>/L<layer>...``) or its
-    receiver group (``<request>/load``) is for."""
-    if name.endswith(LOAD_GROUP):
-        return name[: -len(LOAD_GROUP)]
+    receiver group (``<request>/load.<nonce>``) is for."""
+    if LOAD_GROUP in name:
+        return name.rsplit(LOAD_GROUP, 1)[0]
     return name.rsplit("/L", 1)[0]
+
+
+def _is_load_group(name: str) -> bool:
+    return LOAD_GROUP in name
 
 
 def _block_tokens(ranks: Any) -> int | None:
@@ -907,6 +918,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                         # otherwise: it pushes these, from this one.
                         "tokens": num_external_tokens,
                         "first_token": first,
+                        "load_group": f"{rid}{LOAD_GROUP}{secrets.token_hex(4)}",
                         # A push naming these generations fails once this side
                         # releases the blocks (abort, timeout): none lands late.
                         "remote_generations": self._scheduler_call(generations),
@@ -1132,41 +1144,42 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     continue
                 # Push once, in the step that computes the prompt's last token.
                 if computed.get(rid, 0) + scheduled >= s.prompt_tokens.get(rid, 0):
-                    meta.save[rid] = self._push_spec(rid, s.prefill_blocks[rid], target)
                     del s.pushing[rid]
                     s.prompt_tokens.pop(rid, None)
+                    try:
+                        meta.save[rid] = self._push_spec(rid, s.prefill_blocks[rid], target)
+                    except (KeyError, TypeError, ValueError) as e:
+                        # Another node's grant: nothing is pushed (the decode
+                        # recomputes after its timeout), the blocks are freed
+                        # as usual, and the engine goes on.
+                        log.error("kvrail: %s: malformed grant, nothing pushed: %s", rid, e)
+                        continue
                     s.pushed.add(rid)
         return meta
 
     def _push_spec(self, rid: str, blocks: list[int], target: dict[str, Any]) -> RemoteBlocks:
         """Push mode, prefill side: which of this request's ``blocks`` go to
         the decode's granted blocks. Blocks the decode's prefix cache already
-        holds are skipped; a decode whose blocks are cut into tokens (it
-        publishes such a geometry) takes the tokens it asked for, from the
-        token it asked, whatever the two engines' block sizes."""
+        holds are skipped; engines with other block sizes (both publishing a
+        token-cut geometry) move the tokens the decode asked for, from the
+        token it asked. Raises ValueError for a malformed grant."""
         remote = list(target["remote_block_ids"])
+        tokens, first = _count(target.get("tokens", 0)), _count(target.get("first_token", 0))
+        group = target.get("load_group") or f"{target['remote_request_id']}{LOAD_GROUP}0"
+        if not isinstance(group, str) or not 0 < len(group.encode()) <= 256:
+            raise ValueError(f"load_group must be 1 to 256 bytes of text, not {group!r}")
         theirs = _block_tokens(target.get("remote_ranks"))
         mine = self._own_block_tokens()
-        try:
-            tokens, first = _count(target.get("tokens", 0)), _count(target.get("first_token", 0))
-        except ValueError as e:
-            log.error("kvrail: %s: the grant's %s", rid, e)
-            tokens = first = 0
-        if theirs and tokens and not mine:
-            # The decode counts tokens' bytes; blocks of an unknown size
-            # cannot be cut to them. Nothing is pushed: it recomputes.
-            log.error("kvrail: %s: the decode engine takes tokens and this engine's block size is unknown", rid)
-            return RemoteBlocks.from_params([], [], target)
-        if theirs and mine and tokens:
+        if theirs and mine and theirs != mine and tokens:
             start, n, offset = _token_window(first, tokens, mine, len(blocks))
-            tokens = min(tokens, n * mine - offset)
+            tokens = max(0, min(tokens, n * mine - offset))
             spec = RemoteBlocks.from_params(blocks[start : start + n], remote[: -(-tokens // theirs)], target)
             log.debug("%s: pushing %d tokens from token %d in this step", rid, tokens, first)
-            return replace(spec, tokens=max(0, tokens), local_first_token=offset)
+            return replace(spec, tokens=tokens, local_first_token=offset, load_group=group)
         local = blocks[int(target.get("skip_blocks", 0)) :]
         n = min(len(local), len(remote))
         log.debug("%s: pushing %d blocks in this step", rid, n)
-        return RemoteBlocks.from_params(local[:n], remote[:n], target)
+        return replace(RemoteBlocks.from_params(local[:n], remote[:n], target), load_group=group)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads the workers finished (or gave up on) are no longer in flight:
@@ -1459,13 +1472,16 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
             if self.mode == "push":
                 # Bytes, not pushes: at TP > 1 several prefill ranks push
                 # parts of each layer (each head once).
+                # Whole blocks (one prefill rank's pushes, counted as they
+                # land); a receiver group reports all its members at once,
+                # which must hold at least every granted token.
+                w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
                 g = w.geometry
                 if spec.tokens and g is not None and g.interior != "head_opaque":
-                    # Cut into tokens: the prefill engine pushes exactly these.
                     per_token = g.heads * g.head_size * g.element_bytes
-                    w.push_expected[rid] = len(w.layer_names) * w.planes * per_token * spec.tokens
+                    w.push_minimum[rid] = len(w.layer_names) * w.planes * per_token * spec.tokens
                 else:
-                    w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
+                    w.push_minimum[rid] = w.push_expected[rid]
                 w.push_deadline[rid] = time.monotonic() + self.timeout_s
                 log.debug("%s: rank %d waits for %d pushed bytes", rid, self.tp_rank, w.push_expected[rid])
                 continue
@@ -1543,9 +1559,12 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 # "/L<layer>" ends what the decode side counts by; the suffix
                 # tells this worker's pushes to several decode ranks apart.
                 name = f"{spec.remote_request_id}/L{layer}{suffix}"
-                # The decode rank hears of every layer from every prefill
-                # rank sending to it as one: its receiver group.
-                load = (spec.remote_request_id + LOAD_GROUP, len(w.layer_names) * senders)
+                # Several prefill ranks sending to a decode rank, or tokens
+                # instead of its whole blocks: it hears of every layer of
+                # all of them as one, its receiver group. One rank's whole
+                # blocks stay ungrouped (the submission ring takes them).
+                grouped = senders > 1 or spec.tokens > 0
+                load = (spec.load_group, len(w.layer_names) * senders) if grouped else None
                 try:
                     dst_region, dst_layer = _layer_region(table, layer)
                     gens = spec.remote_generations.get(str(dst_region), ())
@@ -1563,6 +1582,8 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                         None,
                         load,
                     )
+                    if load is None:
+                        args = args[:3]
                     t = client.push(name, *args)
                 except Exception as e:  # noqa: BLE001 - a bad target must not stop the forward pass
                     log.error("kvrail: push of %s layer %d refused: %s", rid, layer, e)
@@ -1769,6 +1790,10 @@ class _WorkerState:
         # when to give up
         self.push_expected: dict[str, int] = {}
         self.push_arrived: dict[str, int] = {}
+        #: Push mode: the fewest bytes a complete receiver group may hold,
+        #: and what the group said it holds once all its members arrived.
+        self.push_minimum: dict[str, int] = {}
+        self.push_grouped: dict[str, int] = {}
         self.push_deadline: dict[str, float] = {}
         # pull mode, prefill side: bytes to be read, give-up time
         self.serve_expected: dict[str, int] = {}
@@ -1809,6 +1834,8 @@ class _WorkerState:
         self.push_expected.pop(rid, None)
         self.push_deadline.pop(rid, None)
         self.push_arrived.pop(rid, None)
+        self.push_minimum.pop(rid, None)
+        self.push_grouped.pop(rid, None)
         self.local_blocks.pop(rid, None)
         self.done_receiving.add(rid)
 
@@ -1886,7 +1913,9 @@ class _WorkerState:
             return
         if n.kind == PUSH_RECEIVED:
             rid = _pushed_request(n.request_id)
-            if rid in self.push_expected:
+            if rid in self.push_expected and _is_load_group(n.request_id):
+                self.push_grouped[rid] = n.bytes
+            elif rid in self.push_expected:
                 self.push_arrived[rid] = self.push_arrived.get(rid, 0) + n.bytes
                 log.debug("%s: %d of %d pushed bytes arrived", rid, self.push_arrived[rid], self.push_expected[rid])
             return
@@ -1957,7 +1986,15 @@ class _WorkerState:
         now = time.monotonic()
         for rid, pending in list(self.receiving.items()):
             expected = self.push_expected.get(rid)
-            if expected is not None:
+            grouped = self.push_grouped.get(rid)
+            if grouped is not None:
+                least = self.push_minimum.get(rid, 0)
+                if grouped < least:
+                    # Every member arrived: nothing more will come.
+                    self.release_pushed(client, rid)
+                    self.fail_load(rid, f"the prefill engine's pushes ended with {grouped} bytes, at least {least} expected")
+                    continue
+            elif expected is not None:
                 if self.push_arrived.get(rid, 0) < expected:
                     if now <= self.push_deadline[rid]:
                         continue
