@@ -586,3 +586,40 @@ def test_head_opaque_engines_with_other_block_sizes_are_refused_naming_both():
     assert "interior is head_opaque here and nhd" in _geometry_mismatch(g, replace(g, interior="nhd"))
     nhd = replace(g, interior="nhd")
     assert _geometry_mismatch(nhd, replace(nhd, tokens_per_block=64, interior="hnd")) == ""
+
+
+def test_geometry_from_vllm_caches_tells_the_block_interior():
+    """vLLM's 5-D caches: NHD, or HND by stride order, from their logical
+    [2, blocks, tokens, heads, head_size] view; a torch cache on the CPU is
+    the CPU backend's (head-opaque) whatever its rank."""
+    from kvrail.connector import _kv_geometry
+
+    cfg = SimpleNamespace(model_config=SimpleNamespace(model="m", get_total_num_kv_heads=lambda: 8))
+    nhd = np.zeros((2, 4, 16, 8, 64), np.float16)
+    hnd = np.zeros((2, 4, 8, 16, 64), np.float16).transpose(0, 1, 3, 2, 4)
+    g = _kv_geometry(cfg, nhd, 0, 1, None)
+    assert g is not None and (g.interior, g.tokens_per_block, g.heads, g.head_size) == ("nhd", 16, 8, 64)
+    g = _kv_geometry(cfg, hnd, 0, 1, None)
+    assert g is not None and (g.interior, g.tokens_per_block) == ("hnd", 16)
+    g = _kv_geometry(cfg, np.zeros((2, 4, 16, 4, 64), np.float16), 1, 2, None)
+    assert g is not None and (g.head_start, g.heads) == (4, 4)
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    g = _kv_geometry(cfg, torch.zeros((2, 4, 16, 8, 64), dtype=torch.bfloat16), 0, 1, None)
+    assert g is not None and g.interior == "head_opaque" and g.dtype == "bfloat16"
+
+
+def test_a_complete_receiver_group_short_of_the_granted_tokens_fails_the_load_at_once(pair):
+    """Once a decode request's receiver group says all its pushes arrived,
+    nothing more can come: fewer bytes than the granted tokens hold fail the
+    load at that step, not after the timeout."""
+    d = shaped_engine(pair, pair.decode, "ds", "kv_consumer", "push", 16, "hnd")
+    blocks = d.admit_remote(Request("req-s", list(range(SHAPED_PROMPT)), {"do_remote_prefill": True}))
+    d.step()  # the worker starts waiting for the pushes
+    w = d.worker._work
+    least = w.push_minimum["req-s"]
+    assert least == SHAPED_LAYERS * 2 * SHAPED_PROMPT * SHAPED_HEADS * SHAPED_HEAD_SIZE * 2
+    w.push_grouped["req-s"] = least - 1
+    started = time.monotonic()
+    d.step()
+    assert "req-s" in d.finished_recving and time.monotonic() - started < 5
+    assert d.worker.get_block_ids_with_load_errors() == set(blocks)
