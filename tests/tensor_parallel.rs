@@ -371,6 +371,14 @@ async fn mismatched_geometries_are_refused_naming_both_sides() {
 
 /// Reads notifications of `stream` until one for `request_id`; returns all
 /// read, that one last.
+/// A transfer group of `members` named `id`.
+fn group(id: &str, members: u32) -> kvrail_client::proto::TransferGroup {
+    kvrail_client::proto::TransferGroup {
+        id: id.into(),
+        members,
+    }
+}
+
 async fn notes_until(
     stream: &mut tonic::Streaming<kvrail_client::proto::Notification>,
     request_id: &str,
@@ -397,7 +405,7 @@ async fn notes_until(
 /// and nothing more of it; a member that disagrees on the group is refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_decode_rank_reading_several_prefill_ranks_completes_once() {
-    use kvrail_client::proto::{NotificationKind, TransferGroup};
+    use kvrail_client::proto::NotificationKind;
     let pair = Pair::start(&[]);
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
@@ -407,10 +415,6 @@ async fn a_decode_rank_reading_several_prefill_ranks_completes_once() {
     }
     let dest = rank(&mut d, &pair, "gd", 1, 0, 16, true, false).await;
     let mut notes = d.subscribe(&dest.worker).await.unwrap();
-    let group = |id: &str, members| TransferGroup {
-        id: id.into(),
-        members,
-    };
     let mut total = 0;
     for (i, source) in prefill.iter().enumerate() {
         let slice = HeadSlice {
@@ -574,7 +578,7 @@ async fn a_decode_rank_reading_several_prefill_ranks_completes_once() {
 /// sender's API.
 #[tokio::test(flavor = "multi_thread")]
 async fn several_prefill_ranks_pushing_one_decode_rank_complete_once() {
-    use kvrail_client::proto::{NotificationKind, TransferGroup};
+    use kvrail_client::proto::NotificationKind;
     let pair = Pair::start(&[]);
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
@@ -584,10 +588,6 @@ async fn several_prefill_ranks_pushing_one_decode_rank_complete_once() {
     }
     let dest = rank(&mut d, &pair, "rd", 1, 0, 16, false, false).await;
     let mut notes = d.subscribe(&dest.worker).await.unwrap();
-    let group = |id: &str, members| TransferGroup {
-        id: id.into(),
-        members,
-    };
     let slice_of = |source: &Rank| HeadSlice {
         head_start: source.geometry.head_start,
         head_count: source.geometry.heads,

@@ -226,13 +226,15 @@ impl Client {
         source: BlockRange,
         destination: BlockRange,
         group: Option<TransferGroup>,
+        receiver_group: Option<TransferGroup>,
     ) -> Result<TransferAccepted, ClientError> {
         // Ring slots carry whole-block selections and no group; head slices
         // and grouped transfers go by gRPC.
         let sliced = [&source, &destination]
             .iter()
             .any(|b| b.slice.is_some() || b.first_token != 0);
-        if self.submit_path == SubmitPath::Ring && !sliced && group.is_none() {
+        let grouped = group.is_some() || receiver_group.is_some();
+        if self.submit_path == SubmitPath::Ring && !sliced && !grouped {
             let rings = self.rings.clone();
             let call = ring_submit::TransferCall {
                 op,
@@ -256,7 +258,7 @@ impl Client {
                         source: Some(source),
                         destination: Some(destination),
                         group,
-                        receiver_group: None,
+                        receiver_group,
                     })
                     .await?
             }
@@ -289,19 +291,17 @@ impl Client {
         destination: BlockRange,
         receiver_group: TransferGroup,
     ) -> Result<TransferAccepted, ClientError> {
-        let r = self
-            .inner
-            .push(PushRequest {
-                request_id: request_id.into(),
-                worker_id: worker_id.into(),
-                peer: peer.into(),
-                source: Some(source),
-                destination: Some(destination),
-                group: None,
-                receiver_group: Some(receiver_group),
-            })
-            .await?;
-        Ok(r.into_inner())
+        self.start(
+            ring_submit::Op::Push,
+            worker_id,
+            request_id,
+            peer,
+            source,
+            destination,
+            None,
+            Some(receiver_group),
+        )
+        .await
     }
 
     /// Registers a region; returns its id on this sidecar.
@@ -442,6 +442,7 @@ impl Client {
             source,
             destination,
             None,
+            None,
         )
         .await
     }
@@ -463,6 +464,7 @@ impl Client {
             peer,
             source,
             destination,
+            None,
             None,
         )
         .await
@@ -496,6 +498,7 @@ impl Client {
             source,
             destination,
             Some(group),
+            None,
         )
         .await
     }

@@ -1435,15 +1435,7 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
     assert_eq!(open_now, 5);
     assert!(b.session.held_bytes() <= 64 << 20);
     assert_eq!(node.held(), b.session.held_bytes());
-    let refusals: Vec<String> = std::iter::from_fn(|| b.session.poll_transmit(now))
-        .filter_map(|t| match t {
-            Transmit::Control { msg, .. } => match msg.body {
-                Some(crate::wire::Body::Abort(a)) => Some(a.message),
-                _ => None,
-            },
-            _ => None,
-        })
-        .collect();
+    let refusals = abort_messages(&mut b.session, now);
     assert_eq!(refusals.len(), 10 - open_now, "{refusals:?}");
     assert!(
         refusals[0].contains("in this peer's sessions"),
@@ -1620,15 +1612,7 @@ fn malformed_receiver_groups_are_refused_before_anything_is_held() {
         b.session.handle_control(0, open(id, g), now, &b.regions);
     }
     assert_eq!(b.session.active_transfers(), 0);
-    let refusals: Vec<String> = std::iter::from_fn(|| b.session.poll_transmit(now))
-        .filter_map(|t| match t {
-            Transmit::Control { msg, .. } => match msg.body {
-                Some(crate::wire::Body::Abort(a)) => Some(a.message),
-                _ => None,
-            },
-            _ => None,
-        })
-        .collect();
+    let refusals = abort_messages(&mut b.session, now);
     assert_eq!(refusals.len(), 4, "{refusals:?}");
     assert!(
         refusals.iter().all(|m| m.contains("receiver group")),
@@ -1661,4 +1645,17 @@ fn malformed_receiver_groups_are_refused_before_anything_is_held() {
         })
         .collect();
     assert_eq!(failed, vec![(9, "g".to_string())]);
+}
+
+/// The messages of the aborts a session has to send now (its refusals).
+fn abort_messages(session: &mut Session, now: Instant) -> Vec<String> {
+    std::iter::from_fn(|| session.poll_transmit(now))
+        .filter_map(|t| match t {
+            Transmit::Control { msg, .. } => match msg.body {
+                Some(crate::wire::Body::Abort(a)) => Some(a.message),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
 }

@@ -25,7 +25,24 @@ pub const JOIN_DEADLINE: Duration = Duration::from_secs(600);
 /// its start) is reported anyway and forgotten.
 pub const REPORT_DEADLINE: Duration = Duration::from_secs(1200);
 /// Expiry looks at every group at most this often.
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// When a sweep over every live group is due: at most once per
+/// [`SWEEP_EVERY`] (sender and receiver groups alike).
+#[derive(Default)]
+pub(crate) struct SweepGate(Mutex<Option<Instant>>);
+
+impl SweepGate {
+    /// Whether to sweep at `now` (and, if so, the sweep is counted as done).
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|at| now.saturating_duration_since(at) < SWEEP_EVERY) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
+}
 
 /// Why a transfer could not join its group.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -79,14 +96,14 @@ struct Group<F> {
 /// The live groups of every worker, by (worker, group id).
 pub struct Groups<F> {
     live: DashMap<(String, String), Group<F>>,
-    last_sweep: Mutex<Option<Instant>>,
+    sweeps: SweepGate,
 }
 
 impl<F> Default for Groups<F> {
     fn default() -> Self {
         Self {
             live: DashMap::new(),
-            last_sweep: Mutex::new(None),
+            sweeps: SweepGate::default(),
         }
     }
 }
@@ -231,12 +248,8 @@ impl<F: Clone> Groups<F> {
     /// members outlive [`REPORT_DEADLINE`] are reported anyway. At most once
     /// per [`SWEEP_EVERY`].
     pub fn expire(&self, now: Instant, failure: impl Fn(&str, u32, u32) -> F) -> Vec<Swept<F>> {
-        {
-            let mut last = self.last_sweep.lock().unwrap_or_else(|e| e.into_inner());
-            if last.is_some_and(|at| now.saturating_duration_since(at) < SWEEP_EVERY) {
-                return Vec::new();
-            }
-            *last = Some(now);
+        if !self.sweeps.due(now) {
+            return Vec::new();
         }
         let mut out = Vec::new();
         self.live.retain(|(worker, group), g| {

@@ -10,11 +10,11 @@
 //! it ends: the senders name the group, the receiver only counts. Pure
 //! bookkeeping, `now` passed in; the daemon sends the notifications.
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 
+use crate::groups::SweepGate;
 pub use crate::groups::MAX_GROUPS;
 
 /// Most live receiver groups of one worker: a peer naming groups for it
@@ -26,8 +26,6 @@ pub const DEADLINE: Duration = Duration::from_secs(600);
 /// A failed group is remembered this long (so that its later members stay
 /// silent), or until all its members ended.
 const FAILED_KEPT: Duration = Duration::from_secs(1200);
-/// Expiry looks at every group at most this often.
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// What one member's end means for its group.
 #[derive(Debug, PartialEq, Eq)]
@@ -60,7 +58,7 @@ pub struct ReceiverGroups {
     live: DashMap<(String, String), Received>,
     /// Live groups per worker.
     per_worker: DashMap<String, usize>,
-    last_sweep: Mutex<Option<Instant>>,
+    sweeps: SweepGate,
 }
 
 /// An incomplete group the sweep gave up on.
@@ -147,14 +145,10 @@ impl ReceiverGroups {
 
     /// Incomplete groups older than [`DEADLINE`] (removed; the caller
     /// reports each as failed), and failed ones past [`FAILED_KEPT`]
-    /// (forgotten). At most once per [`SWEEP_EVERY`].
+    /// (forgotten). At most once per [`crate::groups::SWEEP_EVERY`].
     pub fn expire(&self, now: Instant) -> Vec<Expired> {
-        {
-            let mut last = self.last_sweep.lock().unwrap_or_else(|e| e.into_inner());
-            if last.is_some_and(|at| now.saturating_duration_since(at) < SWEEP_EVERY) {
-                return Vec::new();
-            }
-            *last = Some(now);
+        if !self.sweeps.due(now) {
+            return Vec::new();
         }
         let mut out = Vec::new();
         let mut gone = Vec::new();

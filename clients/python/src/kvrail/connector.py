@@ -937,10 +937,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                     local, local, "", [], rid, failure=failure, tokens=num_external_tokens
                 )
             else:
-                # The own block size matters only beside a token-cut prefill.
-                mine = self._own_block_tokens() if _block_tokens(params.get("remote_ranks")) else None
-                window = (first, num_external_tokens, mine)
-                self._sched.loading[rid] = self._remote_spec(rid, local, cached, params, window)
+                self._sched.loading[rid] = self._remote_spec(rid, local, cached, params, (first, num_external_tokens))
             self._sched.new_loads[rid] = self._sched.loading[rid]
             params["do_remote_prefill"] = False  # once
         elif self.mode == "push" and params.get("push_to"):
@@ -956,21 +953,23 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         except KvrailError:
             return None
 
-    @staticmethod
     def _remote_spec(
-        rid: str, local: list[int], cached: int, params: dict[str, Any], window: tuple[int, int, int | None] = (0, 0, None)
+        self, rid: str, local: list[int], cached: int, params: dict[str, Any], window: tuple[int, int]
     ) -> RemoteBlocks:
         """Pull mode, decode side: what to load of the prefill's blocks that
         ``params`` (from the router: anyone's input) name; a load that fails
         at once, saying why, when they are malformed. ``window``: (first
-        token, tokens, this engine's tokens per block): engines with other
-        block sizes load these tokens, not blocks one for one."""
+        token, tokens): engines with other block sizes load these tokens, not
+        blocks one for one."""
         try:
             offered = RemoteBlocks.from_params(local, list(params["remote_block_ids"]), params)
             problem = offered.generations_problem()
             remote = offered.remote_block_ids
-            first, tokens, mine = window
+            first, tokens = window
             theirs = _block_tokens(params.get("remote_ranks"))
+            # The own block size (its rank tables read) matters only beside a
+            # token-cut prefill.
+            mine = self._own_block_tokens() if theirs else None
             if mine and theirs and mine != theirs and tokens > 0:
                 tokens = min(tokens, len(local) * mine)
                 start, n, offset = _token_window(first, tokens, theirs, len(remote))
@@ -1169,7 +1168,7 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
         if not isinstance(group, str) or not 0 < len(group.encode()) <= 256:
             raise ValueError(f"load_group must be 1 to 256 bytes of text, not {group!r}")
         theirs = _block_tokens(target.get("remote_ranks"))
-        mine = self._own_block_tokens()
+        mine = self._own_block_tokens() if theirs and tokens else None
         if theirs and mine and theirs != mine and tokens:
             start, n, offset = _token_window(first, tokens, mine, len(blocks))
             tokens = max(0, min(tokens, n * mine - offset))
@@ -1470,11 +1469,11 @@ class KvrailConnector(_ConnectorBase):  # type: ignore[misc]
                 w.fail_load(rid, "the sidecar is away")
                 continue
             if self.mode == "push":
-                # Bytes, not pushes: at TP > 1 several prefill ranks push
-                # parts of each layer (each head once).
-                # Whole blocks (one prefill rank's pushes, counted as they
-                # land); a receiver group reports all its members at once,
-                # which must hold at least every granted token.
+                # Bytes, not pushes: one prefill rank's whole blocks are
+                # counted as they land; several ranks' parts of each layer
+                # (each head once), or tokens cut from other block sizes,
+                # come as one receiver group, which must hold at least every
+                # granted token.
                 w.push_expected[rid] = len(w.layer_names) * w.planes * w.block_bytes * len(spec.local_block_ids)
                 g = w.geometry
                 if spec.tokens and g is not None and g.interior != "head_opaque":
