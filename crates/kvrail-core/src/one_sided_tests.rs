@@ -3,95 +3,63 @@
 //! "fabric" executes by copying between the two sides' regions, as a NIC would,
 //! refusing any range outside the granted key.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::TransferError;
 use crate::layout::RegionLayout;
 use crate::plan::BlockSelection;
 use crate::session::*;
-use crate::testkit::{deliver, gather, scatter, sel, Item, Regions};
-use crate::wire::{ErrorCode, SliceHeader};
+use crate::testkit::net::{LinkKind, Net, RailSpec};
+use crate::testkit::{deliver, sel};
+use crate::wire::ErrorCode;
 
-struct Side {
-    session: Session,
-    regions: Regions,
-    events: Vec<Event>,
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        crate::testkit::assert_lifecycle_kept(&self.session);
-    }
-}
-
-/// A one-sided slice posted by `from` on a queue pair.
-struct Posted {
-    from: usize,
-    header: SliceHeader,
-    len: u32,
-    region_id: u64,
-    pieces: Vec<(u64, u64)>,
-    remote: RemoteSlice,
-}
-
-struct Fabric {
-    sides: [Side; 2],
-    /// Control wires of the two-sided connections (conn = rail), per direction.
-    control: Vec<[VecDeque<Item>; 2]>,
-    /// Work posted on each queue pair (conn = rails + rail).
-    posted: Vec<VecDeque<Posted>>,
-
-    now: Instant,
-    /// Slices seen per kind: (two-sided, one-sided write, one-sided read).
-    counts: (usize, usize, usize),
-    /// Bytes copied outside a granted key's bounds (must stay 0).
-    out_of_bounds: usize,
-    /// Grant messages sent (either way).
-    grants: usize,
-}
+/// The shared simulated net with, per rail, a stream connection for control
+/// (conn = rail) and optionally a queue pair (conn = `QP_BASE` + rail) whose
+/// posted work the net executes as a NIC would.
+type Fabric = Net;
 
 const QP_BASE: usize = 2;
 
-impl Fabric {
-    fn new(rails: usize, qps: bool) -> Self {
-        let mk = || Side {
-            session: Session::new(SessionConfig {
-                slice_bytes: 64 << 10,
-                ..SessionConfig::default()
-            }),
-            regions: Regions::default(),
-            events: Vec::new(),
-        };
-        let mut f = Fabric {
-            sides: [mk(), mk()],
-            control: (0..rails)
-                .map(|_| [VecDeque::new(), VecDeque::new()])
-                .collect(),
-            posted: (0..rails).map(|_| VecDeque::new()).collect(),
-
-            now: Instant::now(),
-            counts: (0, 0, 0),
-            out_of_bounds: 0,
-            grants: 0,
-        };
-        assert_eq!(rails, QP_BASE);
-        for r in 0..rails {
-            for s in &mut f.sides {
-                assert_eq!(s.session.add_connection(r as u32, f.now), Some(r));
-            }
-        }
-        if qps {
-            for r in 0..rails {
-                for s in &mut f.sides {
-                    let id = s.session.add_one_sided_connection(r as u32, f.now);
-                    assert_eq!(id, Some(QP_BASE + r));
-                }
-            }
-        }
-        f
+fn fabric(rails: usize, qps: bool) -> Fabric {
+    assert_eq!(rails, QP_BASE);
+    let config = SessionConfig {
+        slice_bytes: 64 << 10,
+        ..SessionConfig::default()
+    };
+    let mut f = Net::new(
+        [config.clone(), config],
+        &[RailSpec::shuffling(); QP_BASE],
+        0,
+    );
+    for r in 0..rails {
+        assert_eq!(f.connect(r as u32, LinkKind::Stream), r);
+        assert_eq!(f.links[r].ids, [r, r]);
     }
+    if qps {
+        for r in 0..rails {
+            let link = f.connect(r as u32, LinkKind::OneSided);
+            assert_eq!(f.links[link].ids, [QP_BASE + r; 2]);
+        }
+    }
+    f
+}
 
+/// What the one-sided tests do on the net.
+trait FabricExt {
+    fn transfer(&self, id: u64, local: BlockSelection, remote: BlockSelection) -> LocalTransfer;
+    fn counts(&self) -> (usize, usize, usize);
+    fn posted_on(&self, rail: usize) -> bool;
+    fn drop_posted(&mut self);
+    fn deliver_control(&mut self) -> bool;
+    fn exchange_control(&mut self);
+    fn run(&mut self);
+    fn kill_qp(&mut self, rail: usize);
+    fn cut_stream(&mut self, conn: usize);
+    fn done(&self, side: usize, id: u64) -> bool;
+    fn failure(&self, side: usize, id: u64) -> Option<&TransferError>;
+}
+
+impl FabricExt for Fabric {
     fn transfer(&self, id: u64, local: BlockSelection, remote: BlockSelection) -> LocalTransfer {
         LocalTransfer {
             transfer_id: id,
@@ -105,100 +73,36 @@ impl Fabric {
         }
     }
 
-    fn flush(&mut self) {
-        for dir in 0..2 {
-            while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
-                match t {
-                    Transmit::Slice {
-                        conn,
-                        header,
-                        len,
-                        region_id,
-                        pieces,
-                        remote: Some(remote),
-                        ..
-                    } => {
-                        assert!(conn >= QP_BASE, "one-sided slice on a stream connection");
-                        match remote.op {
-                            OneSidedOp::Write => self.counts.1 += 1,
-                            OneSidedOp::Read => self.counts.2 += 1,
-                        }
-                        self.posted[conn - QP_BASE].push_back(Posted {
-                            from: dir,
-                            header,
-                            len,
-                            region_id,
-                            pieces,
-                            remote,
-                        });
-                    }
-                    t => {
-                        let (conn, item) = self.sides[dir].regions.wire_item(t);
-                        assert!(conn < QP_BASE, "stream traffic on a queue pair");
-                        match &item {
-                            Item::Slice(..) => self.counts.0 += 1,
-                            Item::Control(crate::wire::Body::Grant(_)) => self.grants += 1,
-                            Item::Control(_) => {}
-                        }
-                        self.control[conn][dir].push_back(item);
-                    }
-                }
-            }
-            while let Some(e) = self.sides[dir].session.poll_event() {
-                self.sides[dir].events.push(e);
-            }
-        }
+    /// Slices sent: (two-sided, one-sided writes, one-sided reads).
+    fn counts(&self) -> (usize, usize, usize) {
+        (
+            self.stats.two_sided_slices(),
+            self.stats.one_sided_writes,
+            self.stats.one_sided_reads,
+        )
     }
 
-    /// Copies a slice between the two regions as a NIC would: the remote pieces
-    /// must lie inside the granted key, or nothing is copied (and it is counted).
-    fn execute(&mut self, p: Posted) {
-        let (me, peer) = (p.from, 1 - p.from);
-        let key = &p.remote.key;
-        let outside: u64 = p
-            .remote
-            .pieces
-            .iter()
-            .filter(|&&(off, l)| off < key.addr || off + l > key.addr + key.length)
-            .map(|p| p.1)
-            .sum();
-        if outside > 0 {
-            self.out_of_bounds += outside as usize;
-            return;
+    /// Whether work posted on `rail`'s queue pair has not run yet.
+    fn posted_on(&self, rail: usize) -> bool {
+        self.wires[QP_BASE + rail].iter().any(|w| !w.is_empty())
+    }
+
+    /// Nothing posted runs (a reader gone silent).
+    fn drop_posted(&mut self) {
+        for link in QP_BASE..self.wires.len() {
+            for w in &mut self.wires[link] {
+                w.clear();
+            }
         }
-        let remote_region = u64::from(key.rkey);
-        let ((src_side, src_region, src_pieces), (dst_side, dst_region, dst_pieces)) =
-            match p.remote.op {
-                OneSidedOp::Write => (
-                    (me, p.region_id, &p.pieces),
-                    (peer, remote_region, &p.remote.pieces),
-                ),
-                OneSidedOp::Read => (
-                    (peer, remote_region, &p.remote.pieces),
-                    (me, p.region_id, &p.pieces),
-                ),
-            };
-        let data = gather(
-            &self.sides[src_side].regions.0[&src_region].bytes,
-            src_pieces,
-        );
-        let dst = &mut self.sides[dst_side]
-            .regions
-            .0
-            .get_mut(&dst_region)
-            .unwrap()
-            .bytes;
-        scatter(dst, dst_pieces, &data);
     }
 
     /// Delivers the head of every control wire; false if all were empty.
     fn deliver_control(&mut self) -> bool {
         let mut moved = false;
-        for c in 0..self.control.len() {
+        for c in 0..QP_BASE {
             for dir in 0..2 {
-                if let Some(item) = self.control[c][dir].pop_front() {
-                    let to = &mut self.sides[1 - dir];
-                    deliver(&mut to.session, &mut to.regions, c, item, self.now);
+                if !self.wires[c][dir].is_empty() {
+                    self.arrive(c, dir);
                     moved = true;
                 }
             }
@@ -216,64 +120,20 @@ impl Fabric {
         self.flush();
     }
 
-    /// Runs until nothing moves. Queue pairs and wires are served round-robin.
+    /// Runs until nothing is in flight: control and posted work in the
+    /// order they arrive.
     fn run(&mut self) {
-        for _ in 0..1_000_000 {
-            self.flush();
-            let mut moved = false;
-            for q in 0..self.posted.len() {
-                if let Some(p) = self.posted[q].pop_front() {
-                    let conn = QP_BASE + q;
-                    let (from, header, len, op) = (p.from, p.header, p.len, p.remote.op);
-                    self.execute(p);
-                    if op == OneSidedOp::Write {
-                        let peer = &mut self.sides[1 - from];
-                        if let SliceDisposition::Place { .. } =
-                            peer.session.accept_slice(conn, header, len, self.now)
-                        {
-                            peer.session.slice_placed(conn, header, len, self.now);
-                        }
-                    }
-                    self.sides[from]
-                        .session
-                        .one_sided_done(conn, header, len, self.now);
-                    moved = true;
-                }
-            }
-            moved |= self.deliver_control();
-            if !moved {
-                self.flush();
-                if self.posted.iter().all(VecDeque::is_empty)
-                    && self
-                        .control
-                        .iter()
-                        .all(|w| w[0].is_empty() && w[1].is_empty())
-                {
-                    return;
-                }
-            }
-            self.now += Duration::from_micros(10);
-        }
-        panic!("did not settle");
+        self.drive();
     }
 
     /// Both ends of queue pair `rail` fail; its posted work is lost.
     fn kill_qp(&mut self, rail: usize) {
-        self.posted[rail].clear();
-        for s in &mut self.sides {
-            s.session
-                .connection_lost(QP_BASE + rail, "queue pair error", self.now);
-        }
+        self.kill(QP_BASE + rail, "queue pair error");
     }
 
     /// Both ends of stream connection `conn` break; what its wires held is lost.
     fn cut_stream(&mut self, conn: usize) {
-        self.control[conn][0].clear();
-        self.control[conn][1].clear();
-        for s in &mut self.sides {
-            s.session
-                .connection_lost(conn, "test cut the connection", self.now);
-        }
+        self.kill(conn, "test cut the connection");
     }
 
     fn done(&self, side: usize, id: u64) -> bool {
@@ -310,7 +170,7 @@ fn setup(f: &mut Fabric, src: usize) {
 /// Two rails with queue pairs; side 0 has started pull 9 of side 1's region 1
 /// into its region 2 (source and destination blocks returned).
 fn started_pull() -> (Fabric, Vec<u32>, Vec<u32>) {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 1);
     let (sb, db) = blocks();
     let req = f.transfer(9, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
@@ -364,16 +224,16 @@ fn verify_layers(
 
 #[test]
 fn push_is_written_one_sided_after_the_grant() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     let (sb, db) = blocks();
     let req = f.transfer(7, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
     f.sides[0].session.start_push(req, f.now).unwrap();
     f.run();
     assert!(f.done(0, 7) && f.done(1, 7), "{:?}", f.sides[0].events);
-    assert_eq!(f.counts.0, 0, "no two-sided slice");
-    assert!(f.counts.1 >= 2, "writes on both rails: {:?}", f.counts);
-    assert_eq!(f.out_of_bounds, 0);
+    assert_eq!(f.counts().0, 0, "no two-sided slice");
+    assert!(f.counts().1 >= 2, "writes on both rails: {:?}", f.counts());
+    assert_eq!(f.stats.out_of_bounds, 0);
     verify(&f, (0, 1, &sb), (1, 2, &db));
     // Nothing outside the granted blocks was touched.
     let l = layout();
@@ -390,22 +250,22 @@ fn push_is_written_one_sided_after_the_grant() {
 
 #[test]
 fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup_both_ways(&mut f);
     // Two layers of one block: 16 KiB, under the 64 KiB default.
     let push = f.transfer(7, sel(1, (0, 2), &[5]), sel(2, (0, 2), &[9]));
     f.sides[0].session.start_push(push, f.now).unwrap();
     // The open and the slice leave together: one flight, no grant first.
     f.flush();
-    assert_eq!(f.control[0][0].len() + f.control[1][0].len(), 2);
+    assert_eq!(f.wires[0][0].len() + f.wires[1][0].len(), 2);
     let pull = f.transfer(8, sel(4, (0, 2), &[3]), sel(3, (0, 2), &[6]));
     f.sides[0].session.start_pull(pull, f.now).unwrap();
     f.run();
     assert!(f.done(0, 7) && f.done(1, 7), "{:?}", f.sides[0].events);
     assert!(f.done(0, 8) && f.done(1, 8), "{:?}", f.sides[0].events);
-    assert_eq!(f.grants, 0, "no grant round trip");
-    assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
-    assert!(f.counts.0 >= 2);
+    assert_eq!(f.stats.grants, 0, "no grant round trip");
+    assert_eq!((f.counts().1, f.counts().2), (0, 0), "nothing one-sided");
+    assert!(f.counts().0 >= 2);
     verify_layers(&f, 0..2, (0, 1, &[5]), (1, 2, &[9]));
     verify_layers(&f, 0..2, (1, 3, &[6]), (0, 4, &[3]));
     // Above the limit the same push asks for the grant and writes one-sided.
@@ -413,8 +273,8 @@ fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
     f.sides[0].session.start_push(big, f.now).unwrap();
     f.run();
     assert!(f.done(1, 10));
-    assert_eq!(f.grants, 1);
-    assert!(f.counts.1 >= 1);
+    assert_eq!(f.stats.grants, 1);
+    assert!(f.counts().1 >= 1);
     verify(&f, (0, 1, &[5, 6]), (1, 2, &[20, 21]));
 }
 
@@ -422,7 +282,7 @@ fn small_pushes_and_pulls_skip_the_grant_and_travel_behind_their_open() {
 /// large pull into it travel two-sided even where queue pairs are up.
 #[test]
 fn staged_memory_moves_two_sided_over_rdma_rails() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup_both_ways(&mut f);
     for id in [1, 4] {
         f.sides[0].regions.0.get_mut(&id).unwrap().staged = true;
@@ -435,8 +295,8 @@ fn staged_memory_moves_two_sided_over_rdma_rails() {
     f.run();
     assert!(f.done(0, 7) && f.done(1, 7), "{:?}", f.sides[0].events);
     assert!(f.done(0, 8) && f.done(1, 8), "{:?}", f.sides[0].events);
-    assert_eq!(f.grants, 0, "no grant asked for staged memory");
-    assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
+    assert_eq!(f.stats.grants, 0, "no grant asked for staged memory");
+    assert_eq!((f.counts().1, f.counts().2), (0, 0), "nothing one-sided");
     verify(&f, (0, 1, &sb), (1, 2, &db));
     verify(&f, (1, 3, &sb), (0, 4, &db));
 }
@@ -446,14 +306,14 @@ fn pull_is_read_one_sided_and_the_server_only_grants() {
     let (mut f, sb, db) = started_pull();
     f.run();
     assert!(f.done(0, 9) && f.done(1, 9));
-    assert_eq!(f.counts, (0, 0, f.counts.2));
-    assert!(f.counts.2 >= 2);
+    assert_eq!(f.counts(), (0, 0, f.counts().2));
+    assert!(f.counts().2 >= 2);
     verify(&f, (1, 1, &sb), (0, 2, &db));
 }
 
 #[test]
 fn a_region_without_keys_declines_and_the_push_goes_two_sided() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     f.sides[1].regions.0.get_mut(&2).unwrap().keys.clear();
     let (sb, db) = blocks();
@@ -461,65 +321,65 @@ fn a_region_without_keys_declines_and_the_push_goes_two_sided() {
     f.sides[0].session.start_push(req, f.now).unwrap();
     f.run();
     assert!(f.done(0, 3) && f.done(1, 3));
-    assert_eq!((f.counts.1, f.counts.2), (0, 0));
-    assert!(f.counts.0 > 0);
+    assert_eq!((f.counts().1, f.counts().2), (0, 0));
+    assert!(f.counts().0 > 0);
     verify(&f, (0, 1, &sb), (1, 2, &db));
 }
 
 #[test]
 fn losing_every_queue_pair_mid_push_finishes_over_streams() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     let (sb, db) = blocks();
     let req = f.transfer(4, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
     f.sides[0].session.start_push(req, f.now).unwrap();
     // Let the grant arrive and some writes go out, then lose rail 1's QP, then rail 0's.
     f.exchange_control();
-    assert!(f.counts.1 > 0, "writes were posted before the loss");
+    assert!(f.counts().1 > 0, "writes were posted before the loss");
     f.kill_qp(1);
     f.kill_qp(0);
     f.run();
     assert!(f.done(0, 4) && f.done(1, 4), "{:?}", f.sides[0].events);
-    assert!(f.counts.0 > 0, "the rest went two-sided");
+    assert!(f.counts().0 > 0, "the rest went two-sided");
     verify(&f, (0, 1, &sb), (1, 2, &db));
 }
 
 #[test]
 fn losing_every_queue_pair_mid_pull_asks_the_server_to_send() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 1);
     let (sb, db) = blocks();
     let req = f.transfer(5, sel(2, (0, 16), &db), sel(1, (0, 16), &sb));
     f.sides[0].session.start_pull(req, f.now).unwrap();
     f.exchange_control();
-    assert!(f.counts.2 > 0, "reads were posted before the loss");
+    assert!(f.counts().2 > 0, "reads were posted before the loss");
     f.kill_qp(0);
     f.kill_qp(1);
     f.run();
     assert!(f.done(0, 5) && f.done(1, 5), "{:?}", f.sides[0].events);
-    assert!(f.counts.0 > 0, "the server sent the rest");
+    assert!(f.counts().0 > 0, "the server sent the rest");
     verify(&f, (1, 1, &sb), (0, 2, &db));
 }
 
 #[test]
 fn one_rail_losing_its_queue_pair_moves_its_slices_to_the_other() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     let (sb, db) = blocks();
     let req = f.transfer(6, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
     f.sides[0].session.start_push(req, f.now).unwrap();
     f.exchange_control();
-    assert!(!f.posted[1].is_empty(), "rail 1 carried writes");
+    assert!(f.posted_on(1), "rail 1 carried writes");
     f.kill_qp(1);
     f.run();
     assert!(f.done(0, 6) && f.done(1, 6));
-    assert_eq!(f.counts.0, 0, "stayed one-sided on rail 0");
+    assert_eq!(f.counts().0, 0, "stayed one-sided on rail 0");
     verify(&f, (0, 1, &sb), (1, 2, &db));
 }
 
 #[test]
 fn a_grant_smaller_than_its_layout_fails_the_transfer() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     for k in &mut f.sides[1].regions.0.get_mut(&2).unwrap().keys {
         k.length = 4096;
@@ -535,7 +395,7 @@ fn a_grant_smaller_than_its_layout_fails_the_transfer() {
         }
         other => panic!("expected a protocol failure, got {other:?}"),
     }
-    assert_eq!(f.counts, (0, 0, 0), "nothing was written");
+    assert_eq!(f.counts(), (0, 0, 0), "nothing was written");
     assert!(f.failure(1, 8).is_some(), "the receiver heard of it");
 }
 
@@ -546,7 +406,7 @@ fn a_grant_smaller_than_its_layout_fails_the_transfer() {
 #[test]
 fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
     for (push, lose_grant) in [(true, false), (true, true), (false, false), (false, true)] {
-        let mut f = Fabric::new(2, true);
+        let mut f = fabric(2, true);
         setup(&mut f, if push { 0 } else { 1 });
         let (sb, db) = blocks();
         let req = if push {
@@ -561,15 +421,15 @@ fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
         }
         f.flush();
         let conn = (0..QP_BASE)
-            .find(|&c| !f.control[c][0].is_empty())
+            .find(|&c| !f.wires[c][0].is_empty())
             .expect("the open is on a wire");
         if lose_grant {
             // The peer reads the open; its grant goes back on the same connection.
-            let item = f.control[conn][0].pop_front().unwrap();
+            let item = f.wires[conn][0].pop_front().unwrap();
             let to = &mut f.sides[1];
             deliver(&mut to.session, &mut to.regions, conn, item, f.now);
             f.flush();
-            assert_eq!(f.grants, 1);
+            assert_eq!(f.stats.grants, 1);
         }
         f.cut_stream(conn);
         f.run();
@@ -583,8 +443,8 @@ fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
             f.failure(0, 7).is_none() && f.failure(1, 7).is_none(),
             "{case}"
         );
-        assert_eq!(f.counts.0, 0, "{case}: no two-sided slice");
-        assert_eq!(f.out_of_bounds, 0, "{case}");
+        assert_eq!(f.counts().0, 0, "{case}: no two-sided slice");
+        assert_eq!(f.stats.out_of_bounds, 0, "{case}");
         if push {
             verify(&f, (0, 1, &sb), (1, 2, &db));
         } else {
@@ -597,16 +457,16 @@ fn an_open_or_grant_lost_with_its_connection_is_sent_again() {
 /// per copy.
 #[test]
 fn repeated_opens_get_a_bounded_number_of_grants() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     let (sb, db) = blocks();
     let req = f.transfer(7, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
     f.sides[0].session.start_push(req, f.now).unwrap();
     f.flush();
     let conn = (0..QP_BASE)
-        .find(|&c| !f.control[c][0].is_empty())
+        .find(|&c| !f.wires[c][0].is_empty())
         .expect("the open is on a wire");
-    let open = f.control[conn][0].pop_front().unwrap();
+    let open = f.wires[conn][0].pop_front().unwrap();
     let open_copy = match &open {
         crate::testkit::Item::Control(b) => crate::testkit::Item::Control(b.clone()),
         _ => panic!("the open is a control message"),
@@ -614,7 +474,7 @@ fn repeated_opens_get_a_bounded_number_of_grants() {
     let to = &mut f.sides[1];
     deliver(&mut to.session, &mut to.regions, conn, open, f.now);
     f.flush();
-    assert_eq!(f.grants, 1);
+    assert_eq!(f.stats.grants, 1);
     // The same open again, as the pusher would send it after a cut.
     let crate::testkit::Item::Control(body) = open_copy else {
         panic!("not a control item");
@@ -626,7 +486,7 @@ fn repeated_opens_get_a_bounded_number_of_grants() {
         f.flush();
     }
     assert_eq!(
-        f.grants,
+        f.stats.grants,
         1 + usize::from(MAX_REGRANTS),
         "fifty copies of the open"
     );
@@ -682,7 +542,7 @@ fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
     f.flush();
     let conn = (0..QP_BASE)
         .find(|&c| {
-            f.control[c][0].iter().any(|i| {
+            f.wires[c][0].iter().any(|i| {
                 matches!(i, crate::testkit::Item::Control(crate::wire::Body::PullOpen(o)) if !o.one_sided)
             })
         })
@@ -690,7 +550,7 @@ fn a_fallen_back_pull_whose_open_is_lost_asks_again_two_sided() {
     f.cut_stream(conn);
     f.run();
     assert!(f.done(0, 9) && f.done(1, 9), "{:?}", f.sides[0].events);
-    assert_eq!(f.out_of_bounds, 0);
+    assert_eq!(f.stats.out_of_bounds, 0);
     verify(&f, (1, 1, &sb), (0, 2, &db));
 }
 
@@ -702,9 +562,10 @@ fn a_peer_acknowledging_a_pulls_own_reads_cannot_stall_it() {
     let (mut f, sb, db) = started_pull();
     f.exchange_control();
     let reads: Vec<(u64, u32)> = f
-        .posted
+        .wires
         .iter()
         .flatten()
+        .flat_map(|w| w.posted())
         .filter(|p| p.from == 0 && p.remote.op == OneSidedOp::Read)
         .map(|p| (p.header.offset, p.len))
         .collect();
@@ -731,11 +592,9 @@ fn a_peer_acknowledging_a_pulls_own_reads_cannot_stall_it() {
 fn a_granted_pull_whose_reader_never_completes_expires() {
     let (mut f, _, _) = started_pull();
     f.exchange_control();
-    assert!(f.grants >= 1, "the server granted");
+    assert!(f.stats.grants >= 1, "the server granted");
     // The reader goes silent: nothing it posted runs, nothing more arrives.
-    for q in &mut f.posted {
-        q.clear();
-    }
+    f.drop_posted();
     let server = &mut f.sides[1].session;
     assert_eq!(server.active_transfers(), 1);
     let deadline = server.poll_timeout().expect("the serve has a deadline");
@@ -760,7 +619,7 @@ fn a_granted_pull_whose_reader_never_completes_expires() {
 /// written and no panic, however the build checks overflow.
 #[test]
 fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
-    let mut f = Fabric::new(2, true);
+    let mut f = fabric(2, true);
     setup(&mut f, 0);
     let (sb, db) = blocks();
     let req = f.transfer(8, sel(1, (0, 16), &sb), sel(2, (0, 16), &db));
@@ -770,7 +629,7 @@ fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
     f.flush();
     let (conn, pos) = (0..QP_BASE)
         .find_map(|c| {
-            f.control[c][1]
+            f.wires[c][1]
                 .iter()
                 .position(|i| {
                     matches!(
@@ -782,7 +641,7 @@ fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
         })
         .expect("the receiver granted");
     let Some(crate::testkit::Item::Control(crate::wire::Body::Grant(mut grant))) =
-        f.control[conn][1].remove(pos)
+        f.wires[conn][1].remove(pos)
     else {
         panic!("not a grant")
     };
@@ -800,8 +659,8 @@ fn a_grant_with_an_overflowing_layout_fails_the_transfer_cleanly() {
         }
         other => panic!("expected a protocol failure, got {other:?}"),
     }
-    assert_eq!((f.counts.1, f.counts.2), (0, 0), "nothing one-sided");
-    assert_eq!(f.out_of_bounds, 0);
+    assert_eq!((f.counts().1, f.counts().2), (0, 0), "nothing one-sided");
+    assert_eq!(f.stats.out_of_bounds, 0);
 }
 
 #[test]
@@ -809,7 +668,7 @@ fn a_pull_cancelled_while_its_reads_are_posted_ends_once_they_complete() {
     let (mut f, _, _) = started_pull();
     // The grant arrives and the READs are posted; none has completed.
     f.exchange_control();
-    assert!(f.posted.iter().any(|q| !q.is_empty()), "READs posted");
+    assert!(f.posted_on(0) || f.posted_on(1), "READs posted");
     assert!(f.sides[0].session.cancel(9, f.now));
     assert!(
         f.sides[0].session.still_placing(&[9]),

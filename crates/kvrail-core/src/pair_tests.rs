@@ -1,11 +1,7 @@
 //! Two sessions joined in memory, driven deterministically (seeded interleaving,
 //! simulated clock): the behaviour of the protocol without any socket.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
-
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use crate::error::{FailureSide, TransferError};
 use crate::layout::RegionLayout;
@@ -13,7 +9,8 @@ use crate::placement::{Admission, Admitted, ConnPlacer};
 use crate::plan::BlockSelection;
 use crate::rail::{RailConfig, RailHealth};
 use crate::session::*;
-use crate::testkit::{deliver, deliver_through_gates, sel, Item, Regions};
+use crate::testkit::net::{LinkKind, Net, RailSpec};
+use crate::testkit::{deliver, sel, Item};
 use crate::wire::{ErrorCode, SliceHeader};
 
 thread_local! {
@@ -30,60 +27,48 @@ fn each_placement(test: fn()) {
     THROUGH_GATES.with(|g| g.set(false));
 }
 
-struct Side {
-    session: Session,
-    regions: Regions,
-    events: Vec<Event>,
-}
+/// Two endpoints on the shared simulated net: connections alternate between
+/// two rails, items arrive in a seeded random order across connections (in
+/// order on each), and the clock moves only as items arrive.
+type Pair = Net;
 
-impl Drop for Side {
-    fn drop(&mut self) {
-        crate::testkit::assert_lifecycle_kept(&self.session);
+/// A pair with `conns` connections, their ids the same on both sides.
+fn pair(conns: usize, config: SessionConfig, seed: u64) -> Pair {
+    let specs = [RailSpec::shuffling(); 2];
+    let mut net = Net::new([config.clone(), config], &specs, seed);
+    if THROUGH_GATES.with(|g| g.get()) {
+        net.place_through_gates();
     }
+    for c in 0..conns {
+        let link = net.connect((c % 2) as u32, LinkKind::Stream);
+        assert_eq!(net.links[link].ids, [link, link]);
+    }
+    net
 }
 
-/// Two endpoints and, per connection and direction, a FIFO "wire".
-struct Pair {
-    sides: [Side; 2],
-    wires: Vec<[VecDeque<Item>; 2]>, // wires[conn][dir]: dir 0 = A->B, 1 = B->A
-    rng: StdRng,
-    now: Instant,
-    slices_per_conn: Vec<usize>,
-    /// Payload length of every slice sent, per direction (0: A->B).
-    slice_lens: [Vec<usize>; 2],
-    next_id: u64,
-    /// Some: receivers place through gates, one placer per connection and side.
-    placers: Option<Vec<[ConnPlacer; 2]>>,
-    /// Slices gates admitted (with `placers`).
-    admitted_by_gates: usize,
+/// What the pair tests do on the net.
+trait PairExt {
+    fn reconnect(&mut self);
+    fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool, exposed: bool);
+    fn local(
+        &mut self,
+        side: usize,
+        local: BlockSelection,
+        remote: BlockSelection,
+    ) -> LocalTransfer;
+    fn push(&mut self, local: BlockSelection, remote: BlockSelection) -> u64;
+    fn pull(&mut self, local: BlockSelection, remote: BlockSelection) -> u64;
+    fn take_open(&mut self) -> crate::wire::Body;
+    fn cut(&mut self, conn: usize);
+    fn block(&self, side: usize, region: u64, layer: u32, plane: u32, block: u32) -> &[u8];
+    fn done_kinds(&self, side: usize) -> Vec<TransferKind>;
+    fn failures(&self, side: usize) -> Vec<TransferError>;
 }
 
-impl Pair {
-    fn new(conns: usize, config: SessionConfig, seed: u64) -> Self {
-        let mk = || Side {
-            session: Session::new(config.clone()),
-            regions: Regions::default(),
-            events: Vec::new(),
-        };
-        let mut p = Pair {
-            sides: [mk(), mk()],
-            wires: (0..conns)
-                .map(|_| [VecDeque::new(), VecDeque::new()])
-                .collect(),
-            rng: StdRng::seed_from_u64(seed),
-            now: Instant::now(),
-            slices_per_conn: vec![0; conns],
-            slice_lens: [Vec::new(), Vec::new()],
-            next_id: 1,
-            placers: THROUGH_GATES.with(|g| g.get()).then(Vec::new),
-            admitted_by_gates: 0,
-        };
-        for c in 0..conns {
-            for s in &mut p.sides {
-                s.session.add_connection((c % 2) as u32, p.now).unwrap();
-            }
-        }
-        p
+impl PairExt for Pair {
+    /// Opens one more connection on rail 0 (both sides).
+    fn reconnect(&mut self) {
+        self.connect(0, LinkKind::Stream);
     }
 
     fn add_region(
@@ -105,8 +90,7 @@ impl Pair {
     ) -> LocalTransfer {
         let region = &self.sides[side].regions.0[&local.region_id];
         let (layout, staged) = (region.layout, region.staged);
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = self.next_transfer_id();
         LocalTransfer {
             transfer_id: id,
             request_id: format!("req-{id}"),
@@ -122,14 +106,16 @@ impl Pair {
     fn push(&mut self, local: BlockSelection, remote: BlockSelection) -> u64 {
         let req = self.local(0, local, remote);
         let id = req.transfer_id;
-        self.sides[0].session.start_push(req, self.now).unwrap();
+        let now = self.now;
+        self.sides[0].session.start_push(req, now).unwrap();
         id
     }
 
     fn pull(&mut self, local: BlockSelection, remote: BlockSelection) -> u64 {
         let req = self.local(0, local, remote);
         let id = req.transfer_id;
-        self.sides[0].session.start_pull(req, self.now).unwrap();
+        let now = self.now;
+        self.sides[0].session.start_pull(req, now).unwrap();
         id
     }
 
@@ -145,86 +131,9 @@ impl Pair {
         open
     }
 
-    /// Moves everything each side wants to send onto the wires.
-    fn flush(&mut self) {
-        for dir in 0..2 {
-            while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
-                let (conn, item) = self.sides[dir].regions.wire_item(t);
-                if let Item::Slice(_, payload) = &item {
-                    self.slices_per_conn[conn] += 1;
-                    self.slice_lens[dir].push(payload.len());
-                }
-                self.wires[conn][dir].push_back(item);
-            }
-            while let Some(e) = self.sides[dir].session.poll_event() {
-                self.sides[dir].events.push(e);
-            }
-        }
-    }
-
-    /// Delivers one queued item on a random wire; false when all wires are empty.
-    fn step(&mut self) -> bool {
-        self.flush();
-        let busy: Vec<(usize, usize)> = (0..self.wires.len())
-            .flat_map(|c| (0..2).map(move |d| (c, d)))
-            .filter(|&(c, d)| !self.wires[c][d].is_empty())
-            .collect();
-        if busy.is_empty() {
-            return false;
-        }
-        let (conn, dir) = busy[self.rng.random_range(0..busy.len())];
-        let item = self.wires[conn][dir].pop_front().unwrap();
-        self.now += Duration::from_micros(1);
-        let more_input = !self.wires[conn][dir].is_empty();
-        let side = &mut self.sides[1 - dir];
-        match &mut self.placers {
-            Some(placers) => {
-                if placers.len() <= conn {
-                    placers.resize_with(conn + 1, Default::default);
-                }
-                let placer = &mut placers[conn][1 - dir];
-                self.admitted_by_gates += usize::from(deliver_through_gates(
-                    &mut side.session,
-                    &mut side.regions,
-                    placer,
-                    conn,
-                    item,
-                    more_input,
-                    self.now,
-                ));
-            }
-            None => deliver(&mut side.session, &mut side.regions, conn, item, self.now),
-        }
-        self.flush();
-        true
-    }
-
-    fn drive(&mut self) {
-        let mut steps = 0;
-        while self.step() {
-            steps += 1;
-            assert!(steps < 1_000_000, "pair did not go idle");
-        }
-        if self.placers.is_some() && self.slices_per_conn.iter().sum::<usize>() > 0 {
-            assert!(self.admitted_by_gates > 0, "no slice went through a gate");
-        }
-    }
-
-    fn kill(&mut self, conn: usize) {
-        for s in &mut self.sides {
-            s.session
-                .connection_lost(conn, "test cut the connection", self.now);
-        }
-        self.wires[conn][0].clear();
-        self.wires[conn][1].clear();
-        // A dead connection's reader merges what it placed in full when it
-        // stops, after the session has heard of the loss.
-        if let Some(placers) = self.placers.as_mut().and_then(|p| p.get_mut(conn)) {
-            for (side, placer) in self.sides.iter_mut().zip(placers.iter_mut()) {
-                side.session
-                    .merge_placed(Some(conn), placer.take_placed(), self.now);
-            }
-        }
+    /// Both ends of connection `conn` break; what its wires held is lost.
+    fn cut(&mut self, conn: usize) {
+        self.kill(conn, "test cut the connection");
     }
 
     fn block(&self, side: usize, region: u64, layer: u32, plane: u32, block: u32) -> &[u8] {
@@ -310,7 +219,7 @@ fn assert_moved(
 
 fn push_moves_shuffled_blocks_and_nothing_else_case() {
     for seed in 0..20 {
-        let mut p = Pair::new(3, small_slices(), seed);
+        let mut p = pair(3, small_slices(), seed);
         p.add_region(0, 1, RegionLayout::dense(4, 2, 16, 300), true, false);
         p.add_region(1, 9, RegionLayout::dense(4, 2, 16, 300), false, false);
         let src = [0, 1, 2, 3, 7, 8];
@@ -328,7 +237,7 @@ fn push_moves_shuffled_blocks_and_nothing_else_case() {
 }
 
 fn pull_reads_exposed_blocks_case() {
-    let mut p = Pair::new(2, small_slices(), 7);
+    let mut p = pair(2, small_slices(), 7);
     p.add_region(0, 2, RegionLayout::dense(2, 2, 8, 512), false, false);
     p.add_region(1, 5, RegionLayout::dense(2, 2, 8, 512), true, true);
     p.pull(sel(2, (0, 2), &[6, 4, 2]), sel(5, (0, 2), &[1, 2, 3]));
@@ -353,7 +262,7 @@ fn staged_memory_moves_in_its_own_larger_slices() {
     // (sources staged, destinations staged)
     for (staged, staged_destinations) in [(false, false), (true, false), (false, true)] {
         // A push from side 0's region 1, and a pull of side 1's region 3.
-        let mut p = Pair::new(2, config.clone(), 5);
+        let mut p = pair(2, config.clone(), 5);
         p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), true, false);
         p.add_region(1, 2, RegionLayout::dense(1, 1, 16, 1000), false, false);
         p.add_region(1, 3, RegionLayout::dense(1, 1, 16, 1000), true, true);
@@ -374,7 +283,7 @@ fn staged_memory_moves_in_its_own_larger_slices() {
         assert_moved(&p, (1, 3, &blocks), (0, 4, &blocks), (0, 1));
         let largest = if staged { 4000 } else { 1000 };
         for (dir, what) in [(0, "push"), (1, "served pull")] {
-            let lens = &p.slice_lens[dir];
+            let lens = &p.stats.slice_lens[dir];
             assert_eq!(lens.iter().sum::<usize>(), 16_000, "{what}");
             assert_eq!(
                 lens.iter().max(),
@@ -387,15 +296,15 @@ fn staged_memory_moves_in_its_own_larger_slices() {
 
 #[test]
 fn slices_stripe_over_every_connection() {
-    let mut p = Pair::new(4, small_slices(), 3);
+    let mut p = pair(4, small_slices(), 3);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
     let blocks: Vec<u32> = (0..64).collect();
     p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
     p.drive();
     assert_eq!(p.done_kinds(1), vec![TransferKind::PushReceive]);
-    assert_eq!(p.slices_per_conn.iter().sum::<usize>(), 64);
-    for (conn, n) in p.slices_per_conn.iter().enumerate() {
+    assert_eq!(p.stats.slices_per_link.iter().sum::<usize>(), 64);
+    for (conn, n) in p.stats.slices_per_link.iter().enumerate() {
         assert!(*n >= 8, "connection {conn} carried only {n} of 64 slices");
     }
 }
@@ -430,7 +339,7 @@ fn receiver_rejections_reach_the_sender_with_their_reason() {
         ),
     ];
     for (src, dst, code) in cases {
-        let mut p = Pair::new(2, small_slices(), 1);
+        let mut p = pair(2, small_slices(), 1);
         p.add_region(0, 1, RegionLayout::dense(2, 2, 8, 256), true, false);
         p.add_region(1, 2, RegionLayout::dense(2, 2, 8, 256), false, false);
         p.push(src, dst);
@@ -452,7 +361,7 @@ fn receiver_rejections_reach_the_sender_with_their_reason() {
 
 #[test]
 fn pull_from_an_unexposed_region_is_refused() {
-    let mut p = Pair::new(1, small_slices(), 1);
+    let mut p = pair(1, small_slices(), 1);
     p.add_region(0, 2, RegionLayout::dense(1, 1, 4, 64), false, false);
     p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 64), true, false);
     p.pull(sel(2, (0, 1), &[0]), sel(5, (0, 1), &[0]));
@@ -468,7 +377,7 @@ fn pull_from_an_unexposed_region_is_refused() {
 
 fn a_lost_connection_is_survived_by_resending_on_the_others_case() {
     for cut_at in [3, 10, 25, 60] {
-        let mut p = Pair::new(3, small_slices(), cut_at);
+        let mut p = pair(3, small_slices(), cut_at);
         p.add_region(0, 1, RegionLayout::dense(2, 2, 32, 700), true, false);
         p.add_region(1, 2, RegionLayout::dense(2, 2, 32, 700), false, false);
         let blocks: Vec<u32> = (0..32).rev().collect();
@@ -477,7 +386,7 @@ fn a_lost_connection_is_survived_by_resending_on_the_others_case() {
         for _ in 0..cut_at {
             p.step();
         }
-        p.kill(1);
+        p.cut(1);
         p.drive();
         assert_eq!(p.done_kinds(0), vec![TransferKind::Push], "cut at {cut_at}");
         assert_moved(&p, (0, 1, &blocks), (1, 2, &dst), (0, 2));
@@ -485,7 +394,7 @@ fn a_lost_connection_is_survived_by_resending_on_the_others_case() {
 }
 
 fn losing_every_connection_fails_both_sides_case() {
-    let mut p = Pair::new(2, small_slices(), 5);
+    let mut p = pair(2, small_slices(), 5);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
     let blocks: Vec<u32> = (0..64).collect();
@@ -493,8 +402,8 @@ fn losing_every_connection_fails_both_sides_case() {
     for _ in 0..10 {
         p.step();
     }
-    p.kill(0);
-    p.kill(1);
+    p.cut(0);
+    p.cut(1);
     p.flush();
     // Rails may come back: nothing fails before the failover deadline...
     let deadline = p.sides[0].session.config().rails.all_down_deadline;
@@ -521,7 +430,7 @@ fn losing_every_connection_fails_both_sides_case() {
 
 #[test]
 fn a_silent_peer_times_out() {
-    let mut p = Pair::new(1, small_slices(), 5);
+    let mut p = pair(1, small_slices(), 5);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 64), true, false);
     p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
     p.flush(); // sent, never delivered
@@ -553,7 +462,7 @@ fn a_silent_peer_times_out() {
 }
 
 fn cancel_tells_the_peer_and_stops_case() {
-    let mut p = Pair::new(2, small_slices(), 9);
+    let mut p = pair(2, small_slices(), 9);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), false, false);
     let blocks: Vec<u32> = (0..64).collect();
@@ -571,7 +480,7 @@ fn cancel_tells_the_peer_and_stops_case() {
 
 #[test]
 fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
-    let mut p = Pair::new(1, small_slices(), 2);
+    let mut p = pair(1, small_slices(), 2);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
@@ -621,7 +530,7 @@ fn a_slice_outside_the_transfer_is_discarded_and_aborts_it() {
 
 #[test]
 fn failure_waits_for_slices_still_being_placed() {
-    let mut p = Pair::new(1, small_slices(), 2);
+    let mut p = pair(1, small_slices(), 2);
     p.add_region(0, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 100), true, true);
     let id = p.pull(sel(2, (0, 1), &[0, 1]), sel(5, (0, 1), &[0, 1]));
@@ -652,7 +561,7 @@ fn failure_waits_for_slices_still_being_placed() {
 }
 
 fn many_concurrent_transfers_both_ways_all_complete_case() {
-    let mut p = Pair::new(4, small_slices(), 11);
+    let mut p = pair(4, small_slices(), 11);
     p.add_region(0, 1, RegionLayout::dense(2, 2, 64, 333), true, true);
     p.add_region(1, 2, RegionLayout::dense(2, 2, 64, 333), true, true);
     p.add_region(0, 3, RegionLayout::dense(2, 2, 64, 333), false, false);
@@ -665,13 +574,13 @@ fn many_concurrent_transfers_both_ways_all_complete_case() {
     p.drive();
     assert_eq!(p.done_kinds(0).len(), 16);
     assert_eq!(p.done_kinds(1).len(), 16);
-    if p.placers.is_some() {
+    if p.through_gates() {
         // Every slice but each connection's first of each transfer.
         assert!(
-            p.admitted_by_gates > p.slices_per_conn.iter().sum::<usize>() / 2,
+            p.stats.admitted_by_gates > p.stats.slices_per_link.iter().sum::<usize>() / 2,
             "{} of {}",
-            p.admitted_by_gates,
-            p.slices_per_conn.iter().sum::<usize>()
+            p.stats.admitted_by_gates,
+            p.stats.slices_per_link.iter().sum::<usize>()
         );
     }
     assert_eq!(
@@ -689,7 +598,7 @@ fn many_concurrent_transfers_both_ways_all_complete_case() {
 /// progress timeout or holds the region.
 #[test]
 fn an_abort_that_overtakes_its_open_leaves_no_orphan() {
-    let mut p = Pair::new(2, small_slices(), 12);
+    let mut p = pair(2, small_slices(), 12);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
@@ -718,7 +627,7 @@ fn an_abort_that_overtakes_its_open_leaves_no_orphan() {
 /// region for the progress timeout, and then failed with a timeout).
 #[test]
 fn an_abort_between_an_open_and_its_repeat_leaves_no_orphan() {
-    let mut p = Pair::new(2, small_slices(), 13);
+    let mut p = pair(2, small_slices(), 13);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
@@ -748,7 +657,7 @@ fn with_generations(mut s: BlockSelection, generations: &[u64]) -> BlockSelectio
 
 #[test]
 fn a_pull_naming_released_blocks_is_refused_before_a_byte_moves() {
-    let mut p = Pair::new(2, small_slices(), 21);
+    let mut p = pair(2, small_slices(), 21);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 8, 1000), false, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 8, 1000), true, true);
     // The prefill worker released block 5 after the decode learnt its generation.
@@ -781,7 +690,7 @@ fn a_pull_naming_released_blocks_is_refused_before_a_byte_moves() {
 
 fn blocks_released_mid_transfer_fail_it_on_both_sides_case() {
     for (releasing_side, region) in [(1usize, 2u64), (0, 1)] {
-        let mut p = Pair::new(2, small_slices(), 22);
+        let mut p = pair(2, small_slices(), 22);
         p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), false, false);
         p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), true, true);
         let blocks: Vec<u32> = (0..64).collect();
@@ -837,7 +746,7 @@ fn blocks_released_mid_transfer_fail_it_on_both_sides_case() {
 
 #[test]
 fn a_worker_message_crosses_and_an_oversized_one_is_dropped_on_receipt() {
-    let mut p = Pair::new(2, small_slices(), 41);
+    let mut p = pair(2, small_slices(), 41);
     let msg = |payload: usize| crate::wire::pb::WorkerMessage {
         from_worker: "decode-0".into(),
         to_worker: "prefill-0".into(),
@@ -882,7 +791,7 @@ fn a_worker_message_crosses_and_an_oversized_one_is_dropped_on_receipt() {
 
 #[test]
 fn messages_beyond_the_queue_limit_are_refused_not_queued() {
-    let mut p = Pair::new(1, small_slices(), 42);
+    let mut p = pair(1, small_slices(), 42);
     let msg = crate::wire::pb::WorkerMessage {
         from_worker: "a".into(),
         to_worker: "b".into(),
@@ -908,7 +817,7 @@ fn messages_beyond_the_queue_limit_are_refused_not_queued() {
 /// or the sender waits for ever.
 fn placed_slices_resent_after_lost_acks_are_acknowledged_again_case() {
     for (seed, cut_after) in (0..12).zip([2, 5, 9, 1000].into_iter().cycle()) {
-        let mut p = Pair::new(2, small_slices(), seed);
+        let mut p = pair(2, small_slices(), seed);
         p.add_region(0, 1, RegionLayout::dense(2, 2, 32, 700), true, false);
         p.add_region(1, 2, RegionLayout::dense(2, 2, 32, 700), false, false);
         let blocks: Vec<u32> = (0..32).rev().collect();
@@ -928,14 +837,10 @@ fn placed_slices_resent_after_lost_acks_are_acknowledged_again_case() {
         for w in &mut p.wires {
             w[1].clear();
         }
-        p.kill(0);
-        p.kill(1);
+        p.cut(0);
+        p.cut(1);
         for _ in 0..2 {
-            for side in &mut p.sides {
-                side.session.add_connection(0, p.now).unwrap();
-            }
-            p.wires.push([VecDeque::new(), VecDeque::new()]);
-            p.slices_per_conn.push(0);
+            p.reconnect();
         }
         // Each side told the other of the first cut over the second connection
         // before it died too; that news is stale now that the rail is rebuilt.
@@ -1005,7 +910,7 @@ fn cancel_tells_the_peer_and_stops() {
 
 /// A pull of two 100-byte blocks with its gate learnt by a placer (side 0 receives).
 fn pull_with_gate() -> (Pair, u64, ConnPlacer) {
-    let mut p = Pair::new(1, small_slices(), 2);
+    let mut p = pair(1, small_slices(), 2);
     p.add_region(0, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     p.add_region(1, 5, RegionLayout::dense(1, 1, 4, 100), true, true);
     let id = p.pull(sel(2, (0, 1), &[0, 1]), sel(5, (0, 1), &[0, 1]));
@@ -1171,7 +1076,7 @@ fn a_complete_transfer_ends_only_after_a_duplicate_being_written() {
 
 #[test]
 fn only_receivers_have_gates_and_merging_completes_them() {
-    let mut p = Pair::new(1, small_slices(), 4);
+    let mut p = pair(1, small_slices(), 4);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[0]));
     assert!(p.sides[0].session.placement_gate(id).is_none(), "a sender");
@@ -1212,7 +1117,7 @@ fn only_receivers_have_gates_and_merging_completes_them() {
 /// "blocks released" instead of timing out on a transfer nobody serves.
 #[test]
 fn a_release_with_every_rail_down_reaches_the_peer_when_one_returns() {
-    let mut p = Pair::new(1, small_slices(), 31);
+    let mut p = pair(1, small_slices(), 31);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 1000), false, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 1000), true, true);
     let blocks: Vec<u32> = (0..64).collect();
@@ -1220,7 +1125,7 @@ fn a_release_with_every_rail_down_reaches_the_peer_when_one_returns() {
     for _ in 0..12 {
         p.step();
     }
-    p.kill(0);
+    p.cut(0);
     assert_eq!(p.sides[1].session.alive_connections(), 0);
     let now = p.now;
     p.sides[1].regions.release(2, &[40]);
@@ -1230,11 +1135,7 @@ fn a_release_with_every_rail_down_reaches_the_peer_when_one_returns() {
             .blocks_released(2, &[40], "block 40 released by the worker", now),
         vec![id]
     );
-    for side in &mut p.sides {
-        side.session.add_connection(0, now).unwrap();
-    }
-    p.wires.push([VecDeque::new(), VecDeque::new()]);
-    p.slices_per_conn.push(0);
+    p.reconnect();
     p.drive();
     let f = p.failures(0);
     assert_eq!(f.len(), 1, "{f:?}");
@@ -1254,7 +1155,7 @@ fn a_release_with_every_rail_down_reaches_the_peer_when_one_returns() {
 /// released blocks is served anew.
 #[test]
 fn a_late_open_of_a_pull_the_server_ended_gets_its_abort_again() {
-    let mut p = Pair::new(2, small_slices(), 43);
+    let mut p = pair(2, small_slices(), 43);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), false, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 16, 1000), true, true);
     let blocks: Vec<u32> = (0..16).collect();
@@ -1279,7 +1180,7 @@ fn a_late_open_of_a_pull_the_server_ended_gets_its_abort_again() {
     for w in &mut p.wires {
         w[1].clear();
     }
-    p.kill(conn);
+    p.cut(conn);
     p.drive();
     let f = p.failures(0);
     assert_eq!(f.len(), 1, "{f:?}");
@@ -1304,7 +1205,7 @@ fn a_late_open_of_a_pull_the_server_ended_gets_its_abort_again() {
 #[test]
 fn a_pull_whose_open_died_with_its_connection_completes() {
     for deliver_first in [false, true] {
-        let mut p = Pair::new(2, small_slices(), 41);
+        let mut p = pair(2, small_slices(), 41);
         p.add_region(0, 1, RegionLayout::dense(1, 1, 16, 1000), false, false);
         p.add_region(1, 2, RegionLayout::dense(1, 1, 16, 1000), true, true);
         let blocks: Vec<u32> = (0..16).collect();
@@ -1323,7 +1224,7 @@ fn a_pull_whose_open_died_with_its_connection_completes() {
             deliver(&mut side.session, &mut side.regions, conn, item, p.now);
             assert_eq!(p.sides[1].session.active_transfers(), 1, "serving");
         }
-        p.kill(conn);
+        p.cut(conn);
         p.drive();
         assert_eq!(
             p.done_kinds(0),
@@ -1341,7 +1242,7 @@ fn a_pull_whose_open_died_with_its_connection_completes() {
 /// message is cut before it reaches the worker.
 #[test]
 fn a_peers_oversized_request_id_is_refused_and_its_long_messages_are_cut() {
-    let mut p = Pair::new(1, small_slices(), 2);
+    let mut p = pair(1, small_slices(), 2);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     let id = p.push(sel(1, (0, 1), &[0]), sel(2, (0, 1), &[1]));
@@ -1402,7 +1303,7 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
         node_budget: node.clone(),
         ..small_slices()
     };
-    let mut p = Pair::new(1, config.clone(), 3);
+    let mut p = pair(1, config.clone(), 3);
     let blocks = crate::plan::MAX_BLOCKS_PER_TRANSFER as u32;
     p.add_region(1, 2, RegionLayout::dense(1, 1, blocks, 1), false, false);
     let open = |id: u64| {
@@ -1447,7 +1348,7 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
         peer_budget: std::sync::Arc::new(MemoryBudget::new(64 << 20)),
         ..config
     };
-    let mut q = Pair::new(1, other_peer, 4);
+    let mut q = pair(1, other_peer, 4);
     q.add_region(1, 2, RegionLayout::dense(1, 1, blocks, 1), false, false);
     let c = &mut q.sides[1];
     for id in 1..=10 {
@@ -1471,7 +1372,7 @@ fn what_open_transfers_hold_is_bounded_per_session_and_per_node() {
 /// peer opening more has the extra ones refused, the peer told why.
 #[test]
 fn a_session_holds_a_bounded_number_of_transfers_each_way() {
-    let mut p = Pair::new(1, small_slices(), 2);
+    let mut p = pair(1, small_slices(), 2);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 4, 100), true, false);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 100), false, false);
     for _ in 0..MAX_TRANSFERS {
@@ -1535,7 +1436,7 @@ fn a_session_holds_a_bounded_number_of_transfers_each_way() {
 /// of growing until memory runs out.
 #[test]
 fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
-    let mut p = Pair::new(1, small_slices(), 2);
+    let mut p = pair(1, small_slices(), 2);
     let total = 2 * (MAX_PLACED_RANGES as u64 + 8);
     assert_eq!(max_placed_ranges(total), MAX_PLACED_RANGES as u64);
     p.add_region(0, 1, RegionLayout::dense(1, 1, 1, total), true, false);
@@ -1575,7 +1476,7 @@ fn a_transfer_cut_into_too_many_separate_pieces_is_aborted() {
 /// too many members, is refused before anything is held.
 #[test]
 fn malformed_receiver_groups_are_refused_before_anything_is_held() {
-    let mut p = Pair::new(1, small_slices(), 5);
+    let mut p = pair(1, small_slices(), 5);
     p.add_region(1, 2, RegionLayout::dense(1, 1, 4, 64), false, false);
     let open = |id: u64, group: crate::wire::pb::ReceiverGroup| {
         crate::wire::Body::PushOpen(crate::wire::pb::PushOpen {

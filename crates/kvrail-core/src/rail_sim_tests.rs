@@ -3,108 +3,23 @@
 //! deterministic and in milliseconds. Side 0 dialed the session (it probes down
 //! rails back); side 1 accepted it.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::time::{Duration, Instant};
-
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use std::time::Duration;
 
 use crate::error::{FailureSide, TransferError};
 use crate::layout::RegionLayout;
 use crate::rail::{RailConfig, RailHealth, RailId};
 use crate::session::*;
-use crate::testkit::{deliver, sel, Item, Regions};
+use crate::testkit::net::{Fault, Net, RailAction as Action, RailSpec};
+use crate::testkit::sel;
 
 const MB: f64 = 1e6;
 
-/// One simulated path between the nodes (the same in both directions).
-#[derive(Debug, Clone, Copy)]
-struct RailSpec {
-    /// Bytes per second.
-    rate: f64,
-    latency: Duration,
-    /// Chance that an item is lost once and arrives a retransmission timeout late.
-    loss: f64,
-}
+/// The shared simulated net, its rails rated: striping and failover in
+/// simulated time.
+type Sim = Net;
 
 fn rail(rate_mb: f64) -> RailSpec {
-    RailSpec {
-        rate: rate_mb * MB,
-        latency: Duration::from_micros(50),
-        loss: 0.0,
-    }
-}
-
-/// How a rail dies.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Fault {
-    /// Everything on it vanishes and nobody is told (a 100% drop qdisc, a cable pulled).
-    BlackHole,
-    /// Its connections break with an error on both sides (a reset, a port flap).
-    Reset,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Action {
-    Cut(Fault),
-    Restore,
-}
-
-impl Item {
-    fn wire_len(&self) -> usize {
-        match self {
-            Item::Control(_) => 64,
-            Item::Slice(_, d) => d.len() + 24,
-        }
-    }
-}
-
-struct Side {
-    session: Session,
-    regions: Regions,
-    events: Vec<(Duration, Event)>,
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        crate::testkit::assert_lifecycle_kept(&self.session);
-    }
-}
-
-/// A connection: its id and whether it is open, on each side (a side that closed
-/// its end over a dead rail leaves the other end open and unaware).
-struct Link {
-    rail: RailId,
-    ids: [ConnId; 2],
-    open: [bool; 2],
-}
-
-/// A retransmission timeout, for items the loss model drops once.
-const RTO: Duration = Duration::from_millis(200);
-
-struct Sim {
-    sides: [Side; 2],
-    specs: Vec<RailSpec>,
-    rail_up: Vec<bool>,
-    conns_per_rail: usize,
-    links: Vec<Link>,
-    /// (arrival, sequence) -> (link, direction, item)
-    queue: BinaryHeap<Reverse<(Instant, u64)>>,
-    items: HashMap<u64, (usize, usize, Item)>,
-    seq: u64,
-    /// When each rail's sender, per direction, finishes its current item.
-    rail_free: Vec<[Instant; 2]>,
-    /// Last arrival per link and direction: a connection delivers in order.
-    link_last: Vec<[Instant; 2]>,
-    script: VecDeque<(Instant, RailId, Action)>,
-    start: Instant,
-    now: Instant,
-    rng: StdRng,
-    next_id: u64,
-    /// Side 1 is stopped (SIGSTOP, a GC pause, CPU starvation) until then: it
-    /// reads, sends and times out nothing; what arrives waits in its sockets.
-    paused_until: Option<Instant>,
+    RailSpec::rated(rate_mb)
 }
 
 fn config() -> SessionConfig {
@@ -120,78 +35,40 @@ fn config() -> SessionConfig {
     }
 }
 
-impl Sim {
-    fn new(specs: &[RailSpec], conns_per_rail: usize, seed: u64) -> Self {
-        let start = Instant::now();
-        let mk = |probes| Side {
-            session: Session::new(SessionConfig {
-                probes_rails: probes,
-                ..config()
-            }),
-            regions: Regions::default(),
-            events: Vec::new(),
-        };
-        let mut sim = Sim {
-            sides: [mk(true), mk(false)],
-            specs: specs.to_vec(),
-            rail_up: vec![true; specs.len()],
-            conns_per_rail,
-            links: Vec::new(),
-            queue: BinaryHeap::new(),
-            items: HashMap::new(),
-            seq: 0,
-            rail_free: vec![[start; 2]; specs.len()],
-            link_last: Vec::new(),
-            script: VecDeque::new(),
-            start,
-            now: start,
-            rng: StdRng::seed_from_u64(seed),
-            next_id: 1,
-            paused_until: None,
-        };
-        for r in 0..specs.len() {
-            sim.connect(r as RailId);
-        }
-        sim
-    }
+/// Rails as `specs`, `conns_per_rail` connections on each; side 0 probes.
+fn sim(specs: &[RailSpec], conns_per_rail: usize, seed: u64) -> Sim {
+    let mk = |probes| SessionConfig {
+        probes_rails: probes,
+        ..config()
+    };
+    let mut net = Net::new([mk(true), mk(false)], specs, seed);
+    net.connect_rails(conns_per_rail);
+    net.answer_probes = true;
+    net.close_down_rails = true;
+    net
+}
 
-    /// Opens `conns_per_rail` connections on `rail`, as the dialer does.
-    fn connect(&mut self, rail: RailId) {
-        for _ in 0..self.conns_per_rail {
-            let a = self.sides[0]
-                .session
-                .add_connection(rail, self.now)
-                .unwrap();
-            let b = self.sides[1]
-                .session
-                .add_connection(rail, self.now)
-                .unwrap();
-            self.links.push(Link {
-                rail,
-                ids: [a, b],
-                open: [true; 2],
-            });
-            self.link_last.push([self.now; 2]);
-        }
-    }
+/// What the rail tests do on the net.
+trait SimExt {
+    fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool);
+    fn request(&mut self, side: usize, local: u64, remote: u64, blocks: &[u32]) -> LocalTransfer;
+    fn push(&mut self, src: u64, dst: u64, blocks: &[u32]) -> u64;
+    fn pull(&mut self, dst: u64, src: u64, blocks: &[u32]) -> u64;
+    fn outcome(&self, side: usize, id: u64) -> Option<(Duration, Result<u64, TransferError>)>;
+    fn run_transfer(&mut self, id: u64, limit: Duration) -> (Duration, Result<u64, TransferError>);
+    fn rail_bytes_sent(&self, side: usize) -> Vec<u64>;
+    fn rail_changes(&self, side: usize, rail: RailId) -> Vec<(Duration, RailHealth)>;
+    fn assert_copied(&self, src: (usize, u64), dst: (usize, u64));
+}
 
-    fn elapsed(&self) -> Duration {
-        self.now - self.start
-    }
-
-    fn at(&mut self, after: Duration, rail: RailId, action: Action) {
-        self.script.push_back((self.start + after, rail, action));
-        self.script.make_contiguous().sort_by_key(|s| s.0);
-    }
-
+impl SimExt for Sim {
     fn add_region(&mut self, side: usize, id: u64, layout: RegionLayout, fill: bool) {
         self.sides[side].regions.add(id, layout, fill, true);
     }
 
     fn request(&mut self, side: usize, local: u64, remote: u64, blocks: &[u32]) -> LocalTransfer {
         let layout = self.sides[side].regions.0[&local].layout;
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = self.next_transfer_id();
         LocalTransfer {
             transfer_id: id,
             request_id: format!("req-{id}"),
@@ -218,227 +95,15 @@ impl Sim {
         id
     }
 
-    fn link_of(&self, side: usize, conn: ConnId) -> usize {
-        self.links
-            .iter()
-            .position(|l| l.open[side] && l.ids[side] == conn)
-            .unwrap_or_else(|| panic!("side {side} wrote on closed connection {conn}"))
-    }
-
-    fn send(&mut self, link: usize, dir: usize, item: Item) {
-        let rail = self.links[link].rail as usize;
-        if !self.rail_up[rail] || !self.links[link].open[1 - dir] {
-            return; // into the void
-        }
-        let spec = self.specs[rail];
-        let wire = Duration::from_secs_f64(item.wire_len() as f64 / spec.rate);
-        let done = self.rail_free[rail][dir].max(self.now) + wire;
-        self.rail_free[rail][dir] = done;
-        let mut arrival = done + spec.latency;
-        if spec.loss > 0.0 && self.rng.random_bool(spec.loss) {
-            arrival += RTO;
-        }
-        let arrival = arrival.max(self.link_last[link][dir]);
-        self.link_last[link][dir] = arrival;
-        self.seq += 1;
-        self.queue.push(Reverse((arrival, self.seq)));
-        self.items.insert(self.seq, (link, dir, item));
-    }
-
-    /// Drains both sessions until quiet: transmits onto the rails, events into the
-    /// logs, probes into new connections.
-    fn flush(&mut self) {
-        while self.flush_once() {}
-    }
-
-    fn flush_once(&mut self) -> bool {
-        let mut busy = false;
-        for dir in 0..2 {
-            if dir == 1 && self.is_paused() {
-                continue;
-            }
-            while let Some(t) = self.sides[dir].session.poll_transmit(self.now) {
-                busy = true;
-                let (conn, item) = self.sides[dir].regions.wire_item(t);
-                let link = self.link_of(dir, conn);
-                self.send(link, dir, item);
-            }
-            while let Some(e) = self.sides[dir].session.poll_event() {
-                busy = true;
-                if let Event::Rail(c) = &e {
-                    if c.to == RailHealth::Down {
-                        self.close_rail(dir, c.rail);
-                    }
-                }
-                let at = self.elapsed();
-                self.sides[dir].events.push((at, e));
-            }
-        }
-        while let Some(rail) = self.sides[0].session.poll_probe() {
-            busy = true;
-            // A stopped acceptor completes no handshake.
-            if self.rail_up[rail as usize] && !self.is_paused() {
-                // The acceptor replaces whatever it still holds on that rail.
-                for conn in self.sides[1].session.retire_rail_connections(rail) {
-                    let link = self.link_of(1, conn);
-                    self.links[link].open[1] = false;
-                }
-                self.connect(rail);
-            } else {
-                self.sides[0]
-                    .session
-                    .probe_failed(rail, "connection refused", self.now);
-            }
-        }
-        busy
-    }
-
-    /// Side `side` closed its connections on `rail`; the other side hears of it
-    /// only if the rail still carries packets.
-    fn close_rail(&mut self, side: usize, rail: RailId) {
-        for i in 0..self.links.len() {
-            let l = &mut self.links[i];
-            if l.open[side] && l.rail == rail {
-                l.open[side] = false;
-                if self.rail_up[rail as usize] && l.open[1 - side] {
-                    l.open[1 - side] = false;
-                    let other = l.ids[1 - side];
-                    let now = self.now;
-                    self.sides[1 - side]
-                        .session
-                        .connection_lost(other, "peer closed", now);
-                }
-            }
-        }
-    }
-
-    fn apply(&mut self, rail: RailId, action: Action) {
-        match action {
-            Action::Cut(fault) => {
-                self.rail_up[rail as usize] = false;
-                if fault == Fault::Reset {
-                    for i in 0..self.links.len() {
-                        if self.links[i].rail == rail {
-                            let now = self.now;
-                            for side in 0..2 {
-                                if !self.links[i].open[side] {
-                                    continue;
-                                }
-                                self.links[i].open[side] = false;
-                                let id = self.links[i].ids[side];
-                                self.sides[side].session.connection_lost(
-                                    id,
-                                    "connection reset",
-                                    now,
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-            Action::Restore => self.rail_up[rail as usize] = true,
-        }
-    }
-
-    fn deliver(&mut self, link: usize, dir: usize, item: Item) {
-        let l = &self.links[link];
-        if !l.open[1 - dir] || !self.rail_up[l.rail as usize] {
-            return;
-        }
-        let to = 1 - dir;
-        let conn = l.ids[to];
-        let side = &mut self.sides[to];
-        deliver(&mut side.session, &mut side.regions, conn, item, self.now);
-    }
-
-    fn is_paused(&self) -> bool {
-        self.paused_until.is_some_and(|t| self.now < t)
-    }
-
-    /// Stops side 1 for `pause`, from now.
-    fn pause_receiver(&mut self, pause: Duration) {
-        self.paused_until = Some(self.now + pause);
-    }
-
-    /// Runs until `done` holds or `limit` of simulated time passes.
-    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Sim) -> bool) {
-        let end = self.start + limit;
-        loop {
-            self.flush();
-            if done(self) {
-                return;
-            }
-            let paused = self.paused_until.filter(|t| self.now < *t);
-            let next = [
-                self.queue.peek().map(|Reverse((t, _))| *t),
-                self.sides[0].session.poll_timeout(),
-                self.sides[1]
-                    .session
-                    .poll_timeout()
-                    .map(|t| paused.map_or(t, |p| t.max(p))),
-                self.script.front().map(|s| s.0),
-                paused,
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-            let Some(next) = next else {
-                return;
-            };
-            if next > end {
-                return;
-            }
-            self.now = self.now.max(next);
-            while self.script.front().is_some_and(|s| s.0 <= self.now) {
-                let (_, rail, action) = self.script.pop_front().unwrap();
-                self.apply(rail, action);
-            }
-            while let Some(Reverse((t, seq))) = self.queue.peek().copied() {
-                if t > self.now {
-                    break;
-                }
-                let (link, dir, _) = &self.items[&seq];
-                if 1 - *dir == 1 && self.is_paused() {
-                    // Waits in the stopped side's socket until it runs again.
-                    let (link, dir) = (*link, *dir);
-                    self.queue.pop();
-                    let item = self.items.remove(&seq).unwrap().2;
-                    self.seq += 1;
-                    let resume = self.paused_until.unwrap_or(self.now);
-                    self.queue.push(Reverse((resume, self.seq)));
-                    self.items.insert(self.seq, (link, dir, item));
-                    continue;
-                }
-                self.queue.pop();
-                let (link, dir, item) = self.items.remove(&seq).unwrap();
-                self.deliver(link, dir, item);
-                self.flush();
-            }
-            for side in 0..2 {
-                if side == 1 && self.is_paused() {
-                    continue;
-                }
-                if self.sides[side]
-                    .session
-                    .poll_timeout()
-                    .is_some_and(|t| t <= self.now)
-                {
-                    let now = self.now;
-                    self.sides[side].session.handle_timeout(now);
-                }
-            }
-        }
-    }
-
     /// When transfer `id` ended on side `side`: its time and outcome.
     fn outcome(&self, side: usize, id: u64) -> Option<(Duration, Result<u64, TransferError>)> {
-        self.sides[side].events.iter().find_map(|(at, e)| match e {
+        self.sides[side].timed_events().find_map(|(at, e)| match e {
             Event::Done {
                 transfer_id, bytes, ..
-            } if *transfer_id == id => Some((*at, Ok(*bytes))),
+            } if *transfer_id == id => Some((at, Ok(*bytes))),
             Event::Failed {
                 transfer_id, error, ..
-            } if *transfer_id == id => Some((*at, Err(error.clone()))),
+            } if *transfer_id == id => Some((at, Err(error.clone()))),
             _ => None,
         })
     }
@@ -459,10 +124,9 @@ impl Sim {
 
     fn rail_changes(&self, side: usize, rail: RailId) -> Vec<(Duration, RailHealth)> {
         self.sides[side]
-            .events
-            .iter()
+            .timed_events()
             .filter_map(|(at, e)| match e {
-                Event::Rail(c) if c.rail == rail => Some((*at, c.to)),
+                Event::Rail(c) if c.rail == rail => Some((at, c.to)),
                 _ => None,
             })
             .collect()
@@ -481,7 +145,7 @@ const BLOCK_BYTES: u64 = 128 << 10;
 const TOTAL: u64 = BLOCKS as u64 * BLOCK_BYTES;
 
 fn bulk(specs: &[RailSpec], seed: u64) -> (Sim, Vec<u32>) {
-    let mut sim = Sim::new(specs, 2, seed);
+    let mut sim = sim(specs, 2, seed);
     let layout = RegionLayout::dense(1, 1, BLOCKS, BLOCK_BYTES);
     sim.add_region(0, 1, layout, true);
     sim.add_region(1, 2, layout, false);
@@ -776,7 +440,7 @@ fn a_flapping_rail_never_loses_bytes_or_connection_slots() {
 /// rail, and nothing outstanding meant no stall deadline either.
 #[test]
 fn a_paused_receiver_never_wedges_a_rail() {
-    let mut sim = Sim::new(&[rail(100.0)], 2, 21);
+    let mut sim = sim(&[rail(100.0)], 2, 21);
     let layout = RegionLayout::dense(1, 1, 16, 64 << 10);
     sim.add_region(0, 1, layout, true);
     sim.add_region(1, 2, layout, false);
@@ -812,7 +476,7 @@ fn a_paused_receiver_never_wedges_a_rail() {
 /// cancelled) still resolves: down after the stall limit, then probed back up.
 #[test]
 fn a_suspect_rail_with_nothing_outstanding_still_resolves() {
-    let mut sim = Sim::new(&[rail(100.0)], 2, 22);
+    let mut sim = sim(&[rail(100.0)], 2, 22);
     let layout = RegionLayout::dense(1, 1, 16, 64 << 10);
     sim.add_region(0, 1, layout, true);
     sim.add_region(1, 2, layout, false);
@@ -829,7 +493,7 @@ fn a_suspect_rail_with_nothing_outstanding_still_resolves() {
     let now = sim.now;
     sim.sides[0].session.cancel(id, now);
     sim.run_until(Duration::from_secs(20), |s| {
-        s.sides[0].session.rail_stats()[0].health == RailHealth::Up && !s.is_paused()
+        s.sides[0].session.rail_stats()[0].health == RailHealth::Up && !s.is_paused(1)
     });
     let changes = sim.rail_changes(0, 0);
     assert_eq!(
@@ -849,7 +513,7 @@ fn a_suspect_rail_with_nothing_outstanding_still_resolves() {
 /// same big slices for ever.
 #[test]
 fn a_slow_but_alive_rail_still_completes() {
-    let mut sim = Sim::new(&[rail(0.8)], 2, 23);
+    let mut sim = sim(&[rail(0.8)], 2, 23);
     const N: u32 = 64;
     let layout = RegionLayout::dense(1, 1, N, BLOCK_BYTES);
     sim.add_region(0, 1, layout, true);

@@ -2,6 +2,8 @@
 
 use std::collections::HashMap;
 
+pub mod net;
+
 use std::time::Instant;
 
 use crate::layout::RegionLayout;
