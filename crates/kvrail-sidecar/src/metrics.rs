@@ -220,12 +220,19 @@ pub fn membership_peers() -> Gauge {
     metrics::gauge!(MEMBERSHIP_PEERS)
 }
 
-pub fn process_stalls() -> Counter {
-    metrics::counter!(PROCESS_STALLS)
+/// `cause` of a stall: the whole process did not run.
+pub const STALL_PROCESS: &str = "process";
+/// `cause` of a stall: the process ran but every async worker was busy.
+pub const STALL_RUNTIME: &str = "runtime";
+
+/// `cause`: [`STALL_PROCESS`] or [`STALL_RUNTIME`].
+pub fn process_stalls(cause: &'static str) -> Counter {
+    metrics::counter!(PROCESS_STALLS, "cause" => cause)
 }
 
-pub fn process_stall_seconds() -> Histogram {
-    metrics::histogram!(PROCESS_STALL_SECONDS)
+/// `cause`: [`STALL_PROCESS`] or [`STALL_RUNTIME`].
+pub fn process_stall_seconds(cause: &'static str) -> Histogram {
+    metrics::histogram!(PROCESS_STALL_SECONDS, "cause" => cause)
 }
 
 /// `kind`: transfer_state, notifications_retained, notifications_queued.
