@@ -45,7 +45,7 @@ pub fn set_inline_writes_on_this_thread(allowed: bool) {
     INLINE_WRITES.with(|c| c.set(allowed));
 }
 
-pub(super) fn inline_allowed_here() -> bool {
+fn inline_allowed_here() -> bool {
     INLINE_WRITES.with(Cell::get)
 }
 
@@ -68,8 +68,33 @@ pub(super) fn with_inline_control<R>(allowed: bool, f: impl FnOnce() -> R) -> R 
     f()
 }
 
-pub(super) fn inline_control_allowed_here() -> bool {
+fn inline_control_allowed_here() -> bool {
     INLINE_CONTROL.with(Cell::get)
+}
+
+/// What a caller's context allows its frames: the one choice `pump` reads
+/// from the thread it runs on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Writes {
+    /// Small batches inline when the writer is idle (a ring's thread).
+    Inline,
+    /// Batches of control frames alone inline (a reader with nothing more
+    /// waiting, where the sidecar allows it).
+    InlineControl,
+    /// Everything to the writer task (runtime tasks).
+    Queue,
+}
+
+impl Writes {
+    pub(super) fn here(control_writes_allowed: bool) -> Self {
+        if inline_allowed_here() {
+            Writes::Inline
+        } else if control_writes_allowed && inline_control_allowed_here() {
+            Writes::InlineControl
+        } else {
+            Writes::Queue
+        }
+    }
 }
 
 /// A stream connection's way in: its writer task's queue, and its socket
@@ -93,12 +118,26 @@ impl StreamSink {
         self.tx.send(out).is_ok()
     }
 
+    /// Sends one connection's batch as `writes` allows.
+    pub(super) fn send(&self, frames: Vec<Outgoing>, writes: Writes) {
+        let inline = match writes {
+            Writes::Inline => true,
+            Writes::InlineControl => frames.iter().all(|f| matches!(f, Outgoing::Control(_))),
+            Writes::Queue => false,
+        };
+        if inline {
+            self.write_or_queue(frames);
+        } else {
+            self.queue_all(frames);
+        }
+    }
+
     /// Writes `frames` now if the writer is idle and they are small, else
     /// queues them.
     ///
     /// Callers hold the link's lock, the only place frames are queued from,
     /// so no frame can be queued between the idle check and the write.
-    pub(super) fn write_or_queue(&self, frames: Vec<Outgoing>) {
+    fn write_or_queue(&self, frames: Vec<Outgoing>) {
         let Some(inline) = self.inline.as_ref().filter(|_| self.idle()) else {
             return self.queue_all(frames);
         };

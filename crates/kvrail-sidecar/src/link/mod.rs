@@ -457,13 +457,11 @@ impl PeerLink {
         // is a system call: handing the ends to the daemon after the lock
         // instead cost 4 KiB ring pushes 6-7 us at p50, see benchmarks.md).
         self.deliver_events(env, st);
-        // A connection's frames are gathered to go out inline in one write
-        // (see `inline`): everything from a ring's thread, control frames
-        // alone from a runtime task.
-        let ring_inline = inline::inline_allowed_here();
-        let gather =
-            ring_inline || (inline::inline_control_allowed_here() && env.inline_control_writes());
-        let mut inline_frames: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
+        // Each connection's frames are gathered and handed to its sink in
+        // one batch; the sink writes them inline or queues them for its
+        // writer task, as the caller's context allows (see `inline`).
+        let writes = inline::Writes::here(env.inline_control_writes());
+        let mut batches: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
         // Connections handed frames here: only their queues can have grown.
         let mut queued_to = 0u64;
         crate::trace_points::mark(crate::trace_points::PUMP_TRANSMIT);
@@ -526,28 +524,16 @@ impl PeerLink {
                     )
                 }
             };
-            if gather {
-                match inline_frames.iter_mut().find(|(c, _)| *c == conn) {
-                    Some((_, frames)) => frames.push(out),
-                    None => inline_frames.push((conn, vec![out])),
-                }
-            } else if let Some(Sink::Stream(sink)) =
-                st.conns.get(conn).and_then(|c| c.writer.as_ref())
-            {
-                // A closed channel means the writer died; its reader reports the loss.
-                let _ = sink.queue(out);
-                queued_to |= conn_bit(conn);
+            match batches.iter_mut().find(|(c, _)| *c == conn) {
+                Some((_, frames)) => frames.push(out),
+                None => batches.push((conn, vec![out])),
             }
         }
         crate::trace_points::mark(crate::trace_points::PUMP_GATHERED);
-        for (conn, frames) in inline_frames {
-            queued_to |= conn_bit(conn);
+        for (conn, frames) in batches {
             if let Some(Sink::Stream(sink)) = st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-                if ring_inline || frames.iter().all(|f| matches!(f, Outgoing::Control(_))) {
-                    sink.write_or_queue(frames);
-                } else {
-                    sink.queue_all(frames);
-                }
+                queued_to |= conn_bit(conn);
+                sink.send(frames, writes);
             }
         }
         queued_to != 0 && self.cut_unread_connections(st, queued_to, now)
