@@ -36,6 +36,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 pub mod probe;
+mod steering;
 
 /// QUIC tuning; see README "Configuration" for the measured defaults.
 #[derive(Debug, Clone)]
@@ -137,6 +138,14 @@ impl QuicSettings {
         Ok(config)
     }
 
+    /// As [`Self::endpoint_config`], for the endpoint on socket `socket` of
+    /// a steered group (see `steering`): its connection ids name the socket.
+    fn steered_endpoint_config(&self, socket: u8) -> io::Result<quinn::EndpointConfig> {
+        let mut config = self.endpoint_config()?;
+        config.cid_generator(move || Box::new(steering::SocketCids { socket }));
+        Ok(config)
+    }
+
     /// A UDP socket bound to `addr` with this configuration's buffer sizes, and
     /// a quinn endpoint on it (serving `server` when given).
     pub fn endpoint(
@@ -144,7 +153,7 @@ impl QuicSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> io::Result<quinn::Endpoint> {
-        self.endpoint_on(addr, server, false)
+        self.endpoint_on(addr, server, None)
     }
 
     /// How many sockets a listener receives on (`receive_sockets`, resolved).
@@ -168,9 +177,9 @@ impl QuicSettings {
         addr: SocketAddr,
         server: quinn::ServerConfig,
     ) -> io::Result<Vec<quinn::Endpoint>> {
-        let n = self.listener_sockets();
+        let n = self.listener_sockets().min(256);
         if n <= 1 {
-            return Ok(vec![self.endpoint_on(addr, Some(server), false)?]);
+            return Ok(vec![self.endpoint_on(addr, Some(server), None)?]);
         }
         // A socket without SO_REUSEPORT binds only a port nobody holds: so the
         // group below never joins another process's sockets on a busy port
@@ -178,15 +187,17 @@ impl QuicSettings {
         // left to the system is chosen here.
         let port = std::net::UdpSocket::bind(addr)?.local_addr()?;
         (0..n)
-            .map(|_| self.endpoint_on(port, Some(server.clone()), true))
+            .map(|i| self.endpoint_on(port, Some(server.clone()), Some((i, n))))
             .collect()
     }
 
+    /// `group`: this socket's index in a `SO_REUSEPORT` group of that many,
+    /// bound in index order (the first attaches the steering program).
     fn endpoint_on(
         &self,
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
-        reuse_port: bool,
+        group: Option<(usize, usize)>,
     ) -> io::Result<quinn::Endpoint> {
         let domain = if addr.is_ipv4() {
             socket2::Domain::IPV4
@@ -207,17 +218,32 @@ impl QuicSettings {
                 );
             });
         }
-        if reuse_port {
+        if group.is_some() {
             socket.set_reuse_port(true)?;
         }
         socket.bind(&addr.into())?;
+        let config = match group {
+            Some((index, sockets)) => {
+                if index == 0 {
+                    if let Err(e) = steering::attach(&socket, sockets) {
+                        static UNSTEERED: std::sync::Once = std::sync::Once::new();
+                        UNSTEERED.call_once(|| {
+                            warn!("QUIC receiving sockets are chosen by the kernel's address hash (cannot attach the steering program: {e})");
+                        });
+                    }
+                }
+                // At most 256 sockets (checked above): the index fits a byte.
+                self.steered_endpoint_config(index as u8)?
+            }
+            None => self.endpoint_config()?,
+        };
         let runtime = Arc::new(quinn::TokioRuntime);
         let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket.into())?;
         let socket = Arc::new(GsoWithinADatagram {
             inner: socket,
             max_udp_payload: usize::from(self.max_udp_payload.max(1200)),
         });
-        quinn::Endpoint::new_with_abstract_socket(self.endpoint_config()?, server, socket, runtime)
+        quinn::Endpoint::new_with_abstract_socket(config, server, socket, runtime)
     }
 }
 
@@ -359,6 +385,9 @@ impl QuicTransport {
             QuicClientConfig::try_from(client_tls).map_err(invalid)?,
         ));
         client.transport_config(transport);
+        // Successive dials land on successive receiving sockets of a peer's
+        // listener (see `steering`).
+        client.initial_dst_cid_provider(steering::initial_destination());
         Ok(QuicTransport {
             server,
             client,
@@ -965,6 +994,41 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
         dial.await.unwrap();
+    }
+
+    /// Successive dials of one transport land on successive receiving
+    /// sockets, each kept on its socket: eight connections over four
+    /// sockets are two on each (the kernel's hash alone put up to three of
+    /// 16 on one).
+    #[tokio::test]
+    async fn dials_spread_evenly_over_the_receiving_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = QuicSettings {
+            receive_sockets: 4,
+            ..QuicSettings::default()
+        };
+        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
+        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let loads = listener.socket_loads().unwrap();
+        let mut open = Vec::new();
+        for i in 0..8u8 {
+            let mut c = a.connect(None, addr, "b").await.unwrap();
+            // Bytes both ways after the handshake: short-header packets are
+            // steered by the listener's own connection ids.
+            c.writer.write_control(&[i; 4096]).await.unwrap();
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = [0u8; 4096];
+            s.reader.read_exact(&mut got).await.unwrap();
+            assert!(got.iter().all(|&v| v == i));
+            s.writer.write_control(&[i]).await.unwrap();
+            let mut ack = [0u8; 1];
+            c.reader.read_exact(&mut ack).await.unwrap();
+            assert_eq!(ack[0], i);
+            open.push((c, s));
+        }
+        assert_eq!(loads(), [2, 2, 2, 2]);
     }
 
     /// A listener receiving on several sockets of one port takes connections
