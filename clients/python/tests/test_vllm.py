@@ -156,6 +156,8 @@ class Engine:
             args += ["--max-num-batched-tokens", "256"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if nice:
+            _nice_session(self.proc.pid, nice)
 
     def wait_ready(self, deadline: float) -> None:
         while True:
@@ -499,7 +501,10 @@ def test_aborted_streamed_requests_leave_no_blocks_and_idle_engines(vllm_pair: D
         for engine in (vllm_pair.decode, vllm_pair.prefill):
             use = engine.cpu_percent(3.0)
             print(f"{engine.worker_id} idle CPU per process: {use}")
-            assert max(use.values()) < 5.0, (engine.worker_id, use)
+            # A loop left spinning takes most of a core; an idle engine's
+            # processes tick a few percent on this busy 2-core machine (5.0
+            # seen once for an idle worker).
+            assert max(use.values()) < 20.0, (engine.worker_id, use)
         for i in range(5):
             prompt = long_prompt(f"after aborts {i}", 8)
             assert vllm_pair.complete(base, prompt)["choices"][0]["text"] == vllm_pair.reference(prompt)
@@ -574,3 +579,17 @@ def test_a_sidecar_killed_under_load_and_restarted_leaves_the_engines_serving(vl
     finally:
         router.shutdown()
         router.server_close()
+
+
+def _nice_session(pid: int, nice: int) -> None:
+    """Ranks the session of ``pid`` (an engine started in a session of its
+    own) at ``nice``. With the kernel's autogroup scheduling (on by default in
+    Debian's kernels) a nice value ranks a process only within its session:
+    each engine's session competed with the sidecars' as an equal whatever the
+    engine's nice (seen in CI: a sidecar that did not run for 28 s, its own
+    stall watch said, while the engines ran, CPU pressure 21%)."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroup scheduling: the nice value alone ranks the engine
