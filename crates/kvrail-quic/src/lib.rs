@@ -869,10 +869,14 @@ mod tests {
         Identity::load(node, &IdentityFiles::in_dir(dir, node)).unwrap()
     }
 
-    /// A listener on four sockets counts each connection on the socket that
-    /// took it, and forgets it once it closes.
-    #[tokio::test]
-    async fn each_receiving_socket_counts_the_connections_it_carries() {
+    /// Node "a" (to dial), node "b" and b's listener on loopback receiving on
+    /// four sockets (the certificates' directory kept alive beside them).
+    async fn four_socket_listener() -> (
+        tempfile::TempDir,
+        QuicTransport,
+        QuicTransport,
+        Box<dyn Listener>,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let settings = QuicSettings {
             receive_sockets: 4,
@@ -880,7 +884,15 @@ mod tests {
         };
         let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
         let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
-        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        (dir, a, b, listener)
+    }
+
+    /// A listener on four sockets counts each connection on the socket that
+    /// took it, and forgets it once it closes.
+    #[tokio::test]
+    async fn each_receiving_socket_counts_the_connections_it_carries() {
+        let (_dir, a, _b, mut listener) = four_socket_listener().await;
         let addr = listener.local_addr().unwrap();
         let loads = listener.socket_loads().unwrap();
         assert_eq!(loads(), [0, 0, 0, 0]);
@@ -1002,14 +1014,7 @@ mod tests {
     /// 16 on one).
     #[tokio::test]
     async fn dials_spread_evenly_over_the_receiving_sockets() {
-        let dir = tempfile::tempdir().unwrap();
-        let settings = QuicSettings {
-            receive_sockets: 4,
-            ..QuicSettings::default()
-        };
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
-        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let (_dir, a, _b, mut listener) = four_socket_listener().await;
         let addr = listener.local_addr().unwrap();
         let loads = listener.socket_loads().unwrap();
         let mut open = Vec::new();
@@ -1035,14 +1040,8 @@ mod tests {
     /// on any of them, and a second listener never joins a busy port's group.
     #[tokio::test]
     async fn a_listener_spreads_over_sockets_of_one_port_and_keeps_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let settings = QuicSettings {
-            receive_sockets: 4,
-            ..Default::default()
-        };
-        let a = Arc::new(QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap());
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
-        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let (_dir, a, b, mut listener) = four_socket_listener().await;
+        let a = Arc::new(a);
         let addr = listener.local_addr().unwrap();
         let err = match b.listen(addr).await {
             Ok(_) => panic!("a second listener joined the port of the first"),
