@@ -20,7 +20,7 @@ procs = []
 for f in args:
     pts = {}
     for line in open(f):
-        p, t = line.split()
+        p, t = line.split()[:2]
         pts.setdefault(int(p), []).append(int(t))
     for v in pts.values():
         v.sort()
@@ -36,9 +36,13 @@ def after(lst, t):
     return lst[i] if i < len(lst) else None
 
 
-def med(v):
+def pct(v, q):
     v = sorted(v)
-    return v[len(v) // 2] / 1000 if v else float("nan")
+    return v[min(len(v) - 1, int(len(v) * q))] / 1000 if v else float("nan")
+
+
+def med(v):
+    return pct(v, 0.5)
 
 
 pushes = list(zip(bench[20][WARM:], bench[21][WARM:]))
@@ -81,7 +85,19 @@ for t0, t21 in pushes:
     })
 print(f"{len(stages)} pushes")
 for k in stages[0] if stages else []:
-    print(f"{k:32} p50 {med([s[k] for s in stages]):7.1f} us")
+    v = [s[k] for s in stages]
+    print(f"{k:32} p50 {med(v):7.1f}  p90 {pct(v, 0.9):7.1f}  p99 {pct(v, 0.99):7.1f}"
+          f"  max {max(v) / 1000:8.1f} us")
+# The tail: in the slowest 1% of pushes, how far each stage was above its own
+# median, so the stage that holds the tail stands out.
+if stages:
+    cut = pct([s["total"] for s in stages], 0.99) * 1000
+    slow = [s for s in stages if s["total"] >= cut]
+    print(f"slowest {len(slow)} pushes (total >= {cut / 1000:.1f} us), each stage's excess over its p50:")
+    for k in stages[0]:
+        base = med([s[k] for s in stages]) * 1000
+        ex = sorted(s[k] - base for s in slow)
+        print(f"  {k:32} median {ex[len(ex) // 2] / 1000:7.1f}  max {ex[-1] / 1000:7.1f} us")
 
 
 def gaps(proc, seq, name):
@@ -98,7 +114,7 @@ def gaps(proc, seq, name):
         if row:
             for p, d in zip(seq[1:], row):
                 out.setdefault(p, []).append(d)
-    print(name, " ".join(f"->{p}: {med(v):.2f}" for p, v in out.items()))
+    print(name, "(p50/p99)", " ".join(f"->{p}: {med(v):.2f}/{pct(v, 0.99):.1f}" for p, v in out.items()))
 
 
 gaps(snd, [1, 30, 31, 32, 33, 34, 35, 36, 2, 3], "sender us")

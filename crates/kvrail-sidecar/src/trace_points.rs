@@ -1,7 +1,7 @@
 //! Timestamps at named points of the data path (the `profile` feature), for
 //! finding where a small push's microseconds go across processes: with
-//! `KVRAIL_TRACE=PATH`, each process records `(point, wall-clock ns)`
-//! and writes `PATH.PID.trace` (one `point ns` per line) at shutdown.
+//! `KVRAIL_TRACE=PATH`, each process records `(point, wall-clock ns, thread)`
+//! and writes `PATH.PID.trace` (one `point ns thread` per line) at shutdown.
 //! Without the feature every mark compiles to nothing.
 //! `tools/bench/trace_stages.py` turns a run's files into per-stage
 //! medians (docs/benchmarks.md).
@@ -90,10 +90,24 @@ mod imp {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64);
             MARKS[i].store(
-                (u64::from(point) << 56) | (ns & ((1 << 56) - 1)),
+                (u64::from(point) << 56) | (thread_index() << 48) | (ns & NS_MASK),
                 Ordering::Relaxed,
             );
         }
+    }
+
+    /// The low 48 bits of the wall clock's nanoseconds (about 78 hours):
+    /// enough to order one run's marks across its processes.
+    const NS_MASK: u64 = (1 << 48) - 1;
+
+    /// A small number for the calling thread (in order of first mark, 255
+    /// for the 255th and later), so that a trace tells threads apart.
+    fn thread_index() -> u64 {
+        static THREADS: AtomicU64 = AtomicU64::new(0);
+        thread_local! {
+            static INDEX: u64 = THREADS.fetch_add(1, Ordering::Relaxed).min(255);
+        }
+        INDEX.with(|i| *i)
     }
 
     static SUM_NS: [AtomicU64; super::SUMS] = [const { AtomicU64::new(0) }; super::SUMS];
@@ -129,7 +143,7 @@ mod imp {
             .iter()
             .map(|m| {
                 let v = m.load(Ordering::Relaxed);
-                format!("{} {}\n", v >> 56, v & ((1 << 56) - 1))
+                format!("{} {} {}\n", v >> 56, v & NS_MASK, (v >> 48) & 0xff)
             })
             .collect();
         let _ = std::fs::write(

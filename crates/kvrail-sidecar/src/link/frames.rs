@@ -6,7 +6,7 @@ use std::io::IoSlice;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use kvrail_core::wire::{FRAME_HEADER_LEN, SLICE_HEADER_LEN};
+use kvrail_core::wire::{encode_control, pb, Body, FRAME_HEADER_LEN, SLICE_HEADER_LEN};
 use kvrail_transport::FrameWriter;
 
 use crate::held::ViewToken;
@@ -18,7 +18,9 @@ pub(super) const WRITE_BATCH_BYTES: u64 = 4 << 20;
 
 /// What a writer task puts on its connection.
 pub(super) enum Outgoing {
-    Control(Vec<u8>),
+    /// An encoded control frame (shared: a push's open goes to each
+    /// connection that carries its slices, encoded once).
+    Control(Bytes),
     Slice {
         header: [u8; FRAME_HEADER_LEN + SLICE_HEADER_LEN],
         transfer_id: u64,
@@ -28,6 +30,28 @@ pub(super) enum Outgoing {
         /// Held until the writer is done with the payload (see `held`).
         hold: ViewToken,
     },
+}
+
+/// The push open a pump pass encoded last: the same open met again (the
+/// session announces a push on each connection before that connection's first
+/// slice) is shared rather than encoded again. Compared whole, so any other
+/// message, or an open that differs in anything, is encoded as usual.
+#[derive(Default)]
+pub(super) struct EncodedOpen(Option<(pb::PeerMessage, Bytes)>);
+
+impl EncodedOpen {
+    pub(super) fn encode(&mut self, msg: &pb::PeerMessage) -> Bytes {
+        if let Some((seen, bytes)) = &self.0 {
+            if seen == msg {
+                return bytes.clone();
+            }
+        }
+        let bytes = Bytes::from(encode_control(msg));
+        if matches!(msg.body, Some(Body::PushOpen(_))) {
+            self.0 = Some((msg.clone(), bytes.clone()));
+        }
+        bytes
+    }
 }
 
 impl Outgoing {
@@ -147,4 +171,57 @@ pub(super) fn owned_chunks(batch: &[Outgoing]) -> std::io::Result<Vec<Bytes>> {
         chunks.push(small.freeze());
     }
     Ok(chunks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvrail_core::wire;
+
+    fn push_open(transfer_id: u64, one_sided: bool) -> pb::PeerMessage {
+        wire::message(Body::PushOpen(pb::PushOpen {
+            transfer_id,
+            request_id: "r".into(),
+            destination: Some(pb::BlockSet {
+                region_id: 7,
+                layer_count: 1,
+                block_ids: (0..256).collect(),
+                generations: (1..=256).collect(),
+                ..Default::default()
+            }),
+            block_bytes: 4096,
+            total_bytes: 1 << 20,
+            one_sided,
+            ..Default::default()
+        }))
+    }
+
+    /// An open met again shares the first encoding; anything that differs
+    /// (another transfer, the one-sided flag, another kind of message) gets
+    /// its own, and every result is what `encode_control` makes.
+    #[test]
+    fn an_open_met_again_shares_its_encoding_and_nothing_else_does() {
+        let mut last = EncodedOpen::default();
+        let a = push_open(1, false);
+        let first = last.encode(&a);
+        let again = last.encode(&a.clone());
+        assert_eq!(first.as_ptr(), again.as_ptr(), "the same open is shared");
+        assert_eq!(&first[..], &encode_control(&a)[..]);
+        for other in [
+            push_open(2, false),
+            push_open(1, true),
+            wire::message(Body::Abort(pb::Abort {
+                transfer_id: 1,
+                code: 0,
+                message: String::new(),
+            })),
+        ] {
+            let bytes = last.encode(&other);
+            assert_ne!(bytes.as_ptr(), first.as_ptr());
+            assert_eq!(&bytes[..], &encode_control(&other)[..]);
+        }
+        // The last open encoded is the one remembered.
+        let b = push_open(1, true);
+        assert_eq!(last.encode(&b).as_ptr(), last.encode(&b).as_ptr());
+    }
 }

@@ -175,7 +175,7 @@ impl StreamSink {
                 rest.extend_from_slice(&b[skip..]);
                 skip = 0;
             }
-            self.queue(Outgoing::Control(rest));
+            self.queue(Outgoing::Control(rest.into()));
         }
         if let Some(c) = &self.inline_writes {
             c.increment(1);

@@ -46,7 +46,7 @@ mod writer;
 pub use conns::ConnKey;
 use conns::{conn_bit, ConnHandle, Sink};
 pub use env::{DialInfo, LinkEnv, ProbeFuture};
-use frames::Outgoing;
+use frames::{EncodedOpen, Outgoing};
 pub use inline::set_inline_writes_on_this_thread;
 use inline::StreamSink;
 use owner::ConnOwner;
@@ -464,6 +464,12 @@ impl PeerLink {
         let mut batches: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
         // Connections handed frames here: only their queues can have grown.
         let mut queued_to = 0u64;
+        // A push's open, as last encoded: it goes to each connection before
+        // that connection's first slice of the push, and encoding its block
+        // lists (a few microseconds for a 1 MiB push of 4 KiB blocks) once
+        // per push rather than once per connection shortens a striped push's
+        // start.
+        let mut last_open = EncodedOpen::default();
         crate::trace_points::mark(crate::trace_points::PUMP_TRANSMIT);
         while let Some(t) = st.session.poll_transmit(now) {
             if let Transmit::Slice {
@@ -476,7 +482,9 @@ impl PeerLink {
                 m::rail_slices_retransmitted(&self.peer, rail).increment(1);
             }
             let (conn, out) = match t {
-                Transmit::Control { conn, msg } => (conn, Outgoing::Control(encode_control(&msg))),
+                Transmit::Control { conn, msg } => {
+                    (conn, Outgoing::Control(last_open.encode(&msg)))
+                }
                 Transmit::Slice {
                     conn,
                     header,
@@ -898,9 +906,9 @@ impl PeerLink {
     pub(super) fn send_control(&self, conn: ConnId, body: Body) -> bool {
         let mut st = self.lock();
         let queued = match st.conns.get(conn).and_then(|c| c.writer.as_ref()) {
-            Some(Sink::Stream(sink)) => {
-                sink.queue(Outgoing::Control(encode_control(&wire::message(body))))
-            }
+            Some(Sink::Stream(sink)) => sink.queue(Outgoing::Control(
+                encode_control(&wire::message(body)).into(),
+            )),
             _ => false,
         };
         if self.cut_unread_connections(&mut st, conn_bit(conn), Instant::now()) {
