@@ -51,15 +51,15 @@ async fn main() -> std::process::ExitCode {
     let command = Cli::parse().command;
     // On Ctrl-C or SIGTERM the run is dropped, so the sidecars it started
     // are stopped and its shared-memory files removed (their Drops) before
-    // the process exits.
-    // A sidecar handles its own signals: it shuts down in order (writing a
-    // profile or trace first) rather than being dropped mid-way.
-    let outcome = match command {
-        Command::Sidecar(a) => kvrail_sidecar::serve(a).await,
-        command => tokio::select! {
+    // the process exits. A sidecar handles its own signals: it shuts down in
+    // order (writing a profile or trace first) rather than being dropped.
+    let outcome = if matches!(command, Command::Sidecar(_)) {
+        run(command).await
+    } else {
+        tokio::select! {
             outcome = run(command) => outcome,
             signal = interrupted() => Err(anyhow::anyhow!("stopped by {signal}")),
-        },
+        }
     };
     kvrail_sidecar::exit_on_error(outcome)
 }

@@ -7,10 +7,11 @@
 
 Three files: the bench's (points 20/21), the sending sidecar's (it has point 1)
 and the receiving sidecar's. Points: crates/kvrail-sidecar/src/trace_points.rs.
-Prints the median of each stage along the push's path (cross-process, by the
-wall clock), then the medians of the gaps between consecutive points inside
-each sidecar. `--timeline`: for larger pushes, each point's first time after
-the submission instead (writer task, payload reads).
+Prints each stage's p50/p90/p99/max along the push's path (cross-process, by
+the wall clock), each stage's excess over its median in the slowest 1% of
+pushes, then the p50/p99 of the gaps between consecutive points inside each
+sidecar. Lines are `point ns thread`. `--timeline`: for larger pushes, each
+point's first time after the submission instead (writer task, payload reads).
 """
 import bisect
 import sys

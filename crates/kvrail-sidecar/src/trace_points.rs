@@ -4,7 +4,7 @@
 //! and writes `PATH.PID.trace` (one `point ns thread` per line) at shutdown.
 //! Without the feature every mark compiles to nothing.
 //! `tools/bench/trace_stages.py` turns a run's files into per-stage
-//! medians (docs/benchmarks.md).
+//! percentiles (docs/benchmarks.md).
 
 // The points, numbered as they appear in the trace files.
 /// A ring's thread took a submission off the ring.

@@ -40,15 +40,16 @@ pub(super) enum Outgoing {
 pub(super) struct EncodedOpen(Option<(pb::PeerMessage, Bytes)>);
 
 impl EncodedOpen {
-    pub(super) fn encode(&mut self, msg: &pb::PeerMessage) -> Bytes {
+    /// `msg` encoded; an open is kept (moved, not copied) for the next call.
+    pub(super) fn encode(&mut self, msg: pb::PeerMessage) -> Bytes {
         if let Some((seen, bytes)) = &self.0 {
-            if seen == msg {
+            if *seen == msg {
                 return bytes.clone();
             }
         }
-        let bytes = Bytes::from(encode_control(msg));
+        let bytes = Bytes::from(encode_control(&msg));
         if matches!(msg.body, Some(Body::PushOpen(_))) {
-            self.0 = Some((msg.clone(), bytes.clone()));
+            self.0 = Some((msg, bytes.clone()));
         }
         bytes
     }
@@ -203,8 +204,8 @@ mod tests {
     fn an_open_met_again_shares_its_encoding_and_nothing_else_does() {
         let mut last = EncodedOpen::default();
         let a = push_open(1, false);
-        let first = last.encode(&a);
-        let again = last.encode(&a.clone());
+        let first = last.encode(a.clone());
+        let again = last.encode(a.clone());
         assert_eq!(first.as_ptr(), again.as_ptr(), "the same open is shared");
         assert_eq!(&first[..], &encode_control(&a)[..]);
         for other in [
@@ -216,12 +217,13 @@ mod tests {
                 message: String::new(),
             })),
         ] {
-            let bytes = last.encode(&other);
+            let expected = encode_control(&other);
+            let bytes = last.encode(other);
             assert_ne!(bytes.as_ptr(), first.as_ptr());
-            assert_eq!(&bytes[..], &encode_control(&other)[..]);
+            assert_eq!(&bytes[..], &expected[..]);
         }
         // The last open encoded is the one remembered.
         let b = push_open(1, true);
-        assert_eq!(last.encode(&b).as_ptr(), last.encode(&b).as_ptr());
+        assert_eq!(last.encode(b.clone()).as_ptr(), last.encode(b).as_ptr());
     }
 }

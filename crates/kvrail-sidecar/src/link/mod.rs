@@ -464,11 +464,8 @@ impl PeerLink {
         let mut batches: Vec<(ConnId, Vec<Outgoing>)> = Vec::new();
         // Connections handed frames here: only their queues can have grown.
         let mut queued_to = 0u64;
-        // A push's open, as last encoded: it goes to each connection before
-        // that connection's first slice of the push, and encoding its block
-        // lists (a few microseconds for a 1 MiB push of 4 KiB blocks) once
-        // per push rather than once per connection shortens a striped push's
-        // start.
+        // A striped push's open is encoded once, not once per connection
+        // (its block lists: microseconds for a 1 MiB push of 4 KiB blocks).
         let mut last_open = EncodedOpen::default();
         crate::trace_points::mark(crate::trace_points::PUMP_TRANSMIT);
         while let Some(t) = st.session.poll_transmit(now) {
@@ -482,9 +479,7 @@ impl PeerLink {
                 m::rail_slices_retransmitted(&self.peer, rail).increment(1);
             }
             let (conn, out) = match t {
-                Transmit::Control { conn, msg } => {
-                    (conn, Outgoing::Control(last_open.encode(&msg)))
-                }
+                Transmit::Control { conn, msg } => (conn, Outgoing::Control(last_open.encode(msg))),
                 Transmit::Slice {
                     conn,
                     header,
