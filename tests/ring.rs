@@ -629,27 +629,75 @@ async fn client_transfers_use_the_ring_by_default_with_grpc_answers() {
 /// both ways here.
 #[tokio::test(flavor = "multi_thread")]
 async fn inline_small_pushes_and_a_large_push_share_one_connection_intact() {
-    small_and_large_pushes_on_one_connection("0").await;
+    small_and_large_pushes_on_one_connection(&pair_with(&["--reader-spin-us", "0"]), "0").await;
 }
 
 /// As above with readers polling their sockets for the next frame: it lands
 /// the same, and the spin found frames.
 #[tokio::test(flavor = "multi_thread")]
 async fn readers_spinning_for_their_next_frame_lose_nothing() {
-    let (sent, received) = small_and_large_pushes_on_one_connection("2000").await;
+    let pair = pair_with(&["--reader-spin-us", "2000"]);
+    let (sent, received) = small_and_large_pushes_on_one_connection(&pair, "2000").await;
     let spun = metric_sum(&sent, "kvrail_reader_spin_frames_total", &[])
         + metric_sum(&received, "kvrail_reader_spin_frames_total", &[]);
     assert!(spun >= 1.0, "no reader found a frame by spinning");
 }
 
-/// The body of the two tests above; returns both sidecars' metrics.
-async fn small_and_large_pushes_on_one_connection(reader_spin_us: &str) -> (String, String) {
-    let pair = Pair::start(&[
-        "--connections-per-rail",
-        "1",
+/// Connections on threads of their own (`connection_threads`, the default
+/// with 8 CPUs or more; readers spinning there too): the same pushes land
+/// the same, every connection of both sidecars has its thread, and the
+/// threads end with their connections when the peer dies.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_on_threads_of_their_own_lose_nothing_and_end_with_their_peer() {
+    let mut pair = pair_with(&[
+        "--connection-threads",
+        "true",
         "--reader-spin-us",
-        reader_spin_us,
+        "2000",
+        "--connections-per-rail",
+        "2",
     ]);
+    let (sent, received) = small_and_large_pushes_on_one_connection(&pair, "2000").await;
+    for (sidecar, text) in [(&pair.prefill, &sent), (&pair.decode, &received)] {
+        let connections = metric_sum(text, "kvrail_peer_connections", &[]);
+        assert!(
+            connections >= 2.0,
+            "{}: {connections} connections",
+            sidecar.node
+        );
+        assert_eq!(
+            kvrail_e2e::threads_named(sidecar.pid(), "kvrail-conn") as f64,
+            connections,
+            "{}: a thread per connection",
+            sidecar.node
+        );
+    }
+    pair.decode.kill();
+    let prefill = pair.prefill.pid();
+    let deadline = Instant::now() + WAIT;
+    while kvrail_e2e::threads_named(prefill, "kvrail-conn") > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "connection threads outlived their peer"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Two sidecars with one connection per rail unless `extra` names a count.
+fn pair_with(extra: &[&str]) -> Pair {
+    let mut args = extra.to_vec();
+    if !extra.contains(&"--connections-per-rail") {
+        args.extend(["--connections-per-rail", "1"]);
+    }
+    Pair::start(&args)
+}
+
+/// The body of the tests above; returns both sidecars' metrics.
+async fn small_and_large_pushes_on_one_connection(
+    pair: &Pair,
+    reader_spin_us: &str,
+) -> (String, String) {
     let mut p = pair.prefill.client().await;
     let mut d = pair.decode.client().await;
     // 2 layers x 2 planes x 1024 blocks of 4 KiB.

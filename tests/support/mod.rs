@@ -414,6 +414,20 @@ pub fn scrape(addr: SocketAddr) -> String {
 
 pub use loadgen::prometheus::sum as metric_sum;
 
+/// How many threads of `pid` are named `name` (as `/proc` shows it, at
+/// most 15 bytes); 0 when the process is gone.
+pub fn threads_named(pid: u32, name: &str) -> usize {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name)
+        })
+        .count()
+}
+
 /// Whether every thread of `pid` is in the stopped state (`T`).
 fn all_threads_stopped(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {

@@ -104,6 +104,12 @@ pub struct Config {
     /// on 2 cores with it failed in timing-sensitive tests, cause not
     /// measured; docs/ring-format.md).
     pub reader_spin_us: Option<u64>,
+    /// Each TCP connection's reader and writer run on a thread of their own,
+    /// its socket registered there, instead of on the shared runtime (at
+    /// most four such threads per CPU; connections past that share the
+    /// runtime). Unset: on with at least 8 CPUs, off below (on 2 CPUs the
+    /// extra threads compete with the worker for the cores).
+    pub connection_threads: Option<bool>,
     /// A ring's thread writes a small transfer's frames itself when the
     /// connection's writer is idle (instead of waking the writer task).
     pub ring_inline_writes: bool,
@@ -203,6 +209,7 @@ impl Default for Config {
             runtime_busy_poll_us: 0,
             ring_spin_us: None,
             reader_spin_us: None,
+            connection_threads: None,
             ring_inline_writes: true,
             inline_control_writes: true,
             rdma_eager_max_bytes: kvrail_core::session::DEFAULT_EAGER_MAX_BYTES,
@@ -282,6 +289,13 @@ impl Config {
         } else {
             SpinPolicy::fixed(Duration::ZERO)
         }
+    }
+
+    /// Whether connections run on threads of their own (see
+    /// [`Config::connection_threads`]).
+    pub fn connection_threads(&self) -> bool {
+        self.connection_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) >= 8)
     }
 
     /// The spin of connection readers (see [`Config::reader_spin_us`]).

@@ -1380,6 +1380,10 @@ impl LinkEnv for Shared {
         self.busy_poll.reader_spin()
     }
 
+    fn connection_threads(&self) -> bool {
+        self.config.connection_threads()
+    }
+
     fn on_event(&self, peer: &str, event: Event) {
         Shared::on_event(self, peer, event);
     }

@@ -140,6 +140,11 @@ pub struct ServeArgs {
     /// 4 CPUs; else 0).
     #[arg(long)]
     pub reader_spin_us: Option<u64>,
+    /// Each TCP connection's reader and writer on a thread of their own
+    /// (true) or on the shared runtime (false); default: true with at least
+    /// 8 CPUs.
+    #[arg(long)]
+    pub connection_threads: Option<bool>,
     /// RDMA: transfers of at most this many bytes travel behind their open
     /// on the stream connection instead of waiting for the peer's grant
     /// (default 65536; 0: every transfer one-sided).
@@ -278,6 +283,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.reader_spin_us {
             c.reader_spin_us = Some(v);
+        }
+        if let Some(v) = self.connection_threads {
+            c.connection_threads = Some(v);
         }
         if let Some(v) = self.rdma_eager_max_bytes {
             c.rdma_eager_max_bytes = v;

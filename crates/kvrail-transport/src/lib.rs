@@ -70,6 +70,17 @@ pub struct Connection {
     pub peer_certificate: Option<Vec<u8>>,
 }
 
+impl Connection {
+    /// Registers the connection's socket with the tokio runtime this is
+    /// called in (the runtime of a thread of the connection's own), keeping
+    /// whatever was read ahead: false, and nothing changed, where the
+    /// transport cannot (QUIC's connections share their endpoint's task) or
+    /// the writer has handed out an inline writer already.
+    pub fn move_to_current_runtime(&mut self) -> io::Result<bool> {
+        self.reader.move_to_current_runtime(self.writer.as_mut())
+    }
+}
+
 /// Writes what the socket takes now, never waiting (see
 /// [`FrameWriter::inline_writer`]).
 pub trait InlineWrite: Send + Sync {
@@ -118,6 +129,12 @@ pub trait FrameWriter: Send {
         None
     }
 
+    /// The TCP write half, for [`Connection::move_to_current_runtime`].
+    #[doc(hidden)]
+    fn tcp_write_half(&mut self) -> Option<&mut std::sync::Arc<tokio::net::tcp::OwnedWriteHalf>> {
+        None
+    }
+
     /// Writes a data frame: the 24-byte header, then the payload gathered from `payload`.
     async fn write_slice(
         &mut self,
@@ -157,6 +174,11 @@ pub trait FrameReader: Send {
     fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
         let _ = until;
         false
+    }
+    /// See [`Connection::move_to_current_runtime`].
+    fn move_to_current_runtime(&mut self, writer: &mut dyn FrameWriter) -> io::Result<bool> {
+        let _ = writer;
+        Ok(false)
     }
     /// Reads and drops `len` bytes.
     async fn discard(&mut self, len: u64) -> io::Result<()> {

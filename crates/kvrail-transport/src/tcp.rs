@@ -95,6 +95,10 @@ impl FrameWriter for TcpFrameWriter {
         Some(Arc::new(TcpInlineWriter(self.inner.clone())))
     }
 
+    fn tcp_write_half(&mut self) -> Option<&mut Arc<OwnedWriteHalf>> {
+        Some(&mut self.inner)
+    }
+
     async fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         // Skip empty leading slices so the loop ends exactly when everything is written.
         IoSlice::advance_slices(&mut bufs, 0);
@@ -275,6 +279,29 @@ impl FrameReader for TcpFrameReader {
                 }
             }
         }
+    }
+
+    fn move_to_current_runtime(&mut self, writer: &mut dyn FrameWriter) -> io::Result<bool> {
+        let Some(write_half) = writer.tcp_write_half() else {
+            return Ok(false);
+        };
+        // An inline writer would keep writing through the old registration.
+        if Arc::strong_count(write_half) != 1 {
+            return Ok(false);
+        }
+        // A second descriptor of the same socket, registered here; the old
+        // one closes without touching the connection (no shutdown: the write
+        // half is forgotten, not dropped).
+        let copy = socket2::SockRef::from(self.inner.as_ref()).try_clone()?;
+        let stream = TcpStream::from_std(std::net::TcpStream::from(copy))?;
+        let (read_half, new_write_half) = stream.into_split();
+        let old_read = std::mem::replace(&mut self.inner, read_half);
+        let old_write = std::mem::replace(write_half, Arc::new(new_write_half));
+        if let Ok(old_write) = Arc::try_unwrap(old_write) {
+            old_write.forget();
+        }
+        drop(old_read);
+        Ok(true)
     }
 
     async fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
@@ -642,5 +669,64 @@ mod tests {
                 io::ErrorKind::UnexpectedEof
             );
         }
+    }
+
+    /// A connection moved to another runtime keeps what it read ahead,
+    /// reads and writes there after its first runtime is gone, and its peer
+    /// sees neither a shutdown nor an end until it is dropped; one whose
+    /// writer handed out an inline writer stays where it is.
+    #[test]
+    fn a_connection_moved_to_another_runtime_keeps_its_bytes_and_its_peer() {
+        use std::io::Write;
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let sent: Vec<u8> = (0..100u8).collect();
+        let (mut conn, mut peer) = first.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let mut peer = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            let (r, w) = server.into_split();
+            let mut conn = Connection {
+                reader: Box::new(TcpFrameReader::with_read_ahead(r, 64)),
+                writer: Box::new(TcpFrameWriter { inner: Arc::new(w) }),
+                peer_certificate: None,
+            };
+            peer.write_all(&sent).unwrap();
+            let mut head = [0u8; 10];
+            conn.reader.read_exact(&mut head).await.unwrap();
+            assert_eq!(head[..], sent[..10]);
+            (conn, peer)
+        });
+        let inline = conn.writer.inline_writer();
+        {
+            let _in_second = second.enter();
+            assert!(
+                !conn.move_to_current_runtime().unwrap(),
+                "an inline writer is out"
+            );
+            drop(inline);
+            assert!(conn.move_to_current_runtime().unwrap());
+        }
+        drop(first);
+        second.block_on(async {
+            let mut rest = [0u8; 90];
+            conn.reader.read_exact(&mut rest).await.unwrap();
+            assert_eq!(rest[..], sent[10..]);
+            conn.writer
+                .write_all_vectored(&mut [IoSlice::new(b"reply")])
+                .await
+                .unwrap();
+        });
+        let mut reply = [0u8; 5];
+        peer.read_exact(&mut reply).unwrap();
+        assert_eq!(&reply, b"reply");
+        drop(conn);
+        assert_eq!(peer.read(&mut reply).unwrap(), 0, "the end, once dropped");
     }
 }

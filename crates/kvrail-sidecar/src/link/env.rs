@@ -50,6 +50,9 @@ pub trait LinkEnv: Send + Sync + 'static {
     fn reader_spin_on(&self) -> bool;
     /// Leave to do so, and for how long (`None`: not now).
     fn reader_spin(&self) -> Option<crate::busy_poll::ReaderSpin>;
+    /// Whether a stream connection's reader and writer run on a thread of
+    /// their own (see `conn_thread`) rather than on the shared runtime.
+    fn connection_threads(&self) -> bool;
     /// A transfer of the link to `peer` ended (or progressed): tell its worker.
     fn on_event(&self, peer: &str, event: Event);
     /// Dials `rail` of an outbound link again (a probe after the rail went down).

@@ -3,7 +3,8 @@
 //!
 //! - `conns`: the connections it holds (tasks, way in, slot and generation);
 //! - `frames`: what a writer puts on the wire, and how a batch is written;
-//! - `reader`, `writer`: a stream connection's two tasks;
+//! - `reader`, `writer`: a stream connection's two tasks, and `conn_thread`:
+//!   the thread of its own they run on where the daemon asks for one;
 //! - `gpu_staging`: GPU regions' slices through pinned host buffers;
 //! - `queue_pairs`: an RDMA queue pair's task;
 //! - `inline`: small frames written by the thread that made them;
@@ -32,6 +33,7 @@ use crate::metrics as m;
 use crate::rdma;
 use crate::rdma::OneSidedWork;
 
+mod conn_thread;
 mod conns;
 mod env;
 mod frames;
@@ -43,6 +45,7 @@ mod reader;
 mod timer;
 mod writer;
 
+use conn_thread::OwnThread;
 pub use conns::ConnKey;
 use conns::{conn_bit, ConnHandle, Sink};
 pub use env::{DialInfo, LinkEnv, ProbeFuture};
@@ -681,7 +684,13 @@ impl PeerLink {
     }
 
     /// Adds a handshaken connection on `rail` and starts its tasks.
-    pub fn attach(self: &Arc<Self>, conn: Connection, rail: RailId) -> Option<ConnId> {
+    pub fn attach(self: &Arc<Self>, mut conn: Connection, rail: RailId) -> Option<ConnId> {
+        let own_thread = self
+            .env
+            .upgrade()
+            .is_some_and(|env| env.connection_threads())
+            .then(|| OwnThread::start_for(&mut conn, &self.peer))
+            .flatten();
         self.install(rail, false, |key| {
             let (tx, rx) = mpsc::unbounded_channel();
             let inline = conn.writer.inline_writer();
@@ -697,26 +706,22 @@ impl PeerLink {
             };
             let queued = sink.queued.clone();
             let reading = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let reader = tokio::spawn(reader_task(
+            let reader = reader_task(
                 self.clone(),
                 key,
                 counters.clone(),
                 conn.reader,
                 reading.clone(),
-            ));
-            let writer = tokio::spawn(writer_task(
-                self.clone(),
-                key,
-                counters,
-                conn.writer,
-                rx,
-                queued,
-            ));
-            (
-                Sink::Stream(sink),
-                Some((reader.abort_handle(), reading)),
-                writer.abort_handle(),
-            )
+            );
+            let writer = writer_task(self.clone(), key, counters, conn.writer, rx, queued);
+            let (reader, writer) = match own_thread {
+                Some(thread) => thread.run(reader, writer),
+                None => (
+                    tokio::spawn(reader).abort_handle(),
+                    tokio::spawn(writer).abort_handle(),
+                ),
+            };
+            (Sink::Stream(sink), Some((reader, reading)), writer)
         })
     }
 
