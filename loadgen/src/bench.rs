@@ -1468,13 +1468,23 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
     let threads = connections.min(cores / 2).max(1);
     let bytes = bench.bytes_per_point();
     let me = [std::process::id()];
-    // All connections on one receiving UDP socket (as on a sidecar's rail
-    // listener), then each on its own: what one socket costs.
-    let mut listener_counts = vec![1];
+    // All connections on one receiving UDP socket, then each on its own
+    // (what one socket costs), reads dropped; then a socket each, reads
+    // copied into regions as large as this run's 256 MiB push gives each
+    // connection, with a runtime worker per core and side as the sidecars
+    // have (what landing the bytes costs).
+    let mut points = vec![(1, probe::Landing::Dropped)];
     if connections > 1 {
-        listener_counts.push(connections);
+        points.push((connections, probe::Landing::Dropped));
     }
-    for listeners in listener_counts {
+    let region_bytes = (256usize << 20) / connections.max(1);
+    points.push((connections, probe::Landing::IntoRegions { region_bytes }));
+    for (listeners, landing) in points {
+        // Landing bytes is the sidecars' work too, and they run a worker per core.
+        let threads = match landing {
+            probe::Landing::Dropped => threads,
+            probe::Landing::IntoRegions { .. } => cores,
+        };
         let before = crate::cpu::sample(&me);
         let (sender, receiver, settings) = (sender.clone(), receiver.clone(), settings.clone());
         let raw = tokio::task::spawn_blocking(move || {
@@ -1486,6 +1496,7 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
                 threads,
                 listeners,
                 bytes,
+                landing,
             )
         })
         .await?;
@@ -1500,16 +1511,26 @@ async fn quic_floor(bench: &mut Bench) -> anyhow::Result<()> {
         // Both ends run in this process (handshakes included, negligible next to the bytes).
         let cpu = crate::cpu::since(before, &me, raw.bytes);
         let gbps = raw.gbps();
-        let mut v = json!({"bench": "quic-floor", "transport": "quic", "op": "raw-quinn", "bytes": raw.bytes,
+        let (op, landed) = match landing {
+            probe::Landing::Dropped => ("raw-quinn", "dropped".to_string()),
+            probe::Landing::IntoRegions { region_bytes } => (
+                "raw-quinn-into-regions",
+                format!("copied into {} regions", human_bytes(region_bytes as u64)),
+            ),
+        };
+        let mut v = json!({"bench": "quic-floor", "transport": "quic", "op": op, "bytes": raw.bytes,
             "connections": connections, "threads_per_side": threads, "receiving_sockets": listeners,
             "gbps": round3(gbps)});
+        if let probe::Landing::IntoRegions { region_bytes } = landing {
+            v["region_bytes"] = json!(region_bytes);
+        }
         if let Some(c) = cpu {
             v["cpu_ns_per_byte"] = json!(round3(c.ns_per_byte));
             v["machine_busy"] = json!(round3(c.machine_busy));
             v["udp_rcvbuf_errors"] = json!(c.net.udp_rcvbuf_errors);
         }
         eprintln!(
-            "quic-floor raw quinn, {connections} connections, {threads} threads a side, {listeners} receiving socket(s), {}: {gbps:>8.3} GB/s{}",
+            "quic-floor raw quinn, {connections} connections, {threads} threads a side, {listeners} receiving socket(s), reads {landed}, {}: {gbps:>8.3} GB/s{}",
             human_bytes(raw.bytes),
             cpu.map_or(String::new(), |c| format!("  {c}"))
         );

@@ -42,7 +42,7 @@ enum Command {
     Soak(soak::SoakArgs),
     /// Run a sidecar daemon (same as `kvrail serve`); used to start real sidecar processes.
     #[command(hide = true)]
-    Sidecar(kvrail_sidecar::ServeArgs),
+    Sidecar(Box<kvrail_sidecar::ServeArgs>),
 }
 
 #[tokio::main]
@@ -86,6 +86,6 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a).await,
         Command::Gpu(a) => gpu::run(a).await,
         Command::Soak(a) => soak::run(a).await,
-        Command::Sidecar(a) => kvrail_sidecar::serve(a).await,
+        Command::Sidecar(a) => kvrail_sidecar::serve(*a).await,
     }
 }

@@ -309,6 +309,49 @@ fn slices_stripe_over_every_connection() {
     }
 }
 
+/// With `spread_min_slice_bytes`, a host push that one slice per
+/// connection would carry goes out as that many equal slices, one on each
+/// connection of its (pinned) rail; a push no larger than the minimum stays
+/// one slice, a slightly larger one takes slices of the minimum, and
+/// without the setting a push of one slice's size is one slice.
+#[test]
+fn a_push_of_a_slice_or_less_spreads_over_its_rails_connections() {
+    let config = |spread| SessionConfig {
+        slice_bytes: 256 << 10,
+        window_bytes: 1 << 20,
+        spread_min_slice_bytes: spread,
+        ..SessionConfig::default()
+    };
+    // (spread, blocks of 4 KiB pushed, slice lengths expected)
+    let cases: [(u64, u32, &[usize]); 4] = [
+        (8 << 10, 64, &[64 << 10; 4]),
+        (8 << 10, 1, &[4 << 10]),
+        (8 << 10, 3, &[8 << 10, 4 << 10]),
+        (0, 64, &[256 << 10]),
+    ];
+    for (spread, n, expected) in cases {
+        // Eight connections over two rails: four on each.
+        let mut p = pair(8, config(spread), 11);
+        p.add_region(0, 1, RegionLayout::dense(1, 1, 64, 4096), true, false);
+        p.add_region(1, 2, RegionLayout::dense(1, 1, 64, 4096), false, false);
+        let blocks: Vec<u32> = (0..n).collect();
+        p.push(sel(1, (0, 1), &blocks), sel(2, (0, 1), &blocks));
+        p.drive();
+        assert_eq!(p.done_kinds(1), vec![TransferKind::PushReceive]);
+        assert_moved(&p, (0, 1, &blocks), (1, 2, &blocks), (0, 1));
+        let mut lens = p.stats.slice_lens[0].clone();
+        lens.sort_unstable_by(|a, b| b.cmp(a));
+        assert_eq!(lens, expected, "spread {spread}, {n} blocks");
+        // Each slice on a connection of its own, all on one rail.
+        let used: Vec<usize> = (0..8).filter(|&l| p.stats.slices_per_link[l] > 0).collect();
+        assert_eq!(used.len(), expected.len(), "links used: {used:?}");
+        assert!(
+            used.iter().all(|l| l % 2 == used[0] % 2),
+            "one rail: {used:?}"
+        );
+    }
+}
+
 #[test]
 fn receiver_rejections_reach_the_sender_with_their_reason() {
     let cases: Vec<(BlockSelection, BlockSelection, ErrorCode)> = vec![

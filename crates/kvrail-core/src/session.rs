@@ -78,6 +78,12 @@ pub struct SessionConfig {
     /// behind the open, one flight, where a grant costs a round trip before
     /// the first write (longer than a small transfer's time on the wire).
     pub eager_max_bytes: u64,
+    /// A host transfer that one slice per connection of its rail would
+    /// carry is cut into that many slices, each at least this large, so that
+    /// its connections move it together (where each connection has a thread
+    /// of its own to write and read with). A transfer of at most this many
+    /// bytes stays one slice; 0: off (slices of `slice_bytes`).
+    pub spread_min_slice_bytes: u64,
     /// Largest slice of a transfer whose local memory is staged (GPU memory
     /// copied through pinned host buffers, `LocalTransfer::staged`,
     /// `RegionAccess::staged`). Each staged slice costs device copy calls
@@ -105,6 +111,7 @@ impl Default for SessionConfig {
             rails: RailConfig::default(),
             probes_rails: true,
             eager_max_bytes: DEFAULT_EAGER_MAX_BYTES,
+            spread_min_slice_bytes: 0,
             staged_slice_bytes: DEFAULT_STAGED_SLICE_BYTES,
             peer_budget: Arc::new(MemoryBudget::new(DEFAULT_PEER_TRANSFER_BYTES)),
             node_budget: Arc::default(),
@@ -2304,11 +2311,21 @@ impl Session {
             } else {
                 self.config.slice_bytes
             };
+            let spread = if t.staged || carrier != Carrier::TwoSided {
+                None
+            } else {
+                Some(Spread {
+                    total: t.plan.total_bytes(),
+                    min_slice: self.config.spread_min_slice_bytes,
+                })
+                .filter(|s| s.min_slice > 0)
+            };
             let slot_of = |max_slice| Slot {
                 pinned,
                 avail,
                 max_slice,
                 carrier,
+                spread,
             };
             let mut slot = choose_slot(
                 &self.config,
@@ -2501,6 +2518,25 @@ struct Slot {
     /// The transfer's largest slice.
     max_slice: u64,
     carrier: Carrier,
+    /// Cut the transfer over the rail's connections (see
+    /// `SessionConfig::spread_min_slice_bytes`).
+    spread: Option<Spread>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Spread {
+    /// The whole transfer's bytes (every slice the same size).
+    total: u64,
+    min_slice: u64,
+}
+
+impl Spread {
+    /// The slice for a rail with `live` connections: the transfer's share of
+    /// each, at least `min_slice`, on 4 KiB.
+    fn slice(self, live: u64) -> u64 {
+        let share = self.total.div_ceil(live.max(1)).next_multiple_of(4 << 10);
+        share.max(self.min_slice)
+    }
 }
 
 /// The rail, connection and slice length for the next `avail` bytes: among up
@@ -2518,6 +2554,7 @@ fn choose_slot(
         avail,
         max_slice,
         carrier,
+        spread,
     } = slot;
     let cfg = &config.rails;
     let conn_window = config.window_bytes;
@@ -2526,12 +2563,15 @@ fn choose_slot(
         if r.health != RailHealth::Up || pinned.is_some_and(|p| p != r.id) {
             continue;
         }
-        let len = avail.min(r.slice_len(cfg, max_slice));
         let live = live_on(conns, r.id)
             .filter(|&i| carrier.carries(&conns[i]))
             .count() as u64;
         if live == 0 {
             continue;
+        }
+        let mut len = avail.min(r.slice_len(cfg, max_slice));
+        if let Some(spread) = spread {
+            len = len.min(spread.slice(live));
         }
         let window = r.window(cfg, live * conn_window, len);
         if r.outstanding > 0 && r.outstanding + len > window {

@@ -223,6 +223,8 @@ pub fn session(data: &[u8]) {
         rails: kvrail_core::RailConfig::default(),
         probes_rails: c.u8() & 1 == 0,
         eager_max_bytes: u64::from(c.u8()) << 10,
+        // Off, or slices of 1-3 KiB and more over the connections.
+        spread_min_slice_bytes: u64::from(c.u8() & 3) << 10,
         staged_slice_bytes: 8192,
         // Small enough that a hostile sequence of opens reaches the cap.
         peer_budget: std::sync::Arc::new(kvrail_core::budget::MemoryBudget::new(1 << 20)),

@@ -76,11 +76,25 @@ pub fn packet_cipher_cost(packet: usize, budget: Duration) -> io::Result<CipherC
     })
 }
 
+/// Where the raw probe's receiver puts what it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landing {
+    /// Dropped unread; the sender resends one cache-hot megabyte.
+    Dropped,
+    /// Copied into a region of `region_bytes` per connection (round and
+    /// round), sent from one as large: what a transfer between regions that
+    /// do not fit in cache must do at least (kvrail copies each chunk into
+    /// its destination blocks).
+    IntoRegions { region_bytes: usize },
+}
+
 /// Raw quinn: `bytes` over `connections` connections from `sender` to
 /// `receiver`, each side on its own runtime of `threads` worker threads (as two
-/// processes would be), with kvrail's settings: zero-copy writes, reads dropped
-/// unread. The receiver listens on one port with `listeners` UDP sockets (see
-/// `QuicSettings::receive_sockets`; 1: every datagram through one socket).
+/// processes would be), with kvrail's settings: zero-copy writes, reads
+/// landing as `landing` says. The receiver listens on one port with
+/// `listeners` UDP sockets (see `QuicSettings::receive_sockets`; 1: every
+/// datagram through one socket).
+#[allow(clippy::too_many_arguments)]
 pub fn raw_throughput(
     sender: &Identity,
     receiver: &Identity,
@@ -89,7 +103,14 @@ pub fn raw_throughput(
     threads: usize,
     listeners: usize,
     bytes: u64,
+    landing: Landing,
 ) -> io::Result<RawThroughput> {
+    let region_bytes = match landing {
+        Landing::Dropped => 0,
+        Landing::IntoRegions { region_bytes } => region_bytes.max(1 << 20),
+    };
+    // Written once, so that its pages are there (as a worker's are).
+    let region = move || vec![0x5au8; region_bytes];
     let send_side = QuicTransport::new(sender, settings)?;
     let receive_side = QuicTransport::new(receiver, settings)?;
     let receiver_name = receiver.node().to_string();
@@ -134,16 +155,27 @@ pub fn raw_throughput(
                     .recv()
                     .await
                     .ok_or_else(|| io::Error::other("endpoint closed"))?;
+                let mut into = region();
                 tasks.push(tokio::spawn(async move {
                     let conn = incoming.await.map_err(io::Error::other)?;
                     let (mut send, mut recv) = conn.accept_bi().await.map_err(io::Error::other)?;
                     let mut n = 0u64;
+                    let mut at = 0usize;
                     while let Some(chunk) = recv
                         .read_chunk(usize::MAX, true)
                         .await
                         .map_err(io::Error::other)?
                     {
                         n += chunk.bytes.len() as u64;
+                        let mut bytes = &chunk.bytes[..];
+                        while !bytes.is_empty() && !into.is_empty() {
+                            if at == into.len() {
+                                at = 0;
+                            }
+                            let k = bytes.len().min(into.len() - at);
+                            into[at..at + k].copy_from_slice(&bytes[..k]);
+                            (bytes, at) = (&bytes[k..], at + k);
+                        }
                     }
                     send.write_all(&n.to_le_bytes())
                         .await
@@ -174,19 +206,29 @@ pub fn raw_throughput(
             let (send, recv) = conn.open_bi().await.map_err(io::Error::other)?;
             streams.push((endpoint, conn, send, recv));
         }
-        let data = Bytes::from(vec![0x5au8; 1 << 20]);
+        let hot = Bytes::from(vec![0x5au8; 1 << 20]);
         let start = Instant::now();
         let mut tasks = Vec::new();
         for (endpoint, conn, mut send, mut recv) in streams {
-            let data = data.clone();
+            let data = if region_bytes == 0 {
+                hot.clone()
+            } else {
+                Bytes::from(region())
+            };
             tasks.push(tokio::spawn(async move {
                 let mut left = per_connection;
+                let mut at = 0usize;
                 while left > 0 {
-                    let n = left.min(data.len() as u64) as usize;
-                    send.write_chunk(data.slice(..n))
+                    if at == data.len() {
+                        at = 0;
+                    }
+                    // Megabyte writes, as kvrail's slices.
+                    let n = (left.min(1 << 20) as usize).min(data.len() - at);
+                    send.write_chunk(data.slice(at..at + n))
                         .await
                         .map_err(io::Error::other)?;
                     left -= n as u64;
+                    at += n;
                 }
                 send.finish().map_err(io::Error::other)?;
                 let mut count = [0u8; 8];
@@ -248,18 +290,27 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         generate::cluster(dir.path(), &["a", "b"], Validity::days(1)).unwrap();
         let id = |n: &str| Identity::load(n, &IdentityFiles::in_dir(dir.path(), n)).unwrap();
-        let raw = raw_throughput(
-            &id("a"),
-            &id("b"),
-            &QuicSettings::default(),
-            2,
-            1,
-            2,
-            8 << 20,
-        )
-        .unwrap();
-        assert_eq!(raw.bytes, 8 << 20);
-        assert!(raw.gbps() > 0.0);
+        for landing in [
+            Landing::Dropped,
+            Landing::IntoRegions {
+                region_bytes: 3 << 20,
+            },
+        ] {
+            // 8 MiB through 3 MiB regions: round and round, mid-chunk.
+            let raw = raw_throughput(
+                &id("a"),
+                &id("b"),
+                &QuicSettings::default(),
+                2,
+                1,
+                2,
+                8 << 20,
+                landing,
+            )
+            .unwrap();
+            assert_eq!(raw.bytes, 8 << 20, "{landing:?}");
+            assert!(raw.gbps() > 0.0);
+        }
         // A receiver that is not ours: the client fails and the receiver thread
         // is closed and joined instead of waiting for connections for ever.
         let other = tempfile::tempdir().unwrap();
@@ -272,7 +323,8 @@ mod tests {
             1,
             1,
             1,
-            1 << 20
+            1 << 20,
+            Landing::Dropped,
         )
         .is_err());
     }

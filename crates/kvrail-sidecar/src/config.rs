@@ -110,6 +110,13 @@ pub struct Config {
     /// runtime). Unset: on with at least 8 CPUs, off below (on 2 CPUs the
     /// extra threads compete with the worker for the cores).
     pub connection_threads: Option<bool>,
+    /// A host transfer no larger than a slice per connection of its rail is
+    /// cut into one slice per connection, each at least this large, so that
+    /// the connections move it together (a 1 MiB push in four 256 KiB
+    /// slices). 0 (off) by default: on the 16-core hosts it lowered a 1 MiB
+    /// push's p50 on some instances and raised its p99 on a noisy one
+    /// (docs/benchmarks.md).
+    pub spread_min_slice_bytes: u64,
     /// A ring's thread writes a small transfer's frames itself when the
     /// connection's writer is idle (instead of waking the writer task).
     pub ring_inline_writes: bool,
@@ -210,6 +217,7 @@ impl Default for Config {
             ring_spin_us: None,
             reader_spin_us: None,
             connection_threads: None,
+            spread_min_slice_bytes: 0,
             ring_inline_writes: true,
             inline_control_writes: true,
             rdma_eager_max_bytes: kvrail_core::session::DEFAULT_EAGER_MAX_BYTES,

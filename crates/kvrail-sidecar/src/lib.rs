@@ -145,6 +145,10 @@ pub struct ServeArgs {
     /// 8 CPUs.
     #[arg(long)]
     pub connection_threads: Option<bool>,
+    /// A host transfer no larger than a slice per connection is cut into one
+    /// slice per connection of at least this many bytes (default 0: off).
+    #[arg(long)]
+    pub spread_min_slice_bytes: Option<u64>,
     /// RDMA: transfers of at most this many bytes travel behind their open
     /// on the stream connection instead of waiting for the peer's grant
     /// (default 65536; 0: every transfer one-sided).
@@ -286,6 +290,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.connection_threads {
             c.connection_threads = Some(v);
+        }
+        if let Some(v) = self.spread_min_slice_bytes {
+            c.spread_min_slice_bytes = v;
         }
         if let Some(v) = self.rdma_eager_max_bytes {
             c.rdma_eager_max_bytes = v;
