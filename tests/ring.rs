@@ -644,9 +644,10 @@ async fn readers_spinning_for_their_next_frame_lose_nothing() {
 }
 
 /// Connections on threads of their own (`connection_threads`, the default
-/// with 8 CPUs or more; readers spinning there too): the same pushes land
-/// the same, every connection of both sidecars has its thread, and the
-/// threads end with their connections when the peer dies.
+/// with 8 CPUs or more; readers spinning there too; small pushes spread over
+/// both connections): the same pushes land the same, every connection of
+/// both sidecars has its thread, and the threads end with their connections
+/// when the peer dies.
 #[tokio::test(flavor = "multi_thread")]
 async fn connections_on_threads_of_their_own_lose_nothing_and_end_with_their_peer() {
     let mut pair = pair_with(&[
@@ -656,6 +657,9 @@ async fn connections_on_threads_of_their_own_lose_nothing_and_end_with_their_pee
         "2000",
         "--connections-per-rail",
         "2",
+        // The small pushes (two 4 KiB blocks) in a slice per connection.
+        "--spread-min-slice-bytes",
+        "4096",
     ]);
     let (sent, received) = small_and_large_pushes_on_one_connection(&pair, "2000").await;
     for (sidecar, text) in [(&pair.prefill, &sent), (&pair.decode, &received)] {

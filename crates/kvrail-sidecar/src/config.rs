@@ -113,10 +113,11 @@ pub struct Config {
     /// A host transfer no larger than a slice per connection of its rail is
     /// cut into one slice per connection, each at least this large, so that
     /// the connections move it together (a 1 MiB push in four 256 KiB
-    /// slices). 0 (off) by default: on the 16-core hosts it lowered a 1 MiB
-    /// push's p50 on some instances and raised its p99 on a noisy one
-    /// (docs/benchmarks.md).
-    pub spread_min_slice_bytes: u64,
+    /// slices). Unset: 262144 with `connection_threads`, 0 (off) without
+    /// (on the shared runtime the connections' tasks run one after another).
+    /// On four 16-core instances it lowered a 1 MiB push's p50 on each, and
+    /// its p99 on three (docs/benchmarks.md).
+    pub spread_min_slice_bytes: Option<u64>,
     /// A ring's thread writes a small transfer's frames itself when the
     /// connection's writer is idle (instead of waking the writer task).
     pub ring_inline_writes: bool,
@@ -217,7 +218,7 @@ impl Default for Config {
             ring_spin_us: None,
             reader_spin_us: None,
             connection_threads: None,
-            spread_min_slice_bytes: 0,
+            spread_min_slice_bytes: None,
             ring_inline_writes: true,
             inline_control_writes: true,
             rdma_eager_max_bytes: kvrail_core::session::DEFAULT_EAGER_MAX_BYTES,
@@ -304,6 +305,16 @@ impl Config {
     pub fn connection_threads(&self) -> bool {
         self.connection_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) >= 8)
+    }
+
+    /// See [`Config::spread_min_slice_bytes`].
+    pub fn spread_min_slice_bytes(&self) -> u64 {
+        self.spread_min_slice_bytes
+            .unwrap_or(if self.connection_threads() {
+                256 << 10
+            } else {
+                0
+            })
     }
 
     /// The spin of connection readers (see [`Config::reader_spin_us`]).

@@ -165,7 +165,7 @@ impl Shared {
             rails: self.config.rail_config(),
             probes_rails: dialer,
             eager_max_bytes: self.config.rdma_eager_max_bytes,
-            spread_min_slice_bytes: self.config.spread_min_slice_bytes,
+            spread_min_slice_bytes: self.config.spread_min_slice_bytes(),
             staged_slice_bytes: self.config.staged_slice_bytes(),
             peer_budget: self.peer_budget(peer),
             node_budget: self.transfer_budget.clone(),

@@ -146,7 +146,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub connection_threads: Option<bool>,
     /// A host transfer no larger than a slice per connection is cut into one
-    /// slice per connection of at least this many bytes (default 0: off).
+    /// slice per connection of at least this many bytes (default 262144
+    /// with connection threads, else 0 = off).
     #[arg(long)]
     pub spread_min_slice_bytes: Option<u64>,
     /// RDMA: transfers of at most this many bytes travel behind their open
@@ -292,7 +293,7 @@ impl ServeArgs {
             c.connection_threads = Some(v);
         }
         if let Some(v) = self.spread_min_slice_bytes {
-            c.spread_min_slice_bytes = v;
+            c.spread_min_slice_bytes = Some(v);
         }
         if let Some(v) = self.rdma_eager_max_bytes {
             c.rdma_eager_max_bytes = v;
