@@ -170,9 +170,10 @@ pub trait FrameReader: Send {
     /// the connection empty, false when it was not empty to begin with, the
     /// time passed, or the transport cannot (the caller then reads or waits
     /// as usual). It keeps a CPU busy, to spare a caller expecting a reply
-    /// within microseconds its wake-up from `epoll`.
-    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
-        let _ = until;
+    /// within microseconds its wake-up from `epoll`. It gives up as soon as
+    /// `stop` says so (the thread has other work: a writer with frames).
+    fn spin_for_input(&mut self, until: std::time::Instant, stop: &dyn Fn() -> bool) -> bool {
+        let _ = (until, stop);
         false
     }
     /// See [`Connection::move_to_current_runtime`].

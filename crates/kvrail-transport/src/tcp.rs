@@ -244,7 +244,7 @@ impl FrameReader for TcpFrameReader {
         !self.ahead.is_empty()
     }
 
-    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
+    fn spin_for_input(&mut self, until: std::time::Instant, stop: &dyn Fn() -> bool) -> bool {
         if self.start < self.end || self.met.is_some() || !self.can_spin() {
             return false;
         }
@@ -264,7 +264,7 @@ impl FrameReader for TcpFrameReader {
                     return waited;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if std::time::Instant::now() >= until {
+                    if std::time::Instant::now() >= until || stop() {
                         return false;
                     }
                     waited = true;
@@ -551,11 +551,16 @@ mod tests {
     #[tokio::test]
     async fn a_spin_for_input_takes_a_frame_or_the_end_and_gives_up_in_time() {
         use std::time::{Duration, Instant};
+        let far_off = || Instant::now() + Duration::from_secs(60);
         let (mut reader, _keep, client) = loopback_reader(READ_AHEAD_BYTES).await;
         assert!(reader.can_spin());
         let started = Instant::now();
-        assert!(!reader.spin_for_input(started + Duration::from_millis(2)));
+        assert!(!reader.spin_for_input(started + Duration::from_millis(2), &|| false));
         assert!(started.elapsed() >= Duration::from_millis(2));
+        // Told to stop: it gives up long before its time.
+        let stopped = Instant::now();
+        assert!(!reader.spin_for_input(far_off(), &|| true));
+        assert!(stopped.elapsed() < Duration::from_secs(30));
         let mut client = client.into_std().unwrap();
         client.set_nonblocking(false).unwrap();
         let msg = wire::message(Body::Complete(wire::pb::Complete { transfer_id: 7 }));
@@ -570,10 +575,10 @@ mod tests {
         go.send(()).unwrap();
         // True when the frame came after the spin began (almost always:
         // the writer thread must wake first); in either case it is taken.
-        let _ = reader.spin_for_input(far());
+        let _ = reader.spin_for_input(far(), &|| false);
         assert!(reader.start < reader.end, "the spin did not take the frame");
         // Input at hand: no spin.
-        assert!(!reader.spin_for_input(far()));
+        assert!(!reader.spin_for_input(far(), &|| false));
         let client = writer.join().unwrap();
         match read_frame(&mut reader).await.unwrap() {
             Frame::Control(Body::Complete(c)) => assert_eq!(c.transfer_id, 7),
@@ -581,7 +586,7 @@ mod tests {
         }
         assert!(!reader.input_pending());
         drop(client);
-        let _ = reader.spin_for_input(far());
+        let _ = reader.spin_for_input(far(), &|| false);
         assert!(reader.input_pending(), "the close was not seen");
         match read_frame(&mut reader).await {
             Err(TransportError::Io(e)) => assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof),
@@ -589,7 +594,7 @@ mod tests {
         }
         let (mut bare, _keep, _client) = loopback_reader(0).await;
         assert!(!bare.can_spin());
-        assert!(!bare.spin_for_input(far()));
+        assert!(!bare.spin_for_input(far(), &|| false));
     }
 
     /// Small and large frames written back to back come out whole and in

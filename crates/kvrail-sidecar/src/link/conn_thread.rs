@@ -52,11 +52,9 @@ impl OwnThread {
             LIVE.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        // From here the count is the thread's to give back, once it runs.
-        let Some((handle, start)) = Self::spawn_thread(&shared, peer) else {
-            LIVE.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        };
+        // From here the count is the thread's to give back (or
+        // `spawn_thread`'s, if no thread starts).
+        let (handle, start) = Self::spawn_thread(&shared, peer)?;
         let moved = {
             let _here = handle.enter();
             conn.move_to_current_runtime()
@@ -75,27 +73,20 @@ impl OwnThread {
         }
     }
 
-    /// A thread with a runtime of its own, waiting for its two tasks.
+    /// A thread with a runtime of its own (built there: a runtime may not be
+    /// dropped where the caller runs, inside the shared one), waiting for
+    /// its two tasks.
     #[allow(clippy::type_complexity)]
     fn spawn_thread(
         shared: &Handle,
         peer: &str,
     ) -> Option<(Handle, oneshot::Sender<(JoinHandle<()>, JoinHandle<()>)>)> {
-        let runtime = match tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt,
-            Err(e) => {
-                tracing::warn!(%peer, "a connection's own runtime: {e}; it runs on the shared one");
-                return None;
-            }
-        };
-        let handle = runtime.handle().clone();
         let (start, started) = oneshot::channel::<(JoinHandle<()>, JoinHandle<()>)>();
         // The shared runtime's end ends the thread too (its tasks would
         // otherwise keep the connection open after the daemon stopped).
         let (mut keep, shared_gone) = oneshot::channel::<()>();
+        let (built, runtime_of) = std::sync::mpsc::sync_channel::<Option<Handle>>(1);
+        let who = peer.to_string();
         let spawned = std::thread::Builder::new()
             .name("kvrail-conn".into())
             .spawn(move || {
@@ -106,33 +97,41 @@ impl OwnThread {
                     }
                 }
                 let _leave = Leave;
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        tracing::warn!(peer = %who, "a connection's own runtime: {e}; it runs on the shared one");
+                        let _ = built.send(None);
+                        return;
+                    }
+                };
+                let _ = built.send(Some(runtime.handle().clone()));
                 runtime.block_on(async move {
                     let Ok((reader, writer)) = started.await else {
                         return;
                     };
                     let stop = [reader.abort_handle(), writer.abort_handle()];
-                    let both = async {
-                        let _ = reader.await;
-                        let _ = writer.await;
-                    };
                     tokio::select! {
-                        () = both => {}
+                        () = run_both(reader, writer) => {}
                         _ = shared_gone => stop.iter().for_each(AbortHandle::abort),
                     }
                 });
                 // Dropping the runtime drops what is left of the tasks, with
                 // the shared runtime entered (see `OnShared`).
             });
-        match spawned {
-            Ok(_) => {
-                shared.spawn(async move { keep.closed().await });
-                Some((handle, start))
-            }
-            Err(e) => {
-                tracing::warn!(%peer, "a connection's own thread: {e}; it runs on the shared runtime");
-                None
-            }
+        if let Err(e) = spawned {
+            LIVE.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(%peer, "a connection's own thread: {e}; it runs on the shared runtime");
+            return None;
         }
+        // Tens of microseconds, once per connection. None: the thread has
+        // ended and given its count back.
+        let handle = runtime_of.recv().ok().flatten()?;
+        shared.spawn(async move { keep.closed().await });
+        Some((handle, start))
     }
 
     /// Runs `reader` and `writer` on the thread; their abort handles.
@@ -152,6 +151,26 @@ impl OwnThread {
             writer.abort();
         }
         handles
+    }
+}
+
+/// Waits for a connection's reader and writer. One that panicked never
+/// reported its connection lost: the other is stopped with it, rather than
+/// left holding the thread until the link closes.
+async fn run_both(mut reader: JoinHandle<()>, mut writer: JoinHandle<()>) {
+    let stop = [reader.abort_handle(), writer.abort_handle()];
+    let panicked = tokio::select! {
+        r = &mut reader => r.is_err_and(|e| e.is_panic()),
+        w = &mut writer => w.is_err_and(|e| e.is_panic()),
+    };
+    if panicked {
+        stop.iter().for_each(AbortHandle::abort);
+    }
+    // The one that ended was taken above; a finished handle is not polled again.
+    for task in [reader, writer] {
+        if !task.is_finished() {
+            let _ = task.await;
+        }
     }
 }
 

@@ -685,12 +685,14 @@ impl PeerLink {
 
     /// Adds a handshaken connection on `rail` and starts its tasks.
     pub fn attach(self: &Arc<Self>, mut conn: Connection, rail: RailId) -> Option<ConnId> {
-        let own_thread = self
-            .env
-            .upgrade()
-            .is_some_and(|env| env.connection_threads())
-            .then(|| OwnThread::start_for(&mut conn, &self.peer))
-            .flatten();
+        // TCP alone can move (QUIC's connections share their endpoint's task).
+        let own_thread = (self.transport == "tcp"
+            && self
+                .env
+                .upgrade()
+                .is_some_and(|env| env.connection_threads()))
+        .then(|| OwnThread::start_for(&mut conn, &self.peer))
+        .flatten();
         self.install(rail, false, |key| {
             let (tx, rx) = mpsc::unbounded_channel();
             let inline = conn.writer.inline_writer();
@@ -712,6 +714,7 @@ impl PeerLink {
                 counters.clone(),
                 conn.reader,
                 reading.clone(),
+                queued.clone(),
             );
             let writer = writer_task(self.clone(), key, counters, conn.writer, rx, queued);
             let (reader, writer) = match own_thread {

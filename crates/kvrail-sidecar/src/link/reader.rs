@@ -8,6 +8,7 @@
 //! (so nothing it holds back can stall a sender that waits for it).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 
@@ -35,7 +36,8 @@ pub(super) async fn reader_task<L: ConnOwner>(
     key: ConnKey,
     counters: m::ConnCounters,
     mut reader: Box<dyn FrameReader>,
-    reading: Arc<std::sync::atomic::AtomicU64>,
+    reading: Arc<AtomicU64>,
+    writer_queued: Arc<AtomicU64>,
 ) {
     let mut held = Held::new(link.clone(), key);
     let read = read_loop(
@@ -44,7 +46,7 @@ pub(super) async fn reader_task<L: ConnOwner>(
         &counters,
         reader.as_mut(),
         &mut held,
-        &reading,
+        (&reading, &writer_queued),
     );
     let reason = match read.await {
         Ok(()) => "link closed".to_string(),
@@ -177,7 +179,9 @@ async fn read_loop<L: ConnOwner>(
     counters: &m::ConnCounters,
     reader: &mut dyn FrameReader,
     held: &mut Held<L>,
-    reading: &std::sync::atomic::AtomicU64,
+    // The transfer whose payload is being read (see `PayloadDeadline`), and
+    // the frames the connection's writer has to write.
+    (reading, writer_queued): (&AtomicU64, &AtomicU64),
 ) -> Result<(), TransportError> {
     loop {
         let Some(env) = link.env() else {
@@ -195,7 +199,11 @@ async fn read_loop<L: ConnOwner>(
             if may_spin {
                 tokio::task::yield_now().await;
                 if let Some(spin) = env.reader_spin() {
-                    if reader.spin_for_input(std::time::Instant::now() + spin.length) {
+                    // Not while the connection's writer has frames: on a
+                    // thread of its own the writer waits for the spin.
+                    let writer_busy = || writer_queued.load(Ordering::Acquire) > 0;
+                    let until = std::time::Instant::now() + spin.length;
+                    if !writer_busy() && reader.spin_for_input(until, &writer_busy) {
                         counters.reader_spin_frames.increment(1);
                     }
                 }
@@ -398,8 +406,8 @@ impl FrameReader for PayloadDeadline<'_> {
         self.inner.can_spin()
     }
 
-    fn spin_for_input(&mut self, until: std::time::Instant) -> bool {
-        self.inner.spin_for_input(until)
+    fn spin_for_input(&mut self, until: std::time::Instant, stop: &dyn Fn() -> bool) -> bool {
+        self.inner.spin_for_input(until, stop)
     }
 
     async fn discard(&mut self, len: u64) -> std::io::Result<()> {
