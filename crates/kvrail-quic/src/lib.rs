@@ -806,6 +806,8 @@ impl FrameReader for QuicFrameReader {
     /// buffers: one stream read per received chunk rather than per buffer
     /// (each read takes the connection's lock, which its driver task holds
     /// while it processes packets; a vLLM-shaped slice has 256 buffers).
+    /// Large pieces land with streaming stores (`kvrail_shm::stream_copy`):
+    /// nothing on this core reads them again.
     async fn read_payload(&mut self, dst: &mut [IoSliceMut<'_>]) -> io::Result<()> {
         let mut left: usize = dst.iter().map(|d| d.len()).sum();
         let mut buffers = dst.iter_mut().filter(|d| !d.is_empty());
@@ -826,7 +828,7 @@ impl FrameReader for QuicFrameReader {
                     return Err(io::Error::other("a chunk past the payload"));
                 };
                 let n = (d.len() - at).min(bytes.len());
-                d[at..at + n].copy_from_slice(&bytes[..n]);
+                kvrail_shm::copy_streaming(&mut d[at..at + n], &bytes[..n]);
                 bytes = &bytes[n..];
                 at += n;
                 if at == d.len() {

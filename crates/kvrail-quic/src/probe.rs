@@ -173,7 +173,7 @@ pub fn raw_throughput(
                                 at = 0;
                             }
                             let k = bytes.len().min(into.len() - at);
-                            into[at..at + k].copy_from_slice(&bytes[..k]);
+                            kvrail_shm::copy_streaming(&mut into[at..at + k], &bytes[..k]);
                             (bytes, at) = (&bytes[k..], at + k);
                         }
                     }

@@ -34,6 +34,9 @@ use memmap2::MmapRaw;
 pub mod futex;
 pub mod guard;
 pub mod ring;
+pub mod stream_copy;
+
+pub use stream_copy::copy_streaming;
 
 /// Why a region cannot be mapped or accessed.
 #[derive(Debug, thiserror::Error)]
