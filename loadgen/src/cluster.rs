@@ -26,15 +26,32 @@ pub struct SidecarProcess {
 }
 
 /// Runs a sidecar's command line, its stderr into `log`, `RUST_LOG` warn
-/// unless set.
+/// unless set, and its runtime workers as [`sidecar_workers`] says.
 fn launch(mut cmd: Command, log: std::fs::File) -> std::io::Result<Child> {
     cmd.env(
         "RUST_LOG",
         std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-    )
-    .stdout(Stdio::null())
-    .stderr(log)
-    .spawn()
+    );
+    if let Some(n) = sidecar_workers(
+        std::env::var_os("TOKIO_WORKER_THREADS").is_some(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    ) {
+        cmd.env("TOKIO_WORKER_THREADS", n.to_string());
+    }
+    cmd.stdout(Stdio::null()).stderr(log).spawn()
+}
+
+/// Runtime workers for each of a cluster's sidecars, where loadgen picks
+/// them. Both sidecars share this machine where two nodes would each have
+/// their own: from 8 cores up each gets a worker per two cores, as each side
+/// of the raw floors (`quic-floor`) has a thread per two cores. With a
+/// worker per core each, the two sidecars' 2x oversubscribed workers moved
+/// 10-20% less over QUIC at 8 and 16 connections on the 16-core machine, TCP
+/// and the ring's latency the same (docs/benchmarks.md#sidecar-workers-16core).
+/// Below 8 cores, and where `TOKIO_WORKER_THREADS` is set, the runtime's own
+/// default (one per core, or that variable).
+fn sidecar_workers(set_by_caller: bool, cores: usize) -> Option<usize> {
+    (!set_by_caller && cores >= 8).then_some(cores / 2)
 }
 
 impl SidecarProcess {
@@ -583,6 +600,14 @@ pub fn remove_shm_files(prefix: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sidecars_sharing_a_large_machine_get_half_its_cores_each() {
+        assert_eq!(sidecar_workers(false, 16), Some(8));
+        assert_eq!(sidecar_workers(false, 9), Some(4));
+        assert_eq!(sidecar_workers(false, 4), None);
+        assert_eq!(sidecar_workers(true, 16), None);
+    }
 
     /// Files and folders of a run that is gone go (its lock free, or no
     /// lock and no process); a run holding its lock keeps its files even
