@@ -13,6 +13,7 @@
 #   tcpfloor  SIZE K ROUNDS                     one-way loopback push with spinning threads
 #   chain     [SIZE [ROUNDS [SPIN_US]]]         kvrail's small-push path: futex doorbell, TCP hop, futex
 #   memlayout THREADS [RUNS]                    the vLLM batch's layout against contiguous, memory only
+#   landing   [THREADS [CHUNK [REGION [ROUNDS]]]] received chunks into a region: memcpy, streaming stores
 #
 # Binaries go to $KVRAIL_BENCH_BUILD (default: target/bench-floors in the
 # repository), built with `cc -O2 -pthread` (CC and CFLAGS override) when a
@@ -25,7 +26,7 @@ repo=$(cd "$here/../.." && pwd)
 build=${KVRAIL_BENCH_BUILD:-$repo/target/bench-floors}
 cc=${CC:-cc}
 cflags=${CFLAGS:--O2}
-floors=(sp tcpfloor chain memlayout)
+floors=(sp tcpfloor chain memlayout landing)
 
 usage() {
 	sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
@@ -77,6 +78,10 @@ full_memlayout() {
 	local t
 	for t in 4 8 16; do run memlayout "$t" 10; done
 }
+full_landing() {
+	local t
+	for t in 1 4 8 16; do run landing "$t" 65536 268435456 8; done
+}
 
 # The same paths, small enough for a 2-core machine in a few seconds.
 quick_sp() {
@@ -93,6 +98,9 @@ quick_chain() {
 }
 quick_memlayout() {
 	run memlayout 2 1
+}
+quick_landing() {
+	run landing 2 65536 16777216 2
 }
 
 is_floor() {

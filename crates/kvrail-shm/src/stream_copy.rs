@@ -7,8 +7,8 @@
 //! reads every destination line into the cache (a read for ownership) and
 //! evicts warmer lines to make room; non-temporal stores write whole lines
 //! straight to memory. On the 16-core Xeon, one thread moving 64 KiB chunks
-//! from a warm buffer into a 256 MiB region: 8.3 GB/s with `memcpy`, 13.0 GB/s
-//! streaming (`docs/benchmarks.md#landing-16core`).
+//! from a warm buffer into a 256 MiB region: 7.7 GB/s with `memcpy`, 12.2 GB/s
+//! streaming (`tools/bench/landing.c`, docs/benchmarks.md, [landing-16core]).
 //!
 //! Small copies keep the ordinary path: their destination is likely read soon
 //! (a 4 KiB block the decode worker is waiting for), and each streaming copy
