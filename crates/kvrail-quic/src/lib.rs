@@ -956,6 +956,59 @@ mod tests {
         kvrail_auth::check_name(&dial.await.unwrap(), "b").unwrap();
     }
 
+    /// Large pieces land with streaming stores (`kvrail_shm::copy_streaming`):
+    /// a payload of megabytes into buffers that start and end off any cache
+    /// line lands byte for byte, and not a byte beside them changes.
+    #[tokio::test]
+    async fn a_large_payload_lands_exactly_in_misaligned_buffers() {
+        let dir = tempfile::tempdir().unwrap();
+        // MTU discovery lifts loopback packets, and so chunks, past the
+        // streaming threshold within the first megabyte.
+        let a = QuicTransport::new(&identity(dir.path(), "a"), &QuicSettings::default()).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), &QuicSettings::default()).unwrap();
+        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sizes = [(12 << 20) + 13, 17, (4 << 20) + 4099];
+        let total: usize = sizes.iter().sum();
+        let payload: Vec<u8> = (0..total).map(|i| (i * 13 % 251) as u8).collect();
+        let sent = payload.clone();
+        let dial = tokio::spawn(async move {
+            let mut c = a.connect(None, addr, "b").await.unwrap();
+            c.writer
+                .write_chunks(vec![Bytes::from(sent)])
+                .await
+                .unwrap();
+            c.writer.close().await.unwrap();
+        });
+        let (mut c, _) = listener.accept().await.unwrap();
+        const GUARD: u8 = 0xEE;
+        let (before, after) = (5, 59);
+        let mut landed = vec![GUARD; before + total + after];
+        {
+            let mut rest = &mut landed[before..before + total];
+            let mut bufs = Vec::new();
+            for &n in &sizes {
+                let (head, tail) = rest.split_at_mut(n);
+                bufs.push(IoSliceMut::new(head));
+                rest = tail;
+            }
+            c.reader.read_payload(&mut bufs).await.unwrap();
+        }
+        assert!(
+            landed[before..before + total] == payload[..],
+            "the payload landed wrong"
+        );
+        assert!(
+            landed[..before].iter().all(|&x| x == GUARD),
+            "a byte before it changed"
+        );
+        assert!(
+            landed[before + total..].iter().all(|&x| x == GUARD),
+            "a byte after it changed"
+        );
+        dial.await.unwrap();
+    }
+
     /// A payload read into hundreds of buffers (some empty, sizes that do
     /// not line up with quinn's chunks) lands byte for byte, and the next
     /// frame's bytes stay in the stream; a stream that ends mid-payload is an
