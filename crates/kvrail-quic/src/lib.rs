@@ -871,23 +871,46 @@ mod tests {
         Identity::load(node, &IdentityFiles::in_dir(dir, node)).unwrap()
     }
 
-    /// Node "a" (to dial), node "b" and b's listener on loopback receiving on
-    /// four sockets (the certificates' directory kept alive beside them).
-    async fn four_socket_listener() -> (
+    /// Node "a" (to dial), node "b" and b's listener on loopback, both with
+    /// `settings` (the certificates' directory kept alive beside them).
+    async fn pair_with_listener(
+        settings: &QuicSettings,
+    ) -> (
         tempfile::TempDir,
         QuicTransport,
         QuicTransport,
         Box<dyn Listener>,
     ) {
         let dir = tempfile::tempdir().unwrap();
+        let a = QuicTransport::new(&identity(dir.path(), "a"), settings).unwrap();
+        let b = QuicTransport::new(&identity(dir.path(), "b"), settings).unwrap();
+        let listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        (dir, a, b, listener)
+    }
+
+    /// As [`pair_with_listener`], b receiving on four sockets.
+    async fn four_socket_listener() -> (
+        tempfile::TempDir,
+        QuicTransport,
+        QuicTransport,
+        Box<dyn Listener>,
+    ) {
         let settings = QuicSettings {
             receive_sockets: 4,
             ..QuicSettings::default()
         };
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &settings).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &settings).unwrap();
-        let listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        (dir, a, b, listener)
+        pair_with_listener(&settings).await
+    }
+
+    /// `buf` cut into consecutive buffers of `sizes` (which must fit in it).
+    fn scatter<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<IoSliceMut<'a>> {
+        let mut bufs = Vec::new();
+        for &n in sizes {
+            let (head, tail) = buf.split_at_mut(n);
+            bufs.push(IoSliceMut::new(head));
+            buf = tail;
+        }
+        bufs
     }
 
     /// A listener on four sockets counts each connection on the socket that
@@ -923,10 +946,7 @@ mod tests {
 
     #[tokio::test]
     async fn frames_cross_an_authenticated_connection() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &QuicSettings::default()).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &QuicSettings::default()).unwrap();
-        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let (_dir, a, _b, mut listener) = pair_with_listener(&QuicSettings::default()).await;
         let addr = listener.local_addr().unwrap();
         let dial = tokio::spawn(async move {
             let mut c = a.connect(None, addr, "b").await.unwrap();
@@ -961,12 +981,9 @@ mod tests {
     /// line lands byte for byte, and not a byte beside them changes.
     #[tokio::test]
     async fn a_large_payload_lands_exactly_in_misaligned_buffers() {
-        let dir = tempfile::tempdir().unwrap();
         // MTU discovery lifts loopback packets, and so chunks, past the
         // streaming threshold within the first megabyte.
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &QuicSettings::default()).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &QuicSettings::default()).unwrap();
-        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let (_dir, a, _b, mut listener) = pair_with_listener(&QuicSettings::default()).await;
         let addr = listener.local_addr().unwrap();
         let sizes = [(12 << 20) + 13, 17, (4 << 20) + 4099];
         let total: usize = sizes.iter().sum();
@@ -984,16 +1001,10 @@ mod tests {
         const GUARD: u8 = 0xEE;
         let (before, after) = (5, 59);
         let mut landed = vec![GUARD; before + total + after];
-        {
-            let mut rest = &mut landed[before..before + total];
-            let mut bufs = Vec::new();
-            for &n in &sizes {
-                let (head, tail) = rest.split_at_mut(n);
-                bufs.push(IoSliceMut::new(head));
-                rest = tail;
-            }
-            c.reader.read_payload(&mut bufs).await.unwrap();
-        }
+        c.reader
+            .read_payload(&mut scatter(&mut landed[before..before + total], &sizes))
+            .await
+            .unwrap();
         assert!(
             landed[before..before + total] == payload[..],
             "the payload landed wrong"
@@ -1015,10 +1026,7 @@ mod tests {
     /// unexpected end, not a short read.
     #[tokio::test]
     async fn a_payload_scattered_over_many_buffers_lands_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = QuicTransport::new(&identity(dir.path(), "a"), &QuicSettings::default()).unwrap();
-        let b = QuicTransport::new(&identity(dir.path(), "b"), &QuicSettings::default()).unwrap();
-        let mut listener = b.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let (_dir, a, _b, mut listener) = pair_with_listener(&QuicSettings::default()).await;
         let addr = listener.local_addr().unwrap();
         let sizes: Vec<usize> = (0..300).map(|i| [4096, 0, 1, 7000, 4096][i % 5]).collect();
         let total: usize = sizes.iter().sum();
@@ -1039,16 +1047,10 @@ mod tests {
         });
         let (mut c, _) = listener.accept().await.unwrap();
         let mut landed = vec![0u8; total];
-        {
-            let mut rest = &mut landed[..];
-            let mut bufs = Vec::new();
-            for &n in &sizes {
-                let (head, tail) = rest.split_at_mut(n);
-                bufs.push(IoSliceMut::new(head));
-                rest = tail;
-            }
-            c.reader.read_payload(&mut bufs).await.unwrap();
-        }
+        c.reader
+            .read_payload(&mut scatter(&mut landed, &sizes))
+            .await
+            .unwrap();
         assert!(landed == payload, "the payload landed out of order");
         let mut next = [0u8; 4];
         c.reader.read_exact(&mut next).await.unwrap();
