@@ -222,6 +222,24 @@ impl TcpFrameReader {
     }
 }
 
+/// Whether a read of `socket` would not wait (bytes, its end or an error),
+/// asked with `poll`, which reads the socket's state without taking its lock:
+/// a spin of `recv` calls takes the lock each round, and the sender's
+/// `writev` on the same socket (which on loopback runs the receiving stack
+/// too) then sleeps for it, or the reader does and must be woken (a traced
+/// 4 KiB push paid a wake-up in every `writev`; docs/benchmarks.md).
+fn readable_now(socket: &socket2::SockRef<'_>) -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let wanted = PollFlags::IN | PollFlags::RDHUP;
+    let mut fds = [PollFd::new(&**socket, wanted)];
+    match rustix::event::poll(&mut fds, Some(&rustix::event::Timespec::default())) {
+        // Readable, or an error or hang-up the read will report.
+        Ok(n) => n > 0 && !fds[0].revents().is_empty(),
+        // Let the read find out.
+        Err(_) => true,
+    }
+}
+
 #[async_trait]
 impl FrameReader for TcpFrameReader {
     fn input_pending(&mut self) -> bool {
@@ -254,6 +272,15 @@ impl FrameReader for TcpFrameReader {
         let socket = socket2::SockRef::from(self.inner.as_ref());
         let mut waited = false;
         loop {
+            if waited && !readable_now(&socket) {
+                if std::time::Instant::now() >= until || stop() {
+                    return false;
+                }
+                // The CPU goes to any other runnable thread first: on a
+                // small machine the one that sends the next frame.
+                std::thread::yield_now();
+                continue;
+            }
             match (&*socket).read(&mut self.ahead) {
                 Ok(0) => {
                     self.met = Some(io::ErrorKind::UnexpectedEof.into());
@@ -268,9 +295,6 @@ impl FrameReader for TcpFrameReader {
                         return false;
                     }
                     waited = true;
-                    // The CPU goes to any other runnable thread first: on a
-                    // small machine the one that sends the next frame.
-                    std::thread::yield_now();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
