@@ -337,6 +337,22 @@ pub const REQUEST_ID_MAX: usize = 128;
 const SUB_FIXED: usize = 248;
 
 impl Submission {
+    /// Bytes of a slot before its block runs and generations.
+    pub const FIXED_BYTES: usize = SUB_FIXED;
+
+    /// Bytes of its slot that the submission whose first
+    /// [`Submission::FIXED_BYTES`] bytes are `fixed` says it uses (what
+    /// [`Submission::decode`] reads), so that a reader copies those, not the
+    /// whole slot. May exceed the slot: decode then refuses it.
+    pub fn bytes_used(fixed: &[u8]) -> usize {
+        let count = |i: usize| {
+            fixed
+                .get(4 + 2 * i..6 + 2 * i)
+                .map_or(0, |b| usize::from(u16::from_le_bytes([b[0], b[1]])))
+        };
+        SUB_FIXED + 8 * (count(0) + count(1) + count(2) + count(3))
+    }
+
     /// Bytes this submission needs in a slot.
     pub fn encoded_len(&self) -> usize {
         SUB_FIXED

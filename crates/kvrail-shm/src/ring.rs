@@ -186,8 +186,10 @@ impl WorkerRing {
             return Err(RingIoError::Full(self.geometry.sq_entries));
         }
         s.encode(buf)?;
+        // Only the bytes the submission uses: the sidecar reads no further.
+        let used = s.encoded_len().min(buf.len());
         self.mem
-            .write_at(self.geometry.sq_slot_offset(*tail), buf)?;
+            .write_at(self.geometry.sq_slot_offset(*tail), &buf[..used])?;
         *tail += 1;
         w.sq_tail.store(*tail, Ordering::SeqCst);
         ring_bell(w.sidecar_bell, w.sidecar_sleeping);
@@ -406,9 +408,18 @@ impl SidecarRing {
             Some(_) => {}
             None => return Next::Overrun(CloseReason::SubmissionOverrun),
         }
+        // The slot's used bytes only (a 4 KiB slot holds a few hundred):
+        // the fixed part, then the runs and generations it counts. Bytes of
+        // `buf` past them are an older slot's, which decode does not read.
+        let slot = self.geometry.sq_slot_offset(*head);
+        let fixed = Submission::FIXED_BYTES.min(buf.len());
+        if self.mem.read_at(slot, &mut buf[..fixed]).is_err() {
+            return Next::Overrun(CloseReason::Truncated);
+        }
+        let used = Submission::bytes_used(&buf[..fixed]).clamp(fixed, buf.len());
         if self
             .mem
-            .read_at(self.geometry.sq_slot_offset(*head), buf)
+            .read_at(slot + fixed as u64, &mut buf[fixed..used])
             .is_err()
         {
             return Next::Overrun(CloseReason::Truncated);
@@ -674,6 +685,47 @@ mod tests {
             worker.wait(Duration::ZERO, Duration::from_secs(1)),
             Err(RingIoError::Closed(_))
         ));
+    }
+
+    /// The sidecar copies only the bytes a slot's counts say it uses: a
+    /// small submission after a large one in the same slot (the large one's
+    /// runs still behind it) reads back exactly, and a slot whose counts
+    /// claim more than the slot holds is refused, not read past.
+    #[test]
+    fn a_slot_is_read_as_far_as_its_counts_and_no_further() {
+        let p = path("used");
+        let g = RingGeometry::new(2, 4, 1024).unwrap();
+        let worker = WorkerRing::create(&p, g).unwrap();
+        let sidecar = SidecarRing::open(&p, Caller { uid: None }).unwrap();
+        worker.unlink();
+        let ids: Vec<u32> = (0..180).step_by(2).collect();
+        let gens: Vec<u64> = ids.iter().map(|&i| u64::from(i) + 7).collect();
+        let large = Submission {
+            source: RingBlocks::from_ids(1, 0..2, &ids[..30], gens[..30].to_vec()),
+            destination: RingBlocks::from_ids(2, 0..2, &ids[..30], Vec::new()),
+            ..sub(1)
+        };
+        assert!(large.encoded_len() > 900, "{}", large.encoded_len());
+        // The third lands in the first's slot.
+        for s in [large, sub(9), sub(2)] {
+            worker.submit(&s).unwrap();
+            match sidecar.next() {
+                Next::Submission(got) => assert_eq!(got, s),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Counts for 100 runs in a 1 KiB slot: refused from the fixed part.
+        worker.submit(&sub(3)).unwrap();
+        worker
+            .mem
+            .write_at(g.sq_slot_offset(3) + 4, &100u16.to_le_bytes())
+            .unwrap();
+        match sidecar.next() {
+            Next::Corrupt(3, RingError::Corrupt(why)) => {
+                assert!(why.contains("the slot has 1024"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
