@@ -18,6 +18,13 @@ mod verify;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc, not glibc's malloc: the data path allocates on one thread and
+/// frees on another (a ring thread's records, a reader's buffers), which
+/// glibc serves from a locked arena's bins; a profile of a 4 KiB ring push
+/// put 8% of its ring thread in glibc's malloc and free (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "loadgen",

@@ -4,6 +4,13 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use kvrail_auth::generate::{self, Validity};
 
+/// mimalloc, not glibc's malloc: the data path allocates on one thread and
+/// frees on another (a ring thread's records, a reader's buffers), which
+/// glibc serves from a locked arena's bins; a profile of a 4 KiB ring push
+/// put 8% of its ring thread in glibc's malloc and free (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "kvrail",
