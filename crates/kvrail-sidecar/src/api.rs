@@ -497,11 +497,7 @@ impl Sidecar for Api {
     async fn wait(&self, req: Request<WaitRequest>) -> Result<Response<TransferStatus>, Status> {
         let req = req.into_inner();
         let rec = self.record(req.transfer_id)?;
-        let mut rx = rec.status.subscribe();
-        let is_final = |s: &TransferStatus| {
-            s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32
-        };
-        let wait = rx.wait_for(is_final);
+        let wait = rec.ended();
         if req.timeout_ms == 0 {
             let _ = wait.await;
         } else {

@@ -231,15 +231,14 @@ pub async fn start_transfer(
         total_bytes: total,
         ..Default::default()
     };
-    shared.transfers.insert(Arc::new(TransferRecord {
+    shared.transfers.insert(Arc::new(TransferRecord::new(
         id,
-        request_id: request_id.to_string(),
-        worker_id: worker_id.to_string(),
-        group: group.map(|g| g.id.clone()),
-        started: Instant::now(),
-        status: tokio::sync::watch::channel(status).0,
-        link: Arc::downgrade(&link),
-    }));
+        request_id.to_string(),
+        worker_id.to_string(),
+        group.map(|g| g.id.clone()),
+        status,
+        Arc::downgrade(&link),
+    )));
     crate::trace_points::mark(crate::trace_points::START_RECORDED);
     let req = LocalTransfer {
         transfer_id: id,

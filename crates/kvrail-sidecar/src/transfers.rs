@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use dashmap::DashMap;
 use kvrail_proto::{TransferState, TransferStatus};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use crate::link::PeerLink;
 
@@ -21,14 +21,63 @@ pub struct TransferRecord {
     /// The group it completes with (`TransferGroup.id`), if any.
     pub group: Option<String>,
     pub started: Instant,
-    pub status: watch::Sender<TransferStatus>,
     pub link: Weak<PeerLink>,
+    /// A lock and a `Notify` in the record, not a watch channel: one fewer
+    /// allocation (the channel's shared state) on a ring push's path.
+    status: Mutex<TransferStatus>,
+    /// Woken once, when the status becomes final.
+    ended: Notify,
 }
 
 impl TransferRecord {
-    pub fn current(&self) -> TransferStatus {
-        self.status.borrow().clone()
+    pub fn new(
+        id: u64,
+        request_id: String,
+        worker_id: String,
+        group: Option<String>,
+        status: TransferStatus,
+        link: Weak<PeerLink>,
+    ) -> Self {
+        Self {
+            id,
+            request_id,
+            worker_id,
+            group,
+            started: Instant::now(),
+            link,
+            status: Mutex::new(status),
+            ended: Notify::new(),
+        }
     }
+
+    pub fn current(&self) -> TransferStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn is_final(&self) -> bool {
+        is_final(&self.status.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Returns once the transfer's status is final (Done or Failed).
+    pub async fn ended(&self) {
+        loop {
+            let notified = self.ended.notified();
+            let mut notified = std::pin::pin!(notified);
+            // Registered before the check, so a finish between the two wakes it.
+            notified.as_mut().enable();
+            if self.is_final() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+fn is_final(s: &TransferStatus) -> bool {
+    s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32
 }
 
 /// The request id is already in use by a live transfer of this worker.
@@ -83,18 +132,15 @@ impl TransferTable {
         update: impl FnOnce(&mut TransferStatus),
     ) -> Option<Arc<TransferRecord>> {
         let record = self.get(id)?;
-        let mut was_final = false;
-        record.status.send_modify(|s| {
-            was_final =
-                s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
-            if !was_final {
-                update(s);
-                s.elapsed_us = record.started.elapsed().as_micros() as u64;
+        {
+            let mut s = record.status.lock().unwrap_or_else(|e| e.into_inner());
+            if is_final(&s) {
+                return None;
             }
-        });
-        if was_final {
-            return None;
+            update(&mut s);
+            s.elapsed_us = record.started.elapsed().as_micros() as u64;
         }
+        record.ended.notify_waiters();
         self.release(&record.worker_id, &record.request_id);
         if let Ok(mut f) = self.finished.lock() {
             f.push_back(id);
@@ -105,5 +151,63 @@ impl TransferTable {
             }
         }
         Some(record)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(table: &TransferTable, id: u64) -> Arc<TransferRecord> {
+        table.reserve("w", &format!("r{id}"), id).expect("free id");
+        let status = TransferStatus {
+            transfer_id: id,
+            state: TransferState::Queued as i32,
+            ..Default::default()
+        };
+        let rec = Arc::new(TransferRecord::new(
+            id,
+            format!("r{id}"),
+            "w".into(),
+            None,
+            status,
+            Weak::new(),
+        ));
+        table.insert(rec.clone());
+        rec
+    }
+
+    /// A Wait started before the end wakes at it, one started after
+    /// returns at once, and a second end changes nothing.
+    #[tokio::test]
+    async fn waiters_wake_once_the_status_is_final_and_it_stays_final() {
+        let table = TransferTable::default();
+        let rec = record(&table, 1);
+        let early = tokio::spawn({
+            let rec = rec.clone();
+            async move {
+                rec.ended().await;
+                rec.current()
+            }
+        });
+        tokio::task::yield_now().await;
+        assert!(!early.is_finished(), "woke before the end");
+        assert!(table
+            .finish(1, |s| s.state = TransferState::Done as i32)
+            .is_some());
+        let seen = tokio::time::timeout(std::time::Duration::from_secs(10), early)
+            .await
+            .expect("the waiter woke")
+            .expect("the waiter ran");
+        assert_eq!(seen.state, TransferState::Done as i32);
+        tokio::time::timeout(std::time::Duration::from_secs(10), rec.ended())
+            .await
+            .expect("a late waiter returns at once");
+        assert!(table
+            .finish(1, |s| s.state = TransferState::Failed as i32)
+            .is_none());
+        assert_eq!(rec.current().state, TransferState::Done as i32);
+        // The request id is free again for this worker.
+        assert!(table.reserve("w", "r1", 2).is_ok());
     }
 }
