@@ -27,22 +27,44 @@ fn opts() -> RingOptions {
     }
 }
 
-/// Completions of `ring` until one of `request_id` has a kind in `want`.
-fn wait_for(
-    ring: &kvrail_client::ring::Ring,
-    request_id: &str,
-    want: &[K],
-) -> kvrail_client::ring::Completion {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        assert!(
-            !left.is_zero(),
-            "no {want:?} for {request_id} within {WAIT:?}"
-        );
-        if let Some(c) = ring.wait(left).unwrap() {
-            if c.request_id == request_id && want.contains(&c.kind) {
-                return c;
+/// A ring's completions, each kept until a wait takes it: a fast transfer's
+/// PUSH_DONE may be published before its ACCEPTED (docs/ring-format.md), and
+/// waiting for the one must not drop the other.
+struct Answers<'a> {
+    ring: &'a kvrail_client::ring::Ring,
+    kept: std::cell::RefCell<Vec<kvrail_client::ring::Completion>>,
+}
+
+impl<'a> Answers<'a> {
+    fn of(ring: &'a kvrail_client::ring::Ring) -> Self {
+        Self {
+            ring,
+            kept: Default::default(),
+        }
+    }
+
+    /// The first completion of `request_id` with a kind in `want`, kept or
+    /// new; the others stay kept.
+    fn wait_for(&self, request_id: &str, want: &[K]) -> kvrail_client::ring::Completion {
+        let wanted = |c: &kvrail_client::ring::Completion| {
+            c.request_id == request_id && want.contains(&c.kind)
+        };
+        let mut kept = self.kept.borrow_mut();
+        if let Some(i) = kept.iter().position(&wanted) {
+            return kept.remove(i);
+        }
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "no {want:?} for {request_id} within {WAIT:?} (kept: {kept:?})"
+            );
+            if let Some(c) = self.ring.wait(left).unwrap() {
+                if wanted(&c) {
+                    return c;
+                }
+                kept.push(c);
             }
         }
     }
@@ -60,6 +82,7 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
     let dr = d.register_region("d0", &d_kv, true).await.unwrap();
     let p_ring = p.open_ring("p0", opts()).await.unwrap();
     let d_ring = d.open_ring("d0", opts()).await.unwrap();
+    let (p_answers, d_answers) = (Answers::of(&p_ring), Answers::of(&d_ring));
     // A second ring taking the same worker's notifications is refused.
     let again = d.open_ring("d0", opts()).await;
     assert_eq!(
@@ -76,11 +99,11 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
             &blocks(dr, 0..4, vec![10, 11, 12, 13]),
         )
         .unwrap();
-    let accepted = wait_for(&p_ring, "push-1", &[K::Accepted, K::Rejected]);
+    let accepted = p_answers.wait_for("push-1", &[K::Accepted, K::Rejected]);
     assert_eq!(accepted.kind, K::Accepted, "{accepted:?}");
     assert_eq!(accepted.user_data, ud);
     assert_eq!(accepted.bytes, 4 * 2 * 4 * 4096);
-    let got = wait_for(&d_ring, "push-1", &[K::PushReceived, K::Failed]);
+    let got = d_answers.wait_for("push-1", &[K::PushReceived, K::Failed]);
     assert_eq!(got.kind, K::PushReceived, "{got:?}");
     assert_eq!(got.peer, "prefill");
     assert!(got.sequence > 0);
@@ -89,7 +112,7 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
     for b in (0..32).filter(|b| !(10..14).contains(b)) {
         assert!(d_kv.read_block(0, 0, b).unwrap().iter().all(|&x| x == 0));
     }
-    let done = wait_for(&p_ring, "push-1", &[K::PushDone, K::Failed]);
+    let done = p_answers.wait_for("push-1", &[K::PushDone, K::Failed]);
     assert_eq!(done.kind, K::PushDone, "{done:?}");
 
     // A pull the other way, started from the decode worker's ring.
@@ -102,10 +125,10 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
             &blocks(dr, 1..3, vec![0, 1]),
         )
         .unwrap();
-    let done = wait_for(&d_ring, "pull-1", &[K::PullDone, K::Failed, K::Rejected]);
+    let done = d_answers.wait_for("pull-1", &[K::PullDone, K::Failed, K::Rejected]);
     assert_eq!(done.kind, K::PullDone, "{done:?}");
     verify(&d_kv, 2, 1..3, &[0, 1]).unwrap();
-    let served = wait_for(&p_ring, "pull-1", &[K::PullServed]);
+    let served = p_answers.wait_for("pull-1", &[K::PullServed]);
     assert_eq!(served.peer, "decode");
 
     // Refusals name what is wrong, and the ring goes on serving.
@@ -117,7 +140,7 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
             &blocks(dr, 0..1, vec![0]),
         )
         .unwrap();
-    let r = wait_for(&p_ring, "to-nobody", &[K::Rejected, K::Accepted]);
+    let r = p_answers.wait_for("to-nobody", &[K::Rejected, K::Accepted]);
     assert_eq!(
         (r.kind, r.code.as_str()),
         (K::Rejected, "not_found"),
@@ -131,7 +154,7 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
             &blocks(dr, 0..1, vec![0]),
         )
         .unwrap();
-    let r = wait_for(&p_ring, "out-of-range", &[K::Rejected, K::Accepted]);
+    let r = p_answers.wait_for("out-of-range", &[K::Rejected, K::Accepted]);
     assert_eq!(r.code, "invalid_argument", "{r:?}");
     // More block runs than a slot holds: refused before anything is written.
     let scattered: Vec<u32> = (0..32).step_by(2).collect();
@@ -192,7 +215,7 @@ async fn pushes_and_pulls_through_rings_land_and_are_answered() {
                 )
                 .unwrap()
         });
-    let r = wait_for(&p_ring, "after-flood", &[K::PushDone, K::Failed]);
+    let r = p_answers.wait_for("after-flood", &[K::PushDone, K::Failed]);
     assert_eq!(r.kind, K::PushDone, "{r:?}");
     p_kv.unlink();
     d_kv.unlink();
@@ -325,6 +348,7 @@ async fn corrupt_overrun_and_truncated_rings_are_closed_with_their_reason() {
 
     // Through all of it the daemon serves: a fresh ring pushes.
     let ring = p.open_ring("p1", opts()).await.unwrap();
+    let answers = Answers::of(&ring);
     fill(&p_kv, 5, 0..1, &[1]).unwrap();
     ring.submit_push(
         "good",
@@ -333,7 +357,7 @@ async fn corrupt_overrun_and_truncated_rings_are_closed_with_their_reason() {
         &blocks(dr, 0..1, vec![2]),
     )
     .unwrap();
-    let done = wait_for(&ring, "good", &[K::PushDone, K::Failed, K::Rejected]);
+    let done = answers.wait_for("good", &[K::PushDone, K::Failed, K::Rejected]);
     assert_eq!(done.kind, K::PushDone, "{done:?}");
     verify(&d_kv, 5, 0..1, &[2]).unwrap();
     p_kv.unlink();
