@@ -1,6 +1,6 @@
 //! Transfers started by local workers: their status, for Wait/GetTransfer/Cancel.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
@@ -87,9 +87,19 @@ pub struct DuplicateRequest;
 /// All locally started transfers.
 #[derive(Default)]
 pub struct TransferTable {
-    by_id: DashMap<u64, Arc<TransferRecord>>,
+    /// Transfers not finished yet: few, and every push inserts into it, so
+    /// it is kept apart from the finished ones (a table of 65,536 records
+    /// is out of the cache of the thread that inserts).
+    live: DashMap<u64, Arc<TransferRecord>>,
     live_requests: DashMap<(String, String), u64>,
-    finished: Mutex<VecDeque<u64>>,
+    finished: Mutex<Finished>,
+}
+
+/// Finished transfers, oldest first, kept for late Wait/GetTransfer calls.
+#[derive(Default)]
+struct Finished {
+    order: VecDeque<u64>,
+    by_id: HashMap<u64, Arc<TransferRecord>>,
 }
 
 impl TransferTable {
@@ -118,11 +128,20 @@ impl TransferTable {
     }
 
     pub fn insert(&self, record: Arc<TransferRecord>) {
-        self.by_id.insert(record.id, record);
+        self.live.insert(record.id, record);
     }
 
     pub fn get(&self, id: u64) -> Option<Arc<TransferRecord>> {
-        self.by_id.get(&id).map(|r| r.clone())
+        // Live first: a finishing record is in the finished table before it
+        // leaves the live one, so one of the two always has it.
+        self.live.get(&id).map(|r| r.clone()).or_else(|| {
+            self.finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .by_id
+                .get(&id)
+                .cloned()
+        })
     }
 
     /// Records the final status and frees the request id.
@@ -131,7 +150,8 @@ impl TransferTable {
         id: u64,
         update: impl FnOnce(&mut TransferStatus),
     ) -> Option<Arc<TransferRecord>> {
-        let record = self.get(id)?;
+        // A finished record's status is final already: only live ones change.
+        let record = self.live.get(&id).map(|r| r.clone())?;
         {
             let mut s = record.status.lock().unwrap_or_else(|e| e.into_inner());
             if is_final(&s) {
@@ -142,14 +162,17 @@ impl TransferTable {
         }
         record.ended.notify_waiters();
         self.release(&record.worker_id, &record.request_id);
-        if let Ok(mut f) = self.finished.lock() {
-            f.push_back(id);
-            while f.len() > FINISHED_MEMORY {
-                if let Some(old) = f.pop_front() {
-                    self.by_id.remove(&old);
+        {
+            let mut f = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+            f.by_id.insert(id, record.clone());
+            f.order.push_back(id);
+            while f.order.len() > FINISHED_MEMORY {
+                if let Some(old) = f.order.pop_front() {
+                    f.by_id.remove(&old);
                 }
             }
         }
+        self.live.remove(&id);
         Some(record)
     }
 }
@@ -209,5 +232,29 @@ mod tests {
         assert_eq!(rec.current().state, TransferState::Done as i32);
         // The request id is free again for this worker.
         assert!(table.reserve("w", "r1", 2).is_ok());
+    }
+
+    /// A finished transfer leaves the live table and is still found, with
+    /// its final status, until 65,536 later ones have finished.
+    #[test]
+    fn finished_transfers_are_found_until_the_memory_is_full() {
+        let table = TransferTable::default();
+        let done = |s: &mut TransferStatus| s.state = TransferState::Done as i32;
+        record(&table, 0);
+        assert!(table.finish(0, done).is_some());
+        assert!(table.live.is_empty(), "a finished record stayed live");
+        assert_eq!(table.get(0).map(|r| r.id), Some(0));
+        let last = FINISHED_MEMORY as u64;
+        for id in 1..last {
+            record(&table, id);
+            assert!(table.finish(id, done).is_some());
+        }
+        let first = table.get(0).expect("still remembered");
+        assert_eq!(first.current().state, TransferState::Done as i32);
+        record(&table, last);
+        assert!(table.get(last).is_some(), "a live record is found");
+        assert!(table.finish(last, done).is_some());
+        assert!(table.get(0).is_none(), "the oldest was not forgotten");
+        assert!(table.get(1).is_some() && table.get(last).is_some());
     }
 }
