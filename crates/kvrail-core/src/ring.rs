@@ -336,6 +336,16 @@ pub const PEER_MAX: usize = 64;
 pub const REQUEST_ID_MAX: usize = 128;
 const SUB_FIXED: usize = 248;
 
+/// A slot's four counts: source runs, destination runs, source generations,
+/// destination generations (0 for any the slot is too short to hold).
+fn slot_counts(fixed: &[u8]) -> [usize; 4] {
+    std::array::from_fn(|i| {
+        fixed
+            .get(4 + 2 * i..6 + 2 * i)
+            .map_or(0, |b| usize::from(u16::from_le_bytes([b[0], b[1]])))
+    })
+}
+
 impl Submission {
     /// Bytes of a slot before its block runs and generations.
     pub const FIXED_BYTES: usize = SUB_FIXED;
@@ -345,12 +355,7 @@ impl Submission {
     /// [`Submission::decode`] reads), so that a reader copies those, not the
     /// whole slot. May exceed the slot: decode then refuses it.
     pub fn bytes_used(fixed: &[u8]) -> usize {
-        let count = |i: usize| {
-            fixed
-                .get(4 + 2 * i..6 + 2 * i)
-                .map_or(0, |b| usize::from(u16::from_le_bytes([b[0], b[1]])))
-        };
-        SUB_FIXED + 8 * (count(0) + count(1) + count(2) + count(3))
+        SUB_FIXED + 8 * slot_counts(fixed).iter().sum::<usize>()
     }
 
     /// Bytes this submission needs in a slot.
@@ -452,9 +457,8 @@ impl Submission {
         };
         let peer = text(56, slot[2], PEER_MAX, "peer")?;
         let request_id = text(120, slot[3], REQUEST_ID_MAX, "request id")?;
-        let count = |i: usize| usize::from(u16::from_le_bytes([slot[4 + 2 * i], slot[5 + 2 * i]]));
-        let (src_runs, dst_runs, src_gens, dst_gens) = (count(0), count(1), count(2), count(3));
-        let need = SUB_FIXED + 8 * (src_runs + dst_runs + src_gens + dst_gens);
+        let [src_runs, dst_runs, src_gens, dst_gens] = slot_counts(slot);
+        let need = Self::bytes_used(slot);
         if need > slot.len() {
             return Err(bad(format!(
                 "runs and generations need {need} bytes, the slot has {}",

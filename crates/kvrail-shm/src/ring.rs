@@ -548,6 +548,14 @@ mod tests {
         dir.join(format!("kvrail-ring-test-{name}-{}", std::process::id()))
     }
 
+    /// A ring created by a worker and opened by a sidecar, its file unlinked.
+    fn served(p: &Path, g: RingGeometry) -> (WorkerRing, SidecarRing) {
+        let worker = WorkerRing::create(p, g).unwrap();
+        let sidecar = SidecarRing::open(p, Caller { uid: None }).unwrap();
+        worker.unlink();
+        (worker, sidecar)
+    }
+
     /// The worker owns the state word: setting it back to "created" on a
     /// ring being served must not have it served twice (each serving read
     /// the same submissions: one submission started two transfers).
@@ -574,9 +582,7 @@ mod tests {
     fn submissions_and_completions_cross_between_threads_in_order() {
         let p = path("order");
         let g = RingGeometry::new(8, 8, 1024).unwrap();
-        let worker = WorkerRing::create(&p, g).unwrap();
-        let sidecar = SidecarRing::open(&p, Caller { uid: None }).unwrap();
-        worker.unlink();
+        let (worker, sidecar) = served(&p, g);
         assert!(matches!(
             SidecarRing::open(&p, Caller { uid: None }),
             Err(RingIoError::Shm(_))
@@ -653,9 +659,7 @@ mod tests {
     fn an_overrun_and_a_corrupt_slot_are_reported_not_read() {
         let p = path("overrun");
         let g = RingGeometry::new(4, 4, 512).unwrap();
-        let worker = WorkerRing::create(&p, g).unwrap();
-        let sidecar = SidecarRing::open(&p, Caller { uid: None }).unwrap();
-        worker.unlink();
+        let (worker, sidecar) = served(&p, g);
         worker.submit(&sub(1)).unwrap();
         // Scribble over the published slot: a corrupt submission, not a crash.
         worker
@@ -695,9 +699,7 @@ mod tests {
     fn a_slot_is_read_as_far_as_its_counts_and_no_further() {
         let p = path("used");
         let g = RingGeometry::new(2, 4, 1024).unwrap();
-        let worker = WorkerRing::create(&p, g).unwrap();
-        let sidecar = SidecarRing::open(&p, Caller { uid: None }).unwrap();
-        worker.unlink();
+        let (worker, sidecar) = served(&p, g);
         let ids: Vec<u32> = (0..180).step_by(2).collect();
         let gens: Vec<u64> = ids.iter().map(|&i| u64::from(i) + 7).collect();
         let large = Submission {
@@ -732,9 +734,7 @@ mod tests {
     fn a_full_completion_queue_holds_back_instead_of_overwriting() {
         let p = path("cqfull");
         let g = RingGeometry::new(4, 4, 512).unwrap();
-        let worker = WorkerRing::create(&p, g).unwrap();
-        let sidecar = SidecarRing::open(&p, Caller { uid: None }).unwrap();
-        worker.unlink();
+        let (worker, sidecar) = served(&p, g);
         for n in 0..4 {
             assert!(sidecar.complete(&done(n)).unwrap());
         }

@@ -270,9 +270,7 @@ impl Api {
 
     fn live_status(&self, rec: &TransferRecord) -> TransferStatus {
         let mut s = rec.current();
-        let final_state =
-            s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32;
-        if !final_state {
+        if !crate::transfers::is_final(&s) {
             if let Some(link) = rec.link.upgrade() {
                 if let Some((state, done, _)) = link.inspect(|sess| sess.progress(rec.id)) {
                     s.bytes_done = done;

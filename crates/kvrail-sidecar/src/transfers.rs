@@ -76,7 +76,8 @@ impl TransferRecord {
     }
 }
 
-fn is_final(s: &TransferStatus) -> bool {
+/// Whether `s` is Done or Failed.
+pub fn is_final(s: &TransferStatus) -> bool {
     s.state == TransferState::Done as i32 || s.state == TransferState::Failed as i32
 }
 
